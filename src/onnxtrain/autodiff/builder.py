@@ -1,0 +1,131 @@
+"""Reverse-mode autodiff over an onnx_ir graph.
+
+The builder walks the nodes between the requires-grad values and the loss in
+reverse topological order, asks each node's rule for its input gradients, sums
+gradients where a value fans out and un-broadcasts the gradients of broadcasting
+ops. It knows no op by name: everything op-specific lives in ``rules/``.
+
+Gradients flow only along floating-point values: an integer or boolean value
+(a shape, an index, a mask) carries no gradient, so ops like Shape, comparisons
+or ArgMax stop the walk without needing a rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import onnx_ir as ir
+
+from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, GradContext, Registry
+from onnxtrain.errors import UnsupportedOpError
+from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.ir.shapes import sum_to_shape
+
+FLOAT_TYPES = frozenset(
+    {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+)
+
+
+def is_float(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype in FLOAT_TYPES
+
+
+def _active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.Value]:
+    """Float values that depend on a requires-grad value."""
+    active = {v for v in wrt}
+    for node in nodes:
+        if any(i is not None and i in active for i in node.inputs):
+            active.update(o for o in node.outputs if is_float(o))
+    return active
+
+
+def _values_reaching(nodes: Sequence[ir.Node], targets: Iterable[ir.Value]) -> set[ir.Value]:
+    """Values on which one of ``targets`` depends (including the targets)."""
+    reaching = set(targets)
+    for node in reversed(nodes):
+        if any(o in reaching for o in node.outputs):
+            reaching.update(i for i in node.inputs if i is not None)
+    return reaching
+
+
+def _accumulate(b: GraphBuilder, parts: list[ir.Value]) -> ir.Value:
+    return parts[0] if len(parts) == 1 else b.op.Sum(*parts)
+
+
+def build_gradients(
+    graph: ir.Graph,
+    loss: ir.Value | Sequence[ir.Value],
+    wrt: Sequence[ir.Value],
+    *,
+    loss_grad: ir.Value | Sequence[ir.Value] | None = None,
+    registry: Registry = DEFAULT_REGISTRY,
+    builder: GraphBuilder | None = None,
+) -> dict[ir.Value, ir.Value]:
+    """Append to ``graph`` the nodes computing d(loss)/d(w) for every ``w`` in ``wrt``.
+
+    ``loss`` may be one value or several (their gradients are seeded with
+    ``loss_grad``, by default ones). Returns a map from each ``wrt`` value to its
+    gradient value; a value the loss does not depend on gets zeros.
+
+    Raises:
+        UnsupportedOpError: listing every op on the path with no gradient rule.
+    """
+    b = builder or GraphBuilder(graph, scope="grad")
+    losses = [loss] if isinstance(loss, ir.Value) else list(loss)
+    seeds = [loss_grad] if isinstance(loss_grad, ir.Value) else list(loss_grad or [None] * len(losses))
+    nodes = list(graph)
+    opsets = dict(graph.opset_imports)
+
+    active = _active_values(nodes, wrt)
+    reaching = _values_reaching(nodes, losses)
+    on_path = [
+        n for n in nodes
+        if any(i is not None and i in active for i in n.inputs)
+        and any(o in active and o in reaching for o in n.outputs)
+    ]
+
+    rules = {}
+    unsupported: dict[str, list[str]] = {}
+    for node in on_path:
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        version = node.version or opsets.get(domain, opsets.get("ai.onnx", 1))
+        rule = registry.lookup(domain, node.op_type, version)
+        if rule is None:
+            key = f"{domain}::{node.op_type}" if domain else node.op_type
+            unsupported.setdefault(key, []).append(node.name or "<unnamed>")
+        rules[node] = (rule, version)
+    if unsupported:
+        raise UnsupportedOpError(unsupported)
+
+    contributions: dict[ir.Value, list[ir.Value]] = {}
+    for value, seed in zip(losses, seeds):
+        contributions.setdefault(value, []).append(seed if seed is not None else b.ones_like(value))
+
+    for node in reversed(on_path):
+        grad_outputs = [
+            _accumulate(b, contributions[o]) if o in contributions else None for o in node.outputs
+        ]
+        if all(g is None for g in grad_outputs):
+            continue
+        rule, version = rules[node]
+        needs = [i is not None and i in active for i in node.inputs]
+        ctx = GradContext(node=node, b=b.child(f"grad/{node.name}"), grad_outputs=grad_outputs,
+                          needs_grad=needs, opset=version)
+        input_grads = tuple(rule.fn(ctx))
+        if len(input_grads) > len(node.inputs):
+            raise AssertionError(
+                f"gradient rule of {node.op_type} returned {len(input_grads)} gradients for "
+                f"{len(node.inputs)} inputs"
+            )
+        for value, g, need in zip(node.inputs, input_grads, needs):
+            if g is None or not need:
+                continue
+            if rule.broadcasting:
+                g = sum_to_shape(ctx.b, g, value, node.outputs[0].shape)
+            contributions.setdefault(value, []).append(g)
+
+    result = {}
+    for w in wrt:
+        parts = contributions.get(w)
+        result[w] = _accumulate(b, parts) if parts else b.zeros_like(w)
+    return result

@@ -1,0 +1,164 @@
+"""The gradient-rule registry: ``@grad("Op")`` plus helpers for families of ops.
+
+A rule receives a :class:`GradContext` (the node, its inputs and outputs, the
+gradients of its outputs and a builder) and returns one gradient per input,
+``None`` where an input gets none. Rules for broadcasting ops return gradients in
+the output's shape and declare ``broadcasting=True``; the autodiff builder then
+un-broadcasts them centrally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import onnx_ir as ir
+
+from onnxtrain.ir.builder import GraphBuilder
+
+RuleFn = Callable[["GradContext"], Sequence["ir.Value | None"]]
+
+
+@dataclass
+class GradContext:
+    """What a rule sees: one forward node and the gradients flowing into its outputs."""
+
+    node: ir.Node
+    b: GraphBuilder
+    grad_outputs: list[ir.Value | None]
+    needs_grad: list[bool]
+    opset: int
+
+    @property
+    def op(self):
+        return self.b.op
+
+    @property
+    def inputs(self) -> list[ir.Value | None]:
+        return list(self.node.inputs)
+
+    @property
+    def outputs(self) -> list[ir.Value]:
+        return list(self.node.outputs)
+
+    @property
+    def x(self) -> ir.Value:
+        return self.node.inputs[0]
+
+    @property
+    def y(self) -> ir.Value:
+        return self.node.outputs[0]
+
+    @property
+    def dy(self) -> ir.Value:
+        """Gradient of the first output (zeros if none flowed into it)."""
+        return self.grad_output(0)
+
+    def grad_output(self, index: int) -> ir.Value:
+        g = self.grad_outputs[index]
+        if g is None:
+            g = self.b.zeros_like(self.node.outputs[index])
+            self.grad_outputs[index] = g
+        return g
+
+    def needs(self, index: int) -> bool:
+        return index < len(self.needs_grad) and self.needs_grad[index]
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        attr = self.node.attributes.get(name)
+        if attr is None:
+            return default
+        value = attr.value
+        if isinstance(value, ir.TensorProtocol):
+            return value.numpy()
+        if isinstance(value, Sequence) and not isinstance(value, str):
+            return list(value)
+        return value
+
+    def const_input(self, index: int):
+        """The numpy value of input ``index`` if it is a constant or initializer, else None."""
+        if index >= len(self.node.inputs) or self.node.inputs[index] is None:
+            return None
+        v = self.node.inputs[index]
+        if v.const_value is not None:
+            return v.const_value.numpy()
+        producer = v.producer()
+        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
+            return producer.attributes["value"].value.numpy()
+        return None
+
+    def like(self, x: ir.Value, value: float) -> ir.Value:
+        return self.b.like(x, value)
+
+
+@dataclass(frozen=True)
+class GradRule:
+    op_type: str
+    domain: str
+    since: int
+    until: int | None  # inclusive; None = no upper bound
+    fn: RuleFn
+    broadcasting: bool = False
+
+    def covers(self, version: int) -> bool:
+        return self.since <= version and (self.until is None or version <= self.until)
+
+
+@dataclass
+class Registry:
+    """Rules by (domain, op type); several version ranges may exist for one op."""
+
+    rules: dict[tuple[str, str], list[GradRule]] = field(default_factory=dict)
+
+    def add(self, rule: GradRule) -> None:
+        self.rules.setdefault((rule.domain, rule.op_type), []).append(rule)
+
+    def lookup(self, domain: str, op_type: str, version: int) -> GradRule | None:
+        domain = "" if domain == "ai.onnx" else domain
+        for rule in self.rules.get((domain, op_type), ()):
+            if rule.covers(version):
+                return rule
+        return None
+
+    def registered(self) -> list[GradRule]:
+        return [r for rules in self.rules.values() for r in rules]
+
+
+DEFAULT_REGISTRY = Registry()
+
+
+def grad(op_type: str, *, domain: str = "", versions: tuple[int, int | None] = (1, None),
+         broadcasting: bool = False, registry: Registry = DEFAULT_REGISTRY):
+    """Register a gradient rule for ``op_type`` over the opset range ``versions`` (inclusive)."""
+
+    def decorate(fn: RuleFn) -> RuleFn:
+        registry.add(GradRule(op_type, domain, versions[0], versions[1], fn, broadcasting))
+        return fn
+
+    return decorate
+
+
+def unary(op_type: str, derivative: Callable[[GradContext], ir.Value], **kwargs) -> None:
+    """Register ``dx = dy * derivative(ctx)`` for a one-input elementwise op."""
+
+    def rule(ctx: GradContext):
+        return (ctx.op.Mul(ctx.dy, derivative(ctx)),)
+
+    rule.__name__ = f"grad_{op_type}"
+    grad(op_type, **kwargs)(rule)
+
+
+def linear(op_type: str, **kwargs) -> Callable[[RuleFn], RuleFn]:
+    """Alias of ``grad`` for ops linear in their differentiable inputs (for readability)."""
+    return grad(op_type, **kwargs)
+
+
+def nondifferentiable(*op_types: str, domain: str = "") -> None:
+    """Register ops whose float inputs get no gradient (their outputs are piecewise constant)."""
+    def no_gradient(ctx: GradContext):
+        return (None,) * len(ctx.node.inputs)
+
+    no_gradient.nondifferentiable = True  # the grad-table meta-test needs no row for these
+    for op_type in op_types:
+        grad(op_type, domain=domain)(no_gradient)

@@ -1,0 +1,53 @@
+"""Typed exceptions raised by onnxtrain.
+
+Every error names the thing that was wrong and what was expected, so that a
+user can fix the input without reading onnxtrain's source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+
+class OnnxTrainError(Exception):
+    """Base class of every error onnxtrain raises on purpose."""
+
+
+class UnsupportedOpError(OnnxTrainError):
+    """One or more ops on the path to the loss have no gradient rule.
+
+    ``unsupported`` maps ``"domain::OpType"`` (domain empty for the default
+    domain) to the names of the nodes that use it; all of them are reported at
+    once so a user sees the whole list in one run.
+    """
+
+    def __init__(self, unsupported: Mapping[str, Sequence[str]]):
+        self.unsupported = {op: list(nodes) for op, nodes in unsupported.items()}
+        lines = [
+            f"  {op}: {len(nodes)} node(s): {', '.join(nodes[:8])}{' ...' if len(nodes) > 8 else ''}"
+            for op, nodes in sorted(self.unsupported.items())
+        ]
+        super().__init__(
+            f"no gradient rule for {len(self.unsupported)} op type(s) on the path to the loss:\n"
+            + "\n".join(lines)
+        )
+
+
+class InputMismatchError(OnnxTrainError, ValueError):
+    """A user input does not match what the model expects (count, name, shape, dtype)."""
+
+
+class CheckpointError(OnnxTrainError):
+    """A checkpoint is missing, corrupt, or does not match the model."""
+
+
+class ArtifactError(OnnxTrainError, ValueError):
+    """The arguments to artifact generation are inconsistent with the model."""
+
+
+class ModelError(OnnxTrainError, ValueError):
+    """The ONNX model itself is invalid or uses something onnxtrain cannot handle."""
+
+
+class GradientCheckError(OnnxTrainError, AssertionError):
+    """Analytic and numerical gradients disagree (raised by ``check_gradients``)."""

@@ -1,0 +1,108 @@
+"""Load and save models: the only module that touches ONNX protobuf.
+
+Everything else in onnxtrain works on ``onnx_ir.Model``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Union
+
+import onnx
+import onnx_ir as ir
+
+from onnxtrain.errors import ModelError
+
+ModelLike = Union[str, os.PathLike, "onnx.ModelProto", ir.Model]
+
+# The lowest default-domain opset whose gradient graphs we emit directly. Opset 13 moved
+# the axes of ReduceSum/Squeeze/Unsqueeze and the splits of Split to inputs; older models
+# are upgraded to it by the ONNX version converter.
+MIN_OPSET = 13
+# Graphs we write must be readable by onnxruntime 1.20+, which accepts IR version <= 10.
+MAX_IR_VERSION = 10
+# Above this many bytes of tensors a model is saved with external data (protobuf's 2 GB limit).
+EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+
+
+def load_model(model: ModelLike) -> ir.Model:
+    """Return an ``onnx_ir.Model`` that onnxtrain owns (a copy of an in-memory input)."""
+    if isinstance(model, ir.Model):
+        proto = ir.to_proto(model)
+    elif isinstance(model, onnx.ModelProto):
+        proto = model
+    elif isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        if not path.is_file():
+            raise ModelError(f"ONNX model file {str(path)!r} does not exist")
+        try:
+            proto = onnx.load(str(path))
+        except Exception as exc:  # protobuf raises several unrelated types
+            raise ModelError(f"could not read ONNX model {str(path)!r}: {exc}") from exc
+    else:
+        raise ModelError(
+            f"expected an ONNX model as a path, onnx.ModelProto or onnx_ir.Model, got {type(model).__name__}"
+        )
+    opset = _default_opset(proto)
+    if opset < MIN_OPSET:
+        try:
+            proto = onnx.version_converter.convert_version(proto, MIN_OPSET)
+        except Exception as exc:
+            raise ModelError(
+                f"model uses opset {opset}; onnxtrain needs >= {MIN_OPSET} and the ONNX version "
+                f"converter could not upgrade it: {exc}"
+            ) from exc
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:
+        pass  # shape inference is a help, not a requirement
+    return ir.from_proto(proto)
+
+
+def _default_opset(proto: onnx.ModelProto) -> int:
+    for entry in proto.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    raise ModelError("model imports no default-domain (ai.onnx) opset")
+
+
+def to_proto(model: ir.Model) -> onnx.ModelProto:
+    """Serialize to protobuf with an IR version stock onnxruntime accepts."""
+    model.ir_version = min(model.ir_version, MAX_IR_VERSION)
+    return ir.to_proto(model)
+
+
+def save_model(model: ir.Model, path: str | os.PathLike) -> None:
+    """Write ``model`` to ``path`` (external data next to it when it is large)."""
+    proto = to_proto(model)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if proto.ByteSize() > EXTERNAL_DATA_THRESHOLD:
+        onnx.save_model(proto, str(path), save_as_external_data=True,
+                        location=path.name + ".data", all_tensors_to_one_file=True)
+    else:
+        onnx.save_model(proto, str(path))
+
+
+def serialize(model: ir.Model) -> bytes:
+    """Bytes of the model, for creating an InferenceSession without touching disk."""
+    return to_proto(model).SerializeToString()
+
+
+def infer_shapes(model: ir.Model) -> ir.Model:
+    """Run ONNX shape inference and return a new model with the inferred types and shapes."""
+    proto = to_proto(model)
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception:
+        return model
+    return ir.from_proto(proto)
+
+
+def check_model(model: ir.Model) -> None:
+    """Run the ONNX checker (full, with shape inference); raise ModelError on failure."""
+    try:
+        onnx.checker.check_model(to_proto(model), full_check=False)
+    except Exception as exc:
+        raise ModelError(f"generated model fails the ONNX checker: {exc}") from exc

@@ -1,0 +1,44 @@
+"""The input/output naming contract of the generated graphs, written once.
+
+Names follow upstream ONNX Runtime training artifacts so that code written for
+``onnxruntime.training`` finds the same inputs and outputs.
+"""
+
+from __future__ import annotations
+
+GRAD_SUFFIX = "_grad"
+ACCUMULATION_BUFFER_SUFFIX = "_grad.accumulation.buffer"
+ACCUMULATION_OUT_SUFFIX = "_grad.accumulation.out"
+LAZY_RESET_GRAD = "lazy_reset_grad"
+LEARNING_RATE = "learning_rate"
+STEP = "step"
+UPDATED_SUFFIX = ".updated"
+LOSS_OUTPUT = "onnx::loss::21273"  # upstream's default loss output name for LossType losses
+TARGET_INPUT = "target"
+# optimizer state names per parameter, as upstream's checkpoint calls them
+FIRST_MOMENT = "momentum0"
+SECOND_MOMENT = "momentum1"
+MOMENTUM_BUFFER = "momentum0"
+
+
+def grad_name(param: str) -> str:
+    """Name of the gradient of ``param``."""
+    return param + GRAD_SUFFIX
+
+
+def accumulation_buffer_name(param: str) -> str:
+    return param + ACCUMULATION_BUFFER_SUFFIX
+
+
+def accumulation_out_name(param: str) -> str:
+    return param + ACCUMULATION_OUT_SUFFIX
+
+
+def state_name(param: str, state: str) -> str:
+    """Name of the optimizer-graph input carrying optimizer state ``state`` of ``param``."""
+    return f"{param}.{state}"
+
+
+def updated_name(name: str) -> str:
+    """Name of an optimizer-graph output carrying the new value of input ``name``."""
+    return name + UPDATED_SUFFIX

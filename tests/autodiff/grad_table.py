@@ -1,0 +1,92 @@
+"""The gradient table: one row (or a few) per registered gradient rule.
+
+Each row names an op, its attributes, its inputs (shape, sampling domain chosen away
+from kinks and singular points, or a fixed constant value) and the opset range to
+check at both ends. ``test_grad_table.py`` checks every row against central finite
+differences through onnxruntime; a meta-test fails for any rule without a row.
+
+Shapes may use strings for symbolic dims: the graph input then has that symbolic dim,
+and the row is run with the concrete size in ``dims`` (default 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class In:
+    """One input of the op under test."""
+
+    shape: tuple = ()
+    low: float = -2.0
+    high: float = 2.0
+    value: Any = None  # a fixed value: passed as a constant initializer, not differentiated
+    grad: bool = True  # differentiate w.r.t. this input (float inputs only)
+    dtype: str = "float32"
+    away_from: tuple = ()  # resample values closer than 0.05 to any of these points (kinks)
+
+
+@dataclass
+class Case:
+    op: str
+    inputs: list
+    attrs: dict = field(default_factory=dict)
+    opsets: tuple = (13, 23)
+    outputs: int = 1
+    domain: str = ""
+    id: str = ""
+    dims: dict = field(default_factory=dict)  # symbolic dim name -> size used at run time
+    rtol: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.id or self.op
+
+
+def I(*shape, **kw) -> In:  # noqa: E743  (short row syntax)
+    return In(shape=shape, **kw)
+
+
+def C(value, dtype=None) -> In:
+    """A constant (non-differentiated) input."""
+    arr = np.asarray(value, dtype=dtype)
+    return In(shape=arr.shape, value=arr, grad=False, dtype=str(arr.dtype))
+
+
+def pos(*shape, **kw) -> In:
+    """A strictly positive input (log, sqrt, div denominators)."""
+    return In(shape=shape, low=0.3, high=2.0, **kw)
+
+
+CASES: list[Case] = [
+    # -- elementwise arithmetic ------------------------------------------------------
+    Case("Add", [I(2, 3), I(3)], id="Add-broadcast"),
+    Case("Add", [I("N", 3), I(1, 3)], id="Add-symbolic"),
+    Case("Sub", [I(2, 1, 3), I(4, 1)], id="Sub-broadcast-both"),
+    Case("Mul", [I("N", 4), I("N", 1)], id="Mul-symbolic-broadcast"),
+    Case("Mul", [I(2, 3), I()], id="Mul-scalar"),
+    Case("Div", [I(2, 3), pos(3)], id="Div-broadcast"),
+    Case("Neg", [I(2, 3)]),
+    Case("Identity", [I(2, 3)]),
+    Case("Relu", [I(3, 4, away_from=(0.0,))]),
+    Case("Exp", [I(3, 4)]),
+    Case("Tanh", [I(3, 4)]),
+    Case("Sigmoid", [I(3, 4)]),
+    # -- matrix products --------------------------------------------------------------
+    Case("MatMul", [I(3, 4), I(4, 5)], id="MatMul-2d"),
+    Case("MatMul", [I(2, 3, 4), I(4, 5)], id="MatMul-batched-weight"),
+    Case("MatMul", [I("N", 2, 3, 4), I(2, 4, 5)], id="MatMul-batch-broadcast-symbolic"),
+    Case("MatMul", [I(4), I(2, 4, 5)], id="MatMul-vector-left"),
+    Case("MatMul", [I(2, 3, 4), I(4)], id="MatMul-vector-right"),
+    # -- reductions -------------------------------------------------------------------
+    Case("ReduceSum", [I(2, 3, 4), C([1], np.int64)], attrs={"keepdims": 0}, id="ReduceSum-axis"),
+    Case("ReduceSum", [I(2, 3, 4)], attrs={"keepdims": 1}, id="ReduceSum-all"),
+    Case("ReduceMean", [I("N", 3, 4), C([-1], np.int64)], attrs={"keepdims": 1}, opsets=(18, 23),
+         id="ReduceMean-axis-input"),
+    Case("ReduceMean", [I(2, 3, 4)], attrs={"axes": [0, 2], "keepdims": 0}, opsets=(13, 17),
+         id="ReduceMean-axes-attr"),
+]

@@ -1,0 +1,44 @@
+"""The numerical checker itself: it must catch a wrong rule and report unsupported ops."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.autodiff import DEFAULT_REGISTRY, Registry, grad
+from onnxtrain.autodiff.check import check_gradients
+from onnxtrain.errors import GradientCheckError, UnsupportedOpError
+
+
+def _model(op_types, shape=(3, 4)):
+    nodes, prev = [], "x"
+    for k, op in enumerate(op_types):
+        nodes.append(helper.make_node(op, [prev], [f"v{k}"], name=f"node{k}"))
+        prev = f"v{k}"
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info(prev, TensorProto.FLOAT, list(shape))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_wrong_rule_is_caught():
+    registry = Registry(rules={k: list(v) for k, v in DEFAULT_REGISTRY.rules.items()})
+    registry.rules.pop(("", "Sigmoid"))
+
+    @grad("Sigmoid", registry=registry)
+    def wrong(ctx):  # forgets the (1 - y) factor
+        return (ctx.op.Mul(ctx.dy, ctx.y),)
+
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    with pytest.raises(GradientCheckError, match="x: analytic"):
+        check_gradients(_model(["Sigmoid"]), {"x": x}, registry=registry)
+    check_gradients(_model(["Sigmoid"]), {"x": x})  # the real rule passes
+
+
+def test_unsupported_ops_are_listed_together():
+    x = np.ones((3, 4), np.float32)
+    registry = Registry(rules={k: v for k, v in DEFAULT_REGISTRY.rules.items() if k[1] not in ("Sin", "Cos")})
+    with pytest.raises(UnsupportedOpError) as info:
+        check_gradients(_model(["Sin", "Tanh", "Cos", "Sin"]), {"x": x}, registry=registry)
+    assert set(info.value.unsupported) == {"Sin", "Cos"}
+    assert info.value.unsupported["Sin"] == ["node0", "node3"]

@@ -62,31 +62,13 @@ def pos(*shape, **kw) -> In:
     return In(shape=shape, low=0.3, high=2.0, **kw)
 
 
-CASES: list[Case] = [
-    # -- elementwise arithmetic ------------------------------------------------------
-    Case("Add", [I(2, 3), I(3)], id="Add-broadcast"),
-    Case("Add", [I("N", 3), I(1, 3)], id="Add-symbolic"),
-    Case("Sub", [I(2, 1, 3), I(4, 1)], id="Sub-broadcast-both"),
-    Case("Mul", [I("N", 4), I("N", 1)], id="Mul-symbolic-broadcast"),
-    Case("Mul", [I(2, 3), I()], id="Mul-scalar"),
-    Case("Div", [I(2, 3), pos(3)], id="Div-broadcast"),
-    Case("Neg", [I(2, 3)]),
-    Case("Identity", [I(2, 3)]),
-    Case("Relu", [I(3, 4, away_from=(0.0,))]),
-    Case("Exp", [I(3, 4)]),
-    Case("Tanh", [I(3, 4)]),
-    Case("Sigmoid", [I(3, 4)]),
-    # -- matrix products --------------------------------------------------------------
-    Case("MatMul", [I(3, 4), I(4, 5)], id="MatMul-2d"),
-    Case("MatMul", [I(2, 3, 4), I(4, 5)], id="MatMul-batched-weight"),
-    Case("MatMul", [I("N", 2, 3, 4), I(2, 4, 5)], id="MatMul-batch-broadcast-symbolic"),
-    Case("MatMul", [I(4), I(2, 4, 5)], id="MatMul-vector-left"),
-    Case("MatMul", [I(2, 3, 4), I(4)], id="MatMul-vector-right"),
-    # -- reductions -------------------------------------------------------------------
-    Case("ReduceSum", [I(2, 3, 4), C([1], np.int64)], attrs={"keepdims": 0}, id="ReduceSum-axis"),
-    Case("ReduceSum", [I(2, 3, 4)], attrs={"keepdims": 1}, id="ReduceSum-all"),
-    Case("ReduceMean", [I("N", 3, 4), C([-1], np.int64)], attrs={"keepdims": 1}, opsets=(18, 23),
-         id="ReduceMean-axis-input"),
-    Case("ReduceMean", [I(2, 3, 4)], attrs={"axes": [0, 2], "keepdims": 0}, opsets=(13, 17),
-         id="ReduceMean-axes-attr"),
-]
+def _all_rows() -> list[Case]:
+    from tests.autodiff.rows import elementwise, index, matmul, nn, reduce, shape
+
+    rows: list[Case] = []
+    for family in (elementwise, matmul, reduce, shape, index, nn):
+        rows.extend(family.ROWS)
+    return rows
+
+
+CASES: list[Case] = _all_rows()

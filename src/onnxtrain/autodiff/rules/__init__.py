@@ -1,3 +1,12 @@
 """Gradient rules, one family per module; importing this package registers them all."""
 
-from onnxtrain.autodiff.rules import elementwise, matmul, reduce  # noqa: F401
+from onnxtrain.autodiff.rules import (  # noqa: F401
+    elementwise,
+    index,
+    loss,
+    matmul,
+    nn,
+    nondiff,
+    reduce,
+    shape,
+)

@@ -1,0 +1,3 @@
+"""Gradient rules: index family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Gradient rules: loss family."""
+
+from __future__ import annotations

@@ -1,0 +1,3 @@
+"""Gradient rules: nn family."""
+
+from __future__ import annotations

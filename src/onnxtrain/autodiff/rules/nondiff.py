@@ -1,0 +1,3 @@
+"""Gradient rules: nondiff family."""
+
+from __future__ import annotations

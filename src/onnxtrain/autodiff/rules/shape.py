@@ -1,0 +1,3 @@
+"""Gradient rules: shape family."""
+
+from __future__ import annotations

@@ -63,10 +63,10 @@ def pos(*shape, **kw) -> In:
 
 
 def _all_rows() -> list[Case]:
-    from tests.autodiff.rows import elementwise, index, matmul, nn, reduce, shape
+    from tests.autodiff.rows import conv, elementwise, index, loss, matmul, nn, reduce, shape
 
     rows: list[Case] = []
-    for family in (elementwise, matmul, reduce, shape, index, nn):
+    for family in (elementwise, matmul, reduce, shape, index, conv, nn, loss):
         rows.extend(family.ROWS)
     return rows
 

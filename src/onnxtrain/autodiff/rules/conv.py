@@ -1,0 +1,3 @@
+"""Gradient rules: convolution and pooling."""
+
+from __future__ import annotations

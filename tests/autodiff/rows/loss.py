@@ -1,0 +1,10 @@
+"""Gradient-table rows for rules/loss.py."""
+
+from __future__ import annotations
+
+import numpy as np  # noqa: F401
+
+from tests.autodiff.grad_table import C, Case, I, pos  # noqa: F401
+
+ROWS: list[Case] = [
+]

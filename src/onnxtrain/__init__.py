@@ -1,0 +1,32 @@
+"""onnxtrain: train models with stock ONNX Runtime.
+
+Submodules: ``artifacts`` (generate training artifacts from an ONNX model),
+``onnxblock`` (build custom losses and optimizers), ``api`` (the on-device training
+runtime: CheckpointState, Module, Optimizer, LinearLRScheduler), ``autodiff``
+(gradient graphs; ``check_gradients``). ``onnxtrain.torch`` needs PyTorch.
+"""
+
+from onnxtrain.autodiff.check import check_gradients
+from onnxtrain.errors import (
+    ArtifactError,
+    CheckpointError,
+    GradientCheckError,
+    InputMismatchError,
+    ModelError,
+    OnnxTrainError,
+    UnsupportedOpError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "check_gradients",
+    "OnnxTrainError",
+    "UnsupportedOpError",
+    "InputMismatchError",
+    "CheckpointError",
+    "ArtifactError",
+    "ModelError",
+    "GradientCheckError",
+    "__version__",
+]

@@ -1,0 +1,177 @@
+"""Generate training artifacts from an ONNX model (``onnxruntime.training.artifacts`` compatible).
+
+The artifacts — training, eval and optimizer models and a checkpoint — are
+described in docs/artifacts.md and train on stock onnxruntime through
+:mod:`onnxtrain.api`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+from enum import Enum
+from typing import Any
+
+from onnxtrain.errors import ArtifactError
+from onnxtrain.ir import io
+from onnxtrain.onnxblock import blocks, loss as loss_blocks, optim as optim_blocks
+from onnxtrain.onnxblock._context import base, empty_base
+from onnxtrain.onnxblock.training_block import TrainingBlock
+
+logger = logging.getLogger(__name__)
+
+
+class LossType(Enum):
+    """Loss to add on top of the model (``loss=`` of :func:`generate_artifacts`)."""
+
+    MSELoss = 1
+    CrossEntropyLoss = 2
+    BCEWithLogitsLoss = 3
+    L1Loss = 4
+
+
+class OptimType(Enum):
+    """Optimizer of the optimizer model (``optimizer=`` of :func:`generate_artifacts`).
+
+    ``AdamW`` is upstream's AdamW (Hugging Face transformers update, eps 1e-6); for the
+    exact ``torch.optim.AdamW`` update pass ``onnxblock.optim.AdamW(mode="torch")``.
+    """
+
+    AdamW = 1
+    SGD = 2
+
+
+_LOSS_BLOCKS = {
+    LossType.MSELoss: loss_blocks.MSELoss,
+    LossType.CrossEntropyLoss: loss_blocks.CrossEntropyLoss,
+    LossType.BCEWithLogitsLoss: loss_blocks.BCEWithLogitsLoss,
+    LossType.L1Loss: loss_blocks.L1Loss,
+}
+_OPTIM_BLOCKS = {OptimType.AdamW: optim_blocks.AdamW, OptimType.SGD: optim_blocks.SGD}
+
+
+class _Training(TrainingBlock):
+    def __init__(self, loss_block: blocks.Block):
+        super().__init__()
+        self._loss = loss_block
+
+    def build(self, *inputs_to_loss):
+        return self._loss(*inputs_to_loss)
+
+
+def _loss_block(loss) -> blocks.Block:
+    if loss is None:
+        return blocks.PassThrough()
+    if isinstance(loss, LossType):
+        return _LOSS_BLOCKS[loss]()
+    if isinstance(loss, blocks.Block):
+        return loss
+    raise ArtifactError(f"loss must be an artifacts.LossType or an onnxblock.Block, got {type(loss).__name__}")
+
+
+def _optimizer_block(optimizer):
+    if isinstance(optimizer, OptimType):
+        return _OPTIM_BLOCKS[optimizer]()
+    if isinstance(optimizer, optim_blocks._OptimizerBlock):  # noqa: SLF001
+        return optimizer
+    raise ArtifactError(
+        f"optimizer must be an artifacts.OptimType or an onnxblock.optim block, got {type(optimizer).__name__}"
+    )
+
+
+def generate_artifacts(
+    model: io.ModelLike,
+    requires_grad: list[str] | None = None,
+    frozen_params: list[str] | None = None,
+    loss: LossType | blocks.Block | None = None,
+    optimizer: OptimType | Any | None = None,
+    artifact_directory: str | os.PathLike | None = None,
+    prefix: str = "",
+    ort_format: bool = False,
+    custom_op_library: str | os.PathLike | None = None,
+    additional_output_names: list[str] | None = None,
+    nominal_checkpoint: bool = False,
+    loss_input_names: list[str] | None = None,
+) -> None:
+    """Write ``training_model.onnx``, ``eval_model.onnx``, ``checkpoint`` and ``optimizer_model.onnx``.
+
+    Args:
+        model: the forward model (path, ``onnx.ModelProto`` or ``onnx_ir.Model``); its
+            parameters are its initializers.
+        requires_grad: initializers to train. Default (None): every floating-point
+            initializer of rank >= 1 not in ``frozen_params`` (upstream trains none by
+            default; naming them explicitly behaves identically in both).
+        frozen_params: initializers kept fixed but stored in the checkpoint.
+        loss: a :class:`LossType` or a custom ``onnxblock.Block`` returning the loss name;
+            None when the model's (only) output already is the loss.
+        optimizer: an :class:`OptimType` or an ``onnxblock.optim`` block; None: no optimizer model.
+        artifact_directory: output folder (created; default the current directory).
+        prefix: prepended to every file name.
+        ort_format: not supported (stock onnxruntime loads the .onnx files directly).
+        custom_op_library: not supported (artifacts use standard ops only).
+        additional_output_names: values to output besides the loss (e.g. logits).
+        nominal_checkpoint: write a checkpoint with names, shapes and types but no values.
+        loss_input_names: model outputs fed to the loss (default: all outputs, in order).
+
+    Example:
+        >>> import numpy as np, tempfile
+        >>> from onnx import helper, numpy_helper, TensorProto
+        >>> from onnxtrain import artifacts
+        >>> w = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+        >>> g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        ...     [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+        ...     [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], [w])
+        >>> m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+        >>> out = tempfile.mkdtemp()
+        >>> artifacts.generate_artifacts(m, requires_grad=["w"], loss=artifacts.LossType.CrossEntropyLoss,
+        ...                              optimizer=artifacts.OptimType.AdamW, artifact_directory=out)
+        >>> sorted(p.name for p in pathlib.Path(out).iterdir())
+        ['checkpoint', 'eval_model.onnx', 'optimizer_model.onnx', 'training_model.onnx']
+    """
+    from onnxtrain.checkpoint import write_checkpoint
+
+    if ort_format:
+        raise ArtifactError("ort_format=True is not supported: stock onnxruntime loads the .onnx artifacts directly")
+    if custom_op_library is not None:
+        raise ArtifactError("custom_op_library is not supported: onnxtrain emits standard ONNX ops only")
+    base_model = io.load_model(model)
+    output_names = [o.name for o in base_model.graph.outputs]
+    if loss_input_names is not None:
+        unknown = [n for n in loss_input_names if n not in output_names]
+        if unknown:
+            raise ArtifactError(f"loss_input_names {unknown} are not outputs of the model {output_names}")
+        output_names = list(loss_input_names)
+    if loss is None and len(output_names) != 1:
+        raise ArtifactError(f"with loss=None the model must have exactly one output (the loss), it has {output_names}")
+
+    training_block = _Training(_loss_block(loss))
+    for name in requires_grad or []:
+        training_block.requires_grad(name)
+    for name in frozen_params or []:
+        if requires_grad and name in requires_grad:
+            raise ArtifactError(f"parameter {name!r} cannot both require gradients and be frozen")
+        training_block.requires_grad(name, False)
+    training_block.additional_output_names = list(additional_output_names or [])
+
+    with base(base_model):
+        training_block(*output_names)
+    training_model, eval_model = training_block.to_ir_models()
+    params = training_block.parameter_values
+
+    directory = pathlib.Path(artifact_directory) if artifact_directory is not None else pathlib.Path.cwd()
+    directory.mkdir(parents=True, exist_ok=True)
+    io.save_model(training_model, directory / f"{prefix}training_model.onnx")
+    io.save_model(eval_model, directory / f"{prefix}eval_model.onnx")
+    write_checkpoint(directory / f"{prefix}checkpoint", {**params.trainable, **params.frozen},
+                     requires_grad=set(params.trainable), nominal=nominal_checkpoint)
+    logger.info("wrote training, eval models and checkpoint to %s", directory)
+
+    if optimizer is None:
+        return
+    if not params.trainable:
+        raise ArtifactError("an optimizer model needs at least one parameter that requires gradients")
+    optim_block = _optimizer_block(optimizer)
+    with empty_base(opset_version=max(training_model.graph.opset_imports.get("", 18), 13)):
+        optim_block(list(params.trainable.items()))
+    io.save_model(optim_block.to_ir_model(), directory / f"{prefix}optimizer_model.onnx")

@@ -1,0 +1,76 @@
+"""The ``onnxtrain`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+_LOSSES = {"mse": "MSELoss", "crossentropy": "CrossEntropyLoss", "bce": "BCEWithLogitsLoss", "l1": "L1Loss"}
+_OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD"}
+
+
+def _demo(args) -> int:
+    from onnxtrain.demo import REQUIRED_ACCURACY, run_demo
+
+    result = run_demo(args.out, epochs=args.epochs, seed=args.seed, progress=not args.no_progress)
+    print(f"test accuracy (eval model): {result.test_accuracy:.4f}")
+    print(f"test accuracy (exported inference model, plain InferenceSession): {result.inference_accuracy:.4f}")
+    print(f"final training loss: {result.final_loss:.4f}   time: {result.seconds:.1f} s")
+    print(f"artifacts in {result.artifact_directory}/, inference model {result.inference_model}")
+    if result.test_accuracy < REQUIRED_ACCURACY or abs(result.inference_accuracy - result.test_accuracy) > 1e-9:
+        print(f"FAILED: expected accuracy >= {REQUIRED_ACCURACY} and identical results from the exported model",
+              file=sys.stderr)
+        return 1
+    print("demo passed")
+    return 0
+
+
+def _artifacts(args) -> int:
+    from onnxtrain import artifacts
+
+    loss = None if args.loss == "none" else artifacts.LossType[_LOSSES[args.loss]]
+    optimizer = None if args.optimizer == "none" else artifacts.OptimType[_OPTIMIZERS[args.optimizer]]
+    artifacts.generate_artifacts(
+        args.model, requires_grad=args.requires_grad, frozen_params=args.frozen or None, loss=loss,
+        optimizer=optimizer, artifact_directory=args.output, prefix=args.prefix,
+        additional_output_names=args.additional_output or None, nominal_checkpoint=args.nominal,
+        loss_input_names=args.loss_input or None,
+    )
+    print(f"artifacts written to {args.output}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onnxtrain", description="Train models with stock ONNX Runtime.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits through the artifacts flow")
+    demo.add_argument("--out", default="demo_out", help="folder for artifacts and the exported model")
+    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo.set_defaults(run=_demo)
+
+    art = sub.add_parser("artifacts", help="generate training artifacts from an ONNX model")
+    art.add_argument("model", help="the ONNX model file")
+    art.add_argument("--requires-grad", nargs="*", default=None,
+                     help="initializers to train (default: every float initializer of rank >= 1 not frozen)")
+    art.add_argument("--frozen", nargs="*", default=[], help="initializers to keep fixed")
+    art.add_argument("--loss", choices=[*_LOSSES, "none"], default="crossentropy")
+    art.add_argument("--optimizer", choices=[*_OPTIMIZERS, "none"], default="adamw")
+    art.add_argument("-o", "--output", default="artifacts", help="output folder")
+    art.add_argument("--prefix", default="")
+    art.add_argument("--additional-output", nargs="*", default=[], help="values to output besides the loss")
+    art.add_argument("--loss-input", nargs="*", default=[], help="model outputs fed to the loss")
+    art.add_argument("--nominal", action="store_true", help="write a nominal checkpoint (no values)")
+    art.set_defaults(run=_artifacts)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""onnxblock: build training, eval and optimizer models from blocks.
+
+Names follow ``onnxruntime.training.onnxblock``: ``Block``, ``TrainingBlock``,
+``ForwardBlock``, ``base``, ``empty_base``, ``blocks``, ``loss``, ``optim``.
+"""
+
+from onnxtrain.onnxblock import blocks, loss, optim
+from onnxtrain.onnxblock._context import BuildContext, base, empty_base
+from onnxtrain.onnxblock.blocks import Block
+from onnxtrain.onnxblock.training_block import ForwardBlock, TrainingBlock
+
+__all__ = ["Block", "TrainingBlock", "ForwardBlock", "BuildContext", "base", "empty_base", "blocks", "loss", "optim"]

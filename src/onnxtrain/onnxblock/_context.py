@@ -1,0 +1,108 @@
+"""The model a block builds into: passed explicitly, or made active with ``base()``.
+
+Upstream's blocks find "the current model" through a module-level global. Here
+the active model lives in a ``ContextVar`` set only inside ``with base(model):``
+(so threads and nested contexts do not interfere), and every block can also be
+applied to an explicit :class:`BuildContext` with ``block.apply(ctx, ...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import onnx_ir as ir
+
+from onnxtrain.errors import ModelError
+from onnxtrain.ir import io
+from onnxtrain.ir.builder import GraphBuilder
+
+# Opset of graphs built from nothing (optimizer models): the newest opset stock
+# onnxruntime 1.20+ runs, and the one torch's exporter emits by default.
+EMPTY_BASE_OPSET = 18
+
+
+class BuildContext:
+    """A model being built, with a builder on its main graph and name lookup."""
+
+    def __init__(self, model: ir.Model):
+        self.model = model
+        self.builder = GraphBuilder(model.graph, scope="onnxblock")
+
+    @property
+    def graph(self) -> ir.Graph:
+        return self.model.graph
+
+    def find(self, name: str) -> ir.Value | None:
+        """The value called ``name`` (a graph input, initializer or node output), or None."""
+        graph = self.model.graph
+        for value in graph.inputs:
+            if value.name == name:
+                return value
+        if name in graph.initializers:
+            return graph.initializers[name]
+        for node in graph:
+            for out in node.outputs:
+                if out.name == name:
+                    return out
+        return None
+
+    def value(self, name: str | ir.Value) -> ir.Value:
+        if isinstance(name, ir.Value):
+            return name
+        found = self.find(name)
+        if found is None:
+            raise ModelError(f"the model has no value named {name!r}")
+        return found
+
+    @property
+    def model_proto(self):
+        return io.to_proto(self.model)
+
+
+_ACTIVE: contextvars.ContextVar[BuildContext | None] = contextvars.ContextVar("onnxblock_base", default=None)
+
+
+def active() -> BuildContext:
+    ctx = _ACTIVE.get()
+    if ctx is None:
+        raise ModelError(
+            "this block needs a model to build into: call it inside `with onnxblock.base(model):` "
+            "or `with onnxblock.empty_base():`, or use block.apply(context, ...)"
+        )
+    return ctx
+
+
+@contextlib.contextmanager
+def _activate(ctx: BuildContext) -> Iterator[BuildContext]:
+    token = _ACTIVE.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.reset(token)
+
+
+def base(model: io.ModelLike) -> contextlib.AbstractContextManager[BuildContext]:
+    """Make (a copy of) ``model`` the model that blocks called inside the ``with`` build into.
+
+    Example:
+        >>> import numpy as np, onnx
+        >>> from onnx import helper, TensorProto
+        >>> from onnxtrain import onnxblock
+        >>> g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+        ...     [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        ...     [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+        >>> m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+        >>> with onnxblock.base(m) as ctx:
+        ...     name = onnxblock.blocks.Neg()("y")
+        >>> ctx.find(name).producer().op_type
+        'Neg'
+    """
+    return _activate(BuildContext(io.load_model(model)))
+
+
+def empty_base(opset_version: int | None = None) -> contextlib.AbstractContextManager[BuildContext]:
+    """Make an empty model the model that blocks called inside the ``with`` build into."""
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": opset_version or EMPTY_BASE_OPSET}, name="onnxtrain")
+    return _activate(BuildContext(ir.Model(graph, ir_version=io.MAX_IR_VERSION, producer_name="onnxtrain")))

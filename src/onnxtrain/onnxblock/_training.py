@@ -1,0 +1,151 @@
+"""Turn a forward+loss model into the training and eval models of docs/artifacts.md."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import (
+    CommonSubexpressionEliminationPass,
+    RemoveUnusedNodesPass,
+    TopologicalSortPass,
+)
+
+from onnxtrain import names
+from onnxtrain.autodiff.builder import FLOAT_TYPES, build_gradients
+from onnxtrain.errors import ArtifactError
+from onnxtrain.ir import io
+from onnxtrain.ir.builder import GraphBuilder
+
+TRAINING_METADATA_KEY = "onnxtrain.training"
+
+# Initializer names that PyTorch's and other exporters give to folded constants
+# (scales, epsilons, shapes): not parameters when the caller names none.
+_EXPORTER_CONSTANT = re.compile(r"^(_?val_\d+|const(ant)?_|onnx::|_onnx_|scalar_tensor)")
+
+
+@dataclass
+class Parameters:
+    """Trainable and frozen parameters with their values (taken from the base model)."""
+
+    trainable: dict[str, np.ndarray] = field(default_factory=dict)
+    frozen: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def default_trainable(model: ir.Model, frozen: Sequence[str] = ()) -> list[str]:
+    """Float initializers of rank >= 1 that are not exporter constants and not frozen."""
+    return [
+        name for name, value in model.graph.initializers.items()
+        if value.dtype in FLOAT_TYPES and value.const_value is not None and len(value.const_value.shape) >= 1
+        and not _EXPORTER_CONSTANT.match(name) and name not in frozen
+    ]
+
+
+def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
+                      frozen_params: Sequence[str] | None) -> Parameters:
+    """Validate the user's parameter lists against the model's initializers."""
+    frozen_params = list(frozen_params or [])
+    requires_grad = default_trainable(model, frozen_params) if requires_grad is None else list(requires_grad)
+    inits = model.graph.initializers
+    overlap = sorted(set(requires_grad) & set(frozen_params))
+    if overlap:
+        raise ArtifactError(f"parameters cannot both require gradients and be frozen: {overlap}")
+    missing = sorted(n for n in [*requires_grad, *frozen_params] if n not in inits)
+    if missing:
+        known = sorted(inits)
+        raise ArtifactError(
+            f"no initializer named {missing} in the model; its initializers are: "
+            f"{known[:20]}{' ...' if len(known) > 20 else ''}"
+        )
+    not_float = sorted(n for n in requires_grad if inits[n].dtype not in FLOAT_TYPES)
+    if not_float:
+        raise ArtifactError(f"only floating-point parameters can require gradients, not {not_float}")
+    for name in requires_grad + frozen_params:
+        if inits[name].const_value is None:
+            raise ArtifactError(f"initializer {name!r} has no value")
+    params = Parameters()
+    for name in requires_grad:
+        params.trainable[name] = inits[name].const_value.numpy()
+    for name in frozen_params:
+        params.frozen[name] = inits[name].const_value.numpy()
+    return params
+
+
+def _lift_parameters(model: ir.Model, params: Parameters) -> None:
+    """Parameters become graph inputs (trainable first, then frozen), in that order."""
+    graph = model.graph
+    for name in [*params.trainable, *params.frozen]:
+        value = graph.initializers.pop(name)
+        value.const_value = None
+        graph.inputs.append(value)
+
+
+def _clean(model: ir.Model) -> ir.Model:
+    for p in (RemoveUnusedNodesPass(), CommonSubexpressionEliminationPass(), RemoveUnusedNodesPass(),
+              TopologicalSortPass()):
+        p(model)
+    return model
+
+
+def _metadata(params: Parameters, user_inputs, loss_inputs, loss_name, additional) -> str:
+    return json.dumps({
+        "trainable": list(params.trainable), "frozen": list(params.frozen),
+        "user_inputs": list(user_inputs), "loss_inputs": list(loss_inputs),
+        "loss_output": loss_name, "additional_outputs": list(additional),
+    })
+
+
+def build_training_and_eval(
+    model: ir.Model,
+    loss_name: str,
+    params: Parameters,
+    user_inputs: Sequence[str],
+    additional_output_names: Sequence[str] = (),
+) -> tuple[ir.Model, ir.Model]:
+    """From ``model`` (forward + loss, parameters still initializers) build both models.
+
+    ``user_inputs`` are the base model's input names; any other graph input was added by
+    the loss block. ``model`` is consumed.
+    """
+    graph = model.graph
+    values = {v.name: v for v in graph.inputs}
+    for node in graph:
+        for out in node.outputs:
+            values[out.name] = out
+    values.update(graph.initializers)
+    if loss_name not in values:
+        raise ArtifactError(f"the loss block returned {loss_name!r}, which is not a value of the model")
+    missing = [n for n in additional_output_names if n not in values]
+    if missing:
+        raise ArtifactError(f"additional_output_names {missing} are not values of the model")
+    loss = values[loss_name]
+    if loss.dtype not in FLOAT_TYPES:
+        raise ArtifactError(f"the loss {loss_name!r} must be floating point, not {loss.dtype}")
+    loss_inputs = [v.name for v in graph.inputs if v.name not in user_inputs]
+
+    _lift_parameters(model, params)
+    graph.outputs.clear()
+    graph.outputs.append(loss)
+    graph.outputs.extend(values[n] for n in additional_output_names)
+    metadata = _metadata(params, user_inputs, loss_inputs, loss_name, additional_output_names)
+    model.metadata_props[TRAINING_METADATA_KEY] = metadata
+
+    eval_model = _clean(io.load_model(io.to_proto(model)))
+
+    b = GraphBuilder(graph, scope="")
+    trainable = [v for v in graph.inputs if v.name in params.trainable]
+    grads = build_gradients(graph, loss, trainable, builder=b.child("grad"))
+    buffers = [b.input(names.accumulation_buffer_name(p.name), p.dtype, p.shape) for p in trainable]
+    reset = b.input(names.LAZY_RESET_GRAD, ir.DataType.BOOL, [])
+    acc = b.child("accumulate")
+    for p, buffer in zip(trainable, buffers):
+        g = grads[p]
+        out = acc.op.Where(reset, g, acc.op.Add(buffer, g))
+        out.name = names.accumulation_out_name(p.name)
+        out.type, out.shape = p.type, p.shape
+        graph.outputs.append(out)
+    return _clean(model), eval_model

@@ -1,0 +1,127 @@
+"""Loss blocks with upstream's names, arguments and semantics.
+
+Each takes the name of the model output (and optionally of the target) and
+returns the name of the loss. A target name that is not yet a value of the model
+becomes a new graph input.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxtrain.errors import ArtifactError
+from onnxtrain.onnxblock.blocks import Block
+
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_reduction(reduction: str) -> str:
+    if reduction not in _REDUCTIONS:
+        raise ArtifactError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    return reduction
+
+
+class _ElementwiseLoss(Block):
+    """loss = reduce(weight * f(output, target))."""
+
+    def __init__(self, reduction: str = "mean"):
+        super().__init__()
+        self._reduction = _check_reduction(reduction)
+
+    def _target(self, output: ir.Value, target_name: str) -> ir.Value:
+        found = self.context.find(target_name)
+        if found is not None:
+            return found
+        target = ir.Value(name=target_name, type=output.type, shape=output.shape)
+        self.context.graph.inputs.append(target)
+        return target
+
+    def _reduce(self, loss: ir.Value) -> ir.Value:
+        b = self.context.builder
+        if self._reduction == "none":
+            return loss
+        return b.reduce("ReduceMean" if self._reduction == "mean" else "ReduceSum", loss, None, keepdims=False)
+
+
+class MSELoss(_ElementwiseLoss):
+    """Mean squared error: ``reduce((output - target) ** 2)``; reduction "mean", "sum" or "none"."""
+
+    def build(self, loss_input_name: str, target_name: str = "target") -> str:
+        x = self._value(loss_input_name)
+        d = self.op.Sub(x, self._target(x, target_name))
+        return self._reduce(self.op.Mul(d, d)).name
+
+
+class L1Loss(_ElementwiseLoss):
+    """Mean absolute error: ``reduce(|output - target|)``."""
+
+    def build(self, loss_input_name: str, target_name: str = "target") -> str:
+        x = self._value(loss_input_name)
+        return self._reduce(self.op.Abs(self.op.Sub(x, self._target(x, target_name)))).name
+
+
+class BCEWithLogitsLoss(_ElementwiseLoss):
+    """Binary cross entropy on logits, as ``torch.nn.BCEWithLogitsLoss``.
+
+    ``weight`` rescales each element's loss; ``pos_weight`` weights the positive term.
+    Computed in the overflow-free form
+    ``(1 - t) x + (1 + (pos_weight - 1) t) (log(1 + exp(-|x|)) + max(-x, 0))``
+    (upstream's ``log(sigmoid(x))`` form overflows to inf for large |x|).
+    """
+
+    def __init__(self, weight=None, reduction: str = "mean", pos_weight=None):
+        super().__init__(reduction)
+        self._weight = None if weight is None else np.asarray(weight)
+        self._pos_weight = None if pos_weight is None else np.asarray(pos_weight)
+
+    def build(self, loss_input_name: str, target_name: str = "target") -> str:
+        op, b = self.op, self.context.builder
+        x = self._value(loss_input_name)
+        t = self._target(x, target_name)
+        np_dtype = x.dtype.numpy()
+        one = b.like(x, 1.0)
+        softplus_neg_x = op.Add(op.Log(op.Add(one, op.Exp(op.Neg(op.Abs(x))))), op.Relu(op.Neg(x)))
+        log_weight = one
+        if self._pos_weight is not None:
+            pos_weight = b.const(self._pos_weight.astype(np_dtype))
+            log_weight = op.Add(one, op.Mul(op.Sub(pos_weight, one), t))
+        loss = op.Add(op.Mul(op.Sub(one, t), x), op.Mul(log_weight, softplus_neg_x))
+        if self._weight is not None:
+            loss = op.Mul(loss, b.const(self._weight.astype(np_dtype)))
+        return self._reduce(loss).name
+
+
+class CrossEntropyLoss(Block):
+    """Softmax cross entropy between scores ``[N, C, ...]`` and class labels ``[N, ...]``.
+
+    As ``torch.nn.CrossEntropyLoss``: ``weight`` per class, ``ignore_index`` for labels
+    that contribute nothing, reduction "mean" (weighted mean over non-ignored labels),
+    "sum" or "none". A labels input created here is int32, as upstream's.
+    """
+
+    def __init__(self, weight=None, reduction: str = "mean", ignore_index: int | None = None):
+        super().__init__()
+        self._weight = None if weight is None else np.asarray(weight)
+        self._reduction = _check_reduction(reduction)
+        self._ignore_index = ignore_index
+
+    def build(self, scores_input_name: str, labels_name: str = "labels") -> str:
+        b = self.context.builder
+        scores = self._value(scores_input_name)
+        labels = self.context.find(labels_name)
+        if labels is None:
+            shape = None
+            if scores.shape is not None and len(scores.shape) >= 2:
+                dims = list(scores.shape)
+                shape = ir.Shape(dims[:1] + dims[2:])
+            labels = ir.Value(name=labels_name, type=ir.TensorType(ir.DataType.INT32), shape=shape)
+            self.context.graph.inputs.append(labels)
+        inputs = [scores, labels]
+        if self._weight is not None:
+            inputs.append(b.const(self._weight.astype(scores.dtype.numpy())))
+        attrs = {"reduction": self._reduction}
+        if self._ignore_index is not None:
+            attrs["ignore_index"] = int(self._ignore_index)
+        loss, _log_prob = b.add_node("SoftmaxCrossEntropyLoss", inputs, attrs, num_outputs=2)
+        return loss.name

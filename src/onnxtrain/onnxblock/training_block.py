@@ -1,0 +1,146 @@
+"""TrainingBlock and ForwardBlock: blocks that produce whole models."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import onnx_ir as ir
+
+from onnxtrain.errors import ArtifactError
+from onnxtrain.ir import io
+from onnxtrain.onnxblock._context import active
+from onnxtrain.onnxblock._training import Parameters, build_training_and_eval, select_parameters
+from onnxtrain.onnxblock.blocks import Block
+
+
+def _register_outputs(model: ir.Model, output_names) -> None:
+    from onnxtrain.onnxblock._context import BuildContext
+
+    ctx = BuildContext(model)
+    names = [output_names] if isinstance(output_names, str) else list(output_names)
+    model.graph.outputs.clear()
+    model.graph.outputs.extend(ctx.value(n) for n in names)
+
+
+class ForwardBlock(Block):
+    """A block whose ``build`` output becomes the graph output of a forward model.
+
+    Example:
+        >>> from onnxtrain import onnxblock
+        >>> class WithLoss(onnxblock.ForwardBlock):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.loss = onnxblock.loss.MSELoss()
+        ...     def build(self, output_name):
+        ...         return self.loss(output_name)
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._model: ir.Model | None = None
+
+    @abstractmethod
+    def build(self, *args, **kwargs):
+        """Stack blocks on the model; return the name(s) of the output(s)."""
+
+    def __call__(self, *args, **kwargs):
+        output = super().__call__(*args, **kwargs)
+        _register_outputs(self.context.model, output)
+        self._model = io.load_model(io.to_proto(self.context.model))
+        return output
+
+    def to_model_proto(self):
+        if self._model is None:
+            raise RuntimeError("call the block on the model before asking for the forward model")
+        return io.to_proto(self._model)
+
+
+class TrainingBlock(Block):
+    """A block whose ``build`` returns the loss; calling it builds the training and eval models.
+
+    Parameters to train are named with ``requires_grad(name)``, parameters to keep fixed
+    with ``requires_grad(name, False)``; initializers named in neither stay constants.
+
+    Example:
+        >>> import numpy as np
+        >>> from onnx import helper, numpy_helper, TensorProto
+        >>> from onnxtrain import onnxblock
+        >>> w = numpy_helper.from_array(np.ones((2, 2), np.float32), "w")
+        >>> g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+        ...     [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2])],
+        ...     [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])], [w])
+        >>> m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+        >>> class Train(onnxblock.TrainingBlock):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.loss = onnxblock.loss.MSELoss()
+        ...     def build(self, output_name):
+        ...         return self.loss(output_name)
+        >>> block = Train()
+        >>> block.requires_grad("w")
+        >>> with onnxblock.base(m):
+        ...     _ = block("y")
+        ...     training_model, eval_model = block.to_model_proto()
+        >>> [o.name for o in training_model.graph.output][-1]
+        'w_grad.accumulation.out'
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._requires_grad: list[str] = []
+        self._frozen: list[str] = []
+        self._parameters: Parameters | None = None
+        self._training_model: ir.Model | None = None
+        self._eval_model: ir.Model | None = None
+        self.additional_output_names: list[str] = []
+
+    @abstractmethod
+    def build(self, *args, **kwargs):
+        """Stack blocks on the model; return the name of the loss."""
+
+    def requires_grad(self, argument_name: str, value: bool = True) -> None:
+        """Mark a parameter as trainable (``value=True``) or frozen (``value=False``)."""
+        for lst in (self._requires_grad, self._frozen):
+            if argument_name in lst:
+                lst.remove(argument_name)
+        (self._requires_grad if value else self._frozen).append(argument_name)
+
+    def __call__(self, *args, **kwargs):
+        ctx = active()
+        user_inputs = [v.name for v in ctx.graph.inputs]
+        # choose parameters before the loss adds its own constants
+        self._parameters = select_parameters(ctx.model, self._requires_grad or None, self._frozen)
+        loss_name = super().__call__(*args, **kwargs)
+        if not isinstance(loss_name, str):
+            raise ArtifactError(f"a TrainingBlock's build must return the loss name, got {loss_name!r}")
+        model = io.load_model(io.to_proto(ctx.model))
+        self._training_model, self._eval_model = build_training_and_eval(
+            model, loss_name, self._parameters, user_inputs, self.additional_output_names
+        )
+        return loss_name
+
+    def parameters(self):
+        """``(trainable, frozen)`` lists of ``onnx.TensorProto``, as upstream returns them."""
+        if self._parameters is None:
+            raise RuntimeError("call the block on the model before asking for its parameters")
+        from onnx import numpy_helper
+
+        return ([numpy_helper.from_array(v, n) for n, v in self._parameters.trainable.items()],
+                [numpy_helper.from_array(v, n) for n, v in self._parameters.frozen.items()])
+
+    @property
+    def parameter_values(self) -> Parameters:
+        if self._parameters is None:
+            raise RuntimeError("call the block on the model before asking for its parameters")
+        return self._parameters
+
+    def to_model_proto(self):
+        """``(training_model, eval_model)`` as ``onnx.ModelProto``."""
+        if self._training_model is None:
+            raise RuntimeError("call the block on the model before asking for the training model")
+        return io.to_proto(self._training_model), io.to_proto(self._eval_model)
+
+    def to_ir_models(self) -> tuple[ir.Model, ir.Model]:
+        if self._training_model is None:
+            raise RuntimeError("call the block on the model before asking for the training model")
+        return self._training_model, self._eval_model

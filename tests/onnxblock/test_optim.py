@@ -1,0 +1,123 @@
+"""Optimizer graphs against independent references: torch.optim and a numpy HF-AdamW."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from onnxtrain import names
+from onnxtrain.ir import io
+from onnxtrain.onnxblock import empty_base, optim
+
+torch = pytest.importorskip("torch")
+
+SHAPES = {"w": (3, 4), "b": (4,)}
+
+
+def _run_steps(block, grads_per_step, lr, init):
+    with empty_base():
+        block(list(init.items()))
+    session = ort.InferenceSession(io.serialize(block.to_ir_model()), providers=["CPUExecutionProvider"])
+    params = {k: v.copy() for k, v in init.items()}
+    states = {(k, s): np.zeros_like(v) for k, v in init.items() for s in block.states}
+    for t, grads in enumerate(grads_per_step, start=1):
+        feeds = {names.LEARNING_RATE: np.array(lr, np.float32), names.STEP: np.array(t, np.int64)}
+        for k in params:
+            feeds[k], feeds[names.grad_name(k)] = params[k], grads[k]
+            for s in block.states:
+                feeds[names.state_name(k, s)] = states[(k, s)]
+        out = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        for k in params:
+            params[k] = out[names.updated_name(k)]
+            for s in block.states:
+                states[(k, s)] = out[names.updated_name(names.state_name(k, s))]
+    return params
+
+
+def _data(steps=6, seed=0):
+    rng = np.random.default_rng(seed)
+    init = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    grads = [{k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()} for _ in range(steps)]
+    return init, grads
+
+
+def _torch_steps(make_opt, init, grads_per_step, clip=None):
+    params = {k: torch.nn.Parameter(torch.tensor(v)) for k, v in init.items()}
+    opt = make_opt(list(params.values()))
+    for grads in grads_per_step:
+        for k, p in params.items():
+            p.grad = torch.tensor(grads[k])
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+        opt.step()
+    return {k: p.detach().numpy() for k, p in params.items()}
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.05])
+def test_adamw_torch_mode_matches_torch(weight_decay):
+    init, grads = _data()
+    ours = _run_steps(optim.AdamW(betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, mode="torch"),
+                      grads, 0.01, init)
+    ref = _torch_steps(lambda p: torch.optim.AdamW(p, lr=0.01, betas=(0.9, 0.99), eps=1e-8,
+                                                   weight_decay=weight_decay), init, grads)
+    for k in init:
+        np.testing.assert_allclose(ours[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def _hf_adamw_numpy(init, grads_per_step, lr, betas, eps, weight_decay, correct_bias=True):
+    """The Hugging Face transformers AdamW update, written out independently."""
+    params = {k: v.astype(np.float64) for k, v in init.items()}
+    m = {k: np.zeros_like(v) for k, v in params.items()}
+    v2 = {k: np.zeros_like(v) for k, v in params.items()}
+    for t, grads in enumerate(grads_per_step, start=1):
+        for k in params:
+            g = grads[k].astype(np.float64)
+            m[k] = betas[0] * m[k] + (1 - betas[0]) * g
+            v2[k] = betas[1] * v2[k] + (1 - betas[1]) * g * g
+            step_size = lr
+            if correct_bias:
+                step_size = lr * np.sqrt(1 - betas[1] ** t) / (1 - betas[0] ** t)
+            params[k] = params[k] - step_size * m[k] / (np.sqrt(v2[k]) + eps)
+            params[k] = params[k] - lr * weight_decay * params[k]
+    return params
+
+
+@pytest.mark.parametrize("correct_bias", [True, False])
+def test_adamw_default_is_transformers_adamw(correct_bias):
+    init, grads = _data(seed=1)
+    block = optim.AdamW(bias_correction=correct_bias, weight_decay=0.01)
+    assert block.betas == (0.9, 0.999) and block.eps == 1e-6  # upstream defaults
+    ours = _run_steps(block, grads, 0.005, init)
+    ref = _hf_adamw_numpy(init, grads, 0.005, (0.9, 0.999), 1e-6, 0.01, correct_bias)
+    for k in init:
+        np.testing.assert_allclose(ours[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"momentum": 0.9}, {"momentum": 0.9, "dampening": 0.1, "weight_decay": 0.01},
+    {"momentum": 0.8, "nesterov": True, "weight_decay": 0.1},
+])
+def test_sgd_matches_torch(kwargs):
+    init, grads = _data(seed=2)
+    ours = _run_steps(optim.SGD(**kwargs), grads, 0.1, init)
+    ref = _torch_steps(lambda p: torch.optim.SGD(p, lr=0.1, **kwargs), init, grads)
+    for k in init:
+        np.testing.assert_allclose(ours[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_clip_grad_norm_matches_torch():
+    init, grads = _data(seed=3)
+    ours = _run_steps(optim.SGD(momentum=0.9, clip_grad=optim.ClipGradNorm(0.5)), grads, 0.1, init)
+    ref = _torch_steps(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), init, grads, clip=0.5)
+    for k in init:
+        np.testing.assert_allclose(ours[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+def test_optimizer_model_uses_standard_ops_only():
+    init, _ = _data()
+    block = optim.AdamW(clip_grad=optim.ClipGradNorm(1.0))
+    with empty_base():
+        block(list(init.items()))
+    model = block.to_ir_model()
+    assert {n.domain for n in model.graph} == {""}

@@ -1,0 +1,87 @@
+"""Models exported from PyTorch 2.13: onnxtrain's gradients and AdamW trajectories equal PyTorch's.
+
+The exporter writes BatchNormalization in inference form (running statistics), so
+the PyTorch side runs in eval mode too: both compute the same function.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.torch_models import examples, export, torch
+
+from onnxtrain import artifacts, onnxblock
+from onnxtrain.api import CheckpointState, Module, Optimizer
+
+F = torch.nn.functional
+STEPS = 20
+LR = 2e-3
+
+
+class FlatCrossEntropy(onnxblock.Block):
+    """Cross entropy over the last axis of [batch, seq, vocab] logits, labels [batch, seq]."""
+
+    def __init__(self):
+        super().__init__()
+        self.ce = onnxblock.loss.CrossEntropyLoss()
+
+    def build(self, logits_name):
+        b = self.context.builder
+        logits = self.context.value(logits_name)
+        vocab = logits.shape[-1]
+        flat = b.op.Reshape(logits, b.ints([-1, vocab]))
+        return self.ce(flat.name, "labels")
+
+
+def _torch_loss(name, model, inputs, labels):
+    out = model(*[torch.tensor(a) for a in inputs])
+    target = torch.tensor(labels, dtype=torch.long)
+    if name == "gpt":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return F.cross_entropy(out, target)
+
+
+@pytest.fixture(scope="module")
+def all_examples():
+    return examples()
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "bert"])
+def test_gradients_and_adamw_trajectory_match_pytorch(name, all_examples, tmp_path):
+    ex = all_examples[name]
+    model = ex.model.eval()
+    rng = np.random.default_rng(0)
+    sample = ex.inputs(4, rng)
+    onnx_model = export(model, tuple(torch.tensor(a) for a in sample), ex.input_names, ex.dynamic())
+    param_names = [n for n, _ in model.named_parameters()]
+    initializers = {i.name for i in onnx_model.graph.initializer}
+    assert set(param_names) <= initializers, sorted(set(param_names) - initializers)
+
+    hyper = dict(betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
+    artifacts.generate_artifacts(
+        onnx_model, requires_grad=param_names,
+        loss=FlatCrossEntropy() if name == "gpt" else artifacts.LossType.CrossEntropyLoss,
+        optimizer=onnxblock.optim.AdamW(mode="torch", **hyper), artifact_directory=tmp_path,
+    )
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(LR)
+    torch_optimizer = torch.optim.AdamW(model.parameters(), lr=LR, **hyper)
+
+    for step in range(STEPS):
+        batch = (5, 7, 6)[step % 3]  # varying batch sizes: symbolic dims, no rebuild
+        inputs, labels = ex.inputs(batch, rng), ex.labels(batch, rng)
+        loss = module(*inputs, labels.astype(np.int32))
+        torch_optimizer.zero_grad()
+        torch_loss = _torch_loss(name, model, inputs, labels)
+        torch_loss.backward()
+        np.testing.assert_allclose(float(loss), torch_loss.item(), rtol=1e-4, err_msg=f"loss at step {step}")
+        if step == 0:
+            for pname, p in model.named_parameters():
+                np.testing.assert_allclose(state.parameters[pname].grad, p.grad.numpy(), rtol=1e-4, atol=1e-5,
+                                           err_msg=f"gradient of {pname}")
+        optimizer.step()
+        module.lazy_reset_grad()
+        torch_optimizer.step()

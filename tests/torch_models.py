@@ -1,0 +1,140 @@
+"""Small PyTorch models exported with torch.onnx.export(dynamo=True), shared by tests."""
+
+from __future__ import annotations
+
+import io as _io
+import logging
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+
+torch = __import__("pytest").importorskip("torch")
+nn = torch.nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.GELU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 8, 3, stride=1, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AvgPool2d(2),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 2 * 2, 10))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
+        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, d, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.attn = CausalSelfAttention(d, heads)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=40, d=16, heads=2, layers=2, max_len=16):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
+        self.blocks = nn.Sequential(*[GPTBlock(d, heads) for _ in range(layers)])
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def tiny_bert():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=32, max_position_embeddings=32, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return BertForSequenceClassification(config)
+
+
+class BertLogits(nn.Module):
+    """BERT classifier returning the logits tensor only (not a ModelOutput)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bert = tiny_bert()
+
+    def forward(self, input_ids, attention_mask):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def export(model: nn.Module, args: tuple, input_names: list[str], dynamic: dict) -> onnx.ModelProto:
+    """torch.onnx.export(dynamo=True) without the optimizer's BatchNorm folding (it would erase parameters)."""
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(model, args, dynamo=True, input_names=input_names, output_names=["output"],
+                                    dynamic_shapes=dynamic, optimize=False, verbose=False)
+    return program.model_proto
+
+
+@dataclass
+class Example:
+    name: str
+    model: nn.Module
+    inputs: Callable[[int, np.random.Generator], list[np.ndarray]]  # batch -> user inputs
+    labels: Callable[[int, np.random.Generator], np.ndarray]
+    input_names: list[str]
+    dynamic: Callable[[], dict]
+
+
+def examples() -> dict[str, Example]:
+    torch.manual_seed(0)
+    batch = torch.export.Dim("batch", min=2, max=64)
+    seq = torch.export.Dim("seq", min=2, max=16)
+    return {
+        "mlp": Example("mlp", MLP(), lambda n, r: [r.standard_normal((n, 12)).astype(np.float32)],
+                       lambda n, r: r.integers(0, 5, n), ["x"], lambda: ({0: batch},)),
+        "cnn": Example("cnn", CNN(), lambda n, r: [r.standard_normal((n, 1, 8, 8)).astype(np.float32)],
+                       lambda n, r: r.integers(0, 10, n), ["image"], lambda: ({0: batch},)),
+        "gpt": Example("gpt", GPT(), lambda n, r: [r.integers(0, 40, (n, 8))],
+                       lambda n, r: r.integers(0, 40, (n, 8)), ["idx"], lambda: ({0: batch, 1: seq},)),
+        "bert": Example("bert", BertLogits(),
+                        lambda n, r: [r.integers(0, 60, (n, 10)),
+                                      (np.arange(10)[None, :] < r.integers(5, 11, (n, 1))).astype(np.int64)],
+                        lambda n, r: r.integers(0, 3, n), ["input_ids", "attention_mask"],
+                        lambda: ({0: batch, 1: seq}, {0: batch, 1: seq})),
+    }

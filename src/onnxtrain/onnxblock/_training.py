@@ -9,17 +9,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import (
-    CommonSubexpressionEliminationPass,
-    RemoveUnusedNodesPass,
-    TopologicalSortPass,
-)
 
 from onnxtrain import names
 from onnxtrain.autodiff.builder import FLOAT_TYPES, build_gradients
 from onnxtrain.errors import ArtifactError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.passes import pipeline
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
 
@@ -85,10 +81,7 @@ def _lift_parameters(model: ir.Model, params: Parameters) -> None:
 
 
 def _clean(model: ir.Model) -> ir.Model:
-    for p in (RemoveUnusedNodesPass(), CommonSubexpressionEliminationPass(), RemoveUnusedNodesPass(),
-              TopologicalSortPass()):
-        p(model)
-    return model
+    return pipeline.run(model, pipeline.after_autodiff())
 
 
 def _metadata(params: Parameters, user_inputs, loss_inputs, loss_name, additional) -> str:

@@ -1,0 +1,1 @@
+"""Graph passes and the named pipelines that run them."""

@@ -1,0 +1,32 @@
+"""Named pipelines, as visible lists: the order passes run in is stated here and nowhere else."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes.common import (
+    CommonSubexpressionEliminationPass,
+    RemoveUnusedNodesPass,
+    RemoveUnusedOpsetsPass,
+    TopologicalSortPass,
+)
+
+from onnxtrain.passes.fold import FoldConstantsPass
+
+
+def after_autodiff() -> list[ir.passes.PassBase]:
+    """Clean a training/eval graph: fold what turned out static, merge duplicates, drop dead nodes."""
+    return [
+        RemoveUnusedNodesPass(),
+        FoldConstantsPass(),
+        CommonSubexpressionEliminationPass(),
+        RemoveUnusedNodesPass(),
+        RemoveUnusedOpsetsPass(),
+        TopologicalSortPass(),
+    ]
+
+
+def run(model: ir.Model, passes: list[ir.passes.PassBase]) -> ir.Model:
+    """Run ``passes`` in order on ``model`` (in place) and return it."""
+    for p in passes:
+        p(model)
+    return model

@@ -6,5 +6,60 @@ import numpy as np  # noqa: F401
 
 from tests.autodiff.grad_table import C, Case, I, pos  # noqa: F401
 
+_MAX = np.iinfo(np.int64).max
+_MIN = np.iinfo(np.int64).min
+
 ROWS: list[Case] = [
+    # -- Slice ------------------------------------------------------------------------------
+    Case("Slice", [I("N", 5), C([1], np.int64), C([_MAX], np.int64), C([-1], np.int64)],
+         id="Slice-to-end-negative-axis"),
+    Case("Slice", [I("N", 6), C([-2, 0], np.int64), C([_MAX, -1], np.int64)],
+         id="Slice-negative-starts-no-axes"),
+    Case("Slice", [I(4, "N"), C([1, 10], np.int64), C([3, 20], np.int64), C([0, 1], np.int64),
+                   C([1, 1], np.int64)], id="Slice-empty-unit-steps"),
+    Case("Slice", [I("N", 7), C([-1], np.int64), C([_MIN], np.int64), C([1], np.int64), C([-2], np.int64)],
+         id="Slice-negative-step-reverse"),
+    Case("Slice", [I(5, "N", 4), C([4, 1], np.int64), C([0, _MAX], np.int64), C([0, -1], np.int64),
+                   C([-1, 2], np.int64)], id="Slice-mixed-steps"),
+    Case("Slice", [I(3, 8), C([1, 0], np.int32), C([3, 8], np.int32), C([1, 0], np.int32), C([1, 3], np.int32)],
+         id="Slice-int32-strided"),
+    # starts / steps computed at run time (graph inputs, not constants): -2.x samples to -2
+    Case("Slice", [I("N", 6), I(1, low=-2.9, high=-2.1, dtype="int64", grad=False), C([_MAX], np.int64),
+                   C([1], np.int64)], id="Slice-dynamic-starts"),
+    Case("Slice", [I("N", 6), C([-1], np.int64), C([_MIN], np.int64), C([1], np.int64),
+                   I(1, low=-2.9, high=-2.1, dtype="int64", grad=False)], id="Slice-dynamic-steps"),
+    # -- Gather and friends (13-15: one-hot sums, 16+: ScatterND add) ---------------------------
+    Case("Gather", [I("N", 3), C([0, 2, 0, -1], np.int64)], attrs={"axis": 1}, opsets=(13, 15),
+         id="Gather-repeated-onehot"),
+    Case("Gather", [I("N", 3), C([0, 2, 0, -1], np.int64)], attrs={"axis": 1}, opsets=(16, 23),
+         id="Gather-repeated-scatter"),
+    Case("Gather", [I(5, 4), C([[1, 1], [4, -5]], np.int64)], attrs={"axis": 0}, opsets=(13, 23),
+         id="Gather-embedding-2d-indices"),
+    Case("Gather", [I(2, "N", 4, 3), C([3, -1, 3], np.int32)], attrs={"axis": -2}, opsets=(13, 23),
+         id="Gather-negative-axis-int32"),
+    Case("Gather", [I(3, "N"), C(np.array(-1, np.int64))], attrs={"axis": 0}, opsets=(13, 23),
+         id="Gather-scalar-index"),
+    Case("GatherElements", [I(3, "N"), C([[0, 2, 0], [1, 1, -1]], np.int64)], attrs={"axis": 1}, opsets=(13, 15),
+         id="GatherElements-onehot"),
+    Case("GatherElements", [I(3, "N"), C([[0, 2, 0], [1, 1, -1]], np.int64)], attrs={"axis": 1}, opsets=(16, 23),
+         id="GatherElements-scatter"),
+    Case("GatherElements", [I(3, 2, 4), C(np.array([[[2], [0]], [[2], [-1]]], np.int64))], attrs={"axis": -3},
+         opsets=(13, 23), id="GatherElements-negative-axis-smaller"),
+    Case("GatherND", [I(3, 4, "N"), C([[0, 1], [2, -1], [0, 1]], np.int64)], id="GatherND-repeated"),
+    Case("GatherND", [I(3, 4, 2), C([[[1], [0]], [[-1], [1]]], np.int64)], id="GatherND-depth1"),
+    Case("GatherND", [I(2, 3, 4), C([[[1, 0], [1, 0]], [[2, 3], [0, -1]]], np.int64)], attrs={"batch_dims": 1},
+         id="GatherND-batch-dims"),
+    Case("Compress", [I("N", 4), C([True, False, True], np.bool_)], attrs={"axis": 1}, id="Compress-axis"),
+    Case("Compress", [I(2, 3), C([False, True, True, False, True], np.bool_)], id="Compress-flat"),
+    # -- scatters -------------------------------------------------------------------------------
+    Case("ScatterND", [I(4, "N"), C([[1], [-1]], np.int64), I(2, "N")], id="ScatterND-rows"),
+    Case("ScatterND", [I(3, 4), C([[0, 1], [2, 2], [1, 0]], np.int64), I(3)], id="ScatterND-elements"),
+    Case("ScatterND", [I(3, 4), C([[0, 1], [0, 1]], np.int64), I(2)], attrs={"reduction": "add"},
+         opsets=(16, 23), id="ScatterND-add-repeated"),
+    Case("ScatterElements", [I(3, "N"), C([[0, 2], [1, -1]], np.int64), I(2, 2)], attrs={"axis": 1},
+         id="ScatterElements-axis1"),
+    Case("ScatterElements", [I(3, 4), C([[2, 0, 1, 0]], np.int64), I(1, 4)], attrs={"axis": -2},
+         id="ScatterElements-negative-axis"),
+    Case("ScatterElements", [I(3, 4), C([[0, 0], [1, 1]], np.int64), I(2, 2)],
+         attrs={"axis": 1, "reduction": "add"}, opsets=(16, 23), id="ScatterElements-add-repeated"),
 ]

@@ -1,3 +1,230 @@
-"""Gradient rules: index family."""
+"""Indexing: Slice, Gather, GatherElements, GatherND, ScatterND, ScatterElements, Compress.
+
+The gradient of a gather is a scatter of ``dy`` into zeros that *adds* where an
+index repeats. Opset 16 gave ScatterND/ScatterElements ``reduction="add"``; for
+opsets 13-15 the rules sum with a one-hot matrix instead (Equal against a Range,
+then MatMul or ReduceSum), which is exact but costs memory proportional to
+(number of indices) x (size of the gathered axis). Rules start at opset 13,
+onnxtrain's minimum (``ir.io.MIN_OPSET``).
+"""
 
 from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxtrain.autodiff.registry import GradContext, grad
+from onnxtrain.errors import ModelError
+from onnxtrain.ir.shapes import rank_of
+
+_INT64 = int(ir.DataType.INT64)
+_INT64_MAX = int(np.iinfo(np.int64).max)
+_SCATTER_ADD_OPSET = 16  # first opset with ScatterND/ScatterElements reduction="add"
+
+
+def _zeros(ctx: GradContext, shape: ir.Value, like: ir.Value) -> ir.Value:
+    return ctx.op.ConstantOfShape(shape, value=ir.tensor(np.zeros([1], dtype=like.dtype.numpy())))
+
+
+def _wrap_negative(ctx: GradContext, index: ir.Value, size: ir.Value) -> ir.Value:
+    """Indices in [-size, size) mapped to [0, size)."""
+    op = ctx.op
+    index = op.Cast(index, to=_INT64)
+    return op.Where(op.Less(index, ctx.b.scalar_int(0)), op.Add(index, size), index)
+
+
+def _prod(ctx: GradContext, dims: ir.Value) -> ir.Value:
+    """Product of a 1-D int64 tensor as a [1] tensor (1 for an empty one)."""
+    return ctx.op.ReduceProd(dims, keepdims=1)
+
+
+def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.Value, axis: int) -> ir.Value:
+    """Adjoint of ``Gather(x, indices, axis)`` for x of runtime shape ``x_shape``.
+
+    x is viewed as [P, D, Q] and dy as [P, K, Q] (K = number of indices); repeated
+    indices accumulate.
+    """
+    op, b = ctx.op, ctx.b
+    axes = b.ints([axis])
+    size = op.Gather(x_shape, axes, axis=0)  # D, as [1]
+    outer = _prod(ctx, op.Slice(x_shape, b.ints([0]), axes))  # P
+    inner = _prod(ctx, op.Slice(op.Slice(x_shape, axes, b.ints([_INT64_MAX])), b.ints([1]), b.ints([_INT64_MAX])))
+    index = op.Reshape(_wrap_negative(ctx, indices, size), b.ints([-1]))  # [K]
+    count = op.Reshape(op.Size(index), b.ints([1]))
+    dy3 = op.Reshape(dy, op.Concat(outer, count, inner, axis=0))
+    if ctx.opset >= _SCATTER_ADD_OPSET:
+        # ScatterND into [P, D, Q] with index pairs (p, index[k]) for every p, k
+        grid = op.Concat(outer, count, b.ints([1]), axis=0)
+        rows = op.Expand(op.Reshape(op.Range(b.scalar_int(0), op.Reshape(outer, b.ints([])), b.scalar_int(1)),
+                                    b.ints([-1, 1, 1])), grid)
+        cols = op.Expand(op.Reshape(index, b.ints([1, -1, 1])), grid)
+        zeros = _zeros(ctx, op.Concat(outer, size, inner, axis=0), dy)
+        dx3 = op.ScatterND(zeros, op.Concat(rows, cols, axis=2), dy3, reduction="add")
+    else:
+        classes = op.Range(b.scalar_int(0), op.Reshape(size, b.ints([])), b.scalar_int(1))
+        onehot = op.Cast(op.Equal(op.Reshape(index, b.ints([1, -1])), op.Reshape(classes, b.ints([-1, 1]))),
+                         to=int(dy.dtype))  # [D, K]
+        dx3 = op.MatMul(onehot, dy3)  # [D, K] @ [P, K, Q] -> [P, D, Q]
+    return op.Reshape(dx3, x_shape)
+
+
+# -- Slice ---------------------------------------------------------------------------
+
+
+def _slice_grad_pad(ctx: GradContext) -> ir.Value:
+    """Unit steps: dy padded back with zeros; the pads come from the clamped starts."""
+    op, b = ctx.op, ctx.b
+    zero = b.scalar_int(0)
+    x_shape = op.Shape(ctx.x)
+    rank = op.Size(x_shape)
+    starts = op.Cast(ctx.inputs[1], to=_INT64)
+    axes = ctx.inputs[3] if len(ctx.inputs) > 3 else None
+    if axes is None:
+        axes = op.Range(zero, op.Size(starts), b.scalar_int(1))
+    axes = _wrap_negative(ctx, axes, rank)
+    dims = op.Gather(x_shape, axes, axis=0)
+    begin = op.Min(op.Max(_wrap_negative(ctx, starts, dims), zero), dims)  # Slice's clamping
+    end = op.Sub(op.Sub(dims, begin), op.Gather(op.Shape(ctx.dy), axes, axis=0))
+    # pads for every axis: zeros, with begin/end written at the sliced axes
+    no_pads = op.ConstantOfShape(op.Reshape(op.Mul(rank, b.scalar_int(2)), b.ints([1])),
+                                 value=ir.tensor(np.zeros([1], dtype=np.int64)))
+    pads = op.ScatterElements(no_pads,
+                              op.Concat(axes, op.Add(axes, rank), axis=0), op.Concat(begin, end, axis=0), axis=0)
+    return op.Pad(ctx.dy, pads)
+
+
+def _slice_grad_scatter(ctx: GradContext) -> ir.Value:
+    """Any steps (negative, strided): slice a grid of flat positions with the node's own
+    starts/ends/axes/steps, then scatter dy to those positions (they never repeat)."""
+    op, b = ctx.op, ctx.b
+    x_shape = op.Shape(ctx.x)
+    count = op.Size(ctx.x)
+    positions = op.Reshape(op.Range(b.scalar_int(0), count, b.scalar_int(1)), x_shape)
+    picked = op.Reshape(op.Slice(positions, *ctx.inputs[1:]), b.ints([-1]))
+    zeros = _zeros(ctx, op.Reshape(count, b.ints([1])), ctx.dy)
+    flat = op.ScatterElements(zeros, picked, op.Reshape(ctx.dy, b.ints([-1])), axis=0)
+    return op.Reshape(flat, x_shape)
+
+
+@grad("Slice", versions=(13, None))
+def _slice(ctx):
+    steps = ctx.inputs[4] if len(ctx.inputs) > 4 else None
+    unit = steps is None or (ctx.const_input(4) is not None and bool(np.all(ctx.const_input(4) == 1)))
+    return (_slice_grad_pad(ctx) if unit else _slice_grad_scatter(ctx),)
+
+
+# -- gathers ---------------------------------------------------------------------------
+
+
+@grad("Gather", versions=(13, None))
+def _gather(ctx):
+    return (gather_grad(ctx, ctx.dy, ctx.op.Shape(ctx.x), ctx.inputs[1], ctx.attr("axis", 0)),)
+
+
+@grad("Compress", versions=(13, None))
+def _compress(ctx):
+    # Compress is a Gather of the positions where condition is true (x flattened without axis)
+    op, b = ctx.op, ctx.b
+    kept = op.Reshape(op.NonZero(ctx.inputs[1]), b.ints([-1]))
+    axis = ctx.attr("axis")
+    x_shape = op.Shape(ctx.x)
+    if axis is None:
+        flat_shape = op.Reshape(op.Size(ctx.x), b.ints([1]))
+        return (op.Reshape(gather_grad(ctx, ctx.dy, flat_shape, kept, 0), x_shape),)
+    return (gather_grad(ctx, ctx.dy, x_shape, kept, axis),)
+
+
+@grad("GatherElements", versions=(13, None))
+def _gather_elements(ctx):
+    op, b = ctx.op, ctx.b
+    x, indices = ctx.inputs
+    axis = ctx.attr("axis", 0)
+    x_shape = op.Shape(x)
+    index = _wrap_negative(ctx, indices, op.Gather(x_shape, b.ints([axis]), axis=0))
+    if ctx.opset >= _SCATTER_ADD_OPSET:
+        return (op.ScatterElements(b.zeros_like(x), index, ctx.dy, axis=axis, reduction="add"),)
+    # one-hot over the gathered axis: [*indices.shape, D], summed over that axis
+    rank = rank_of(indices)
+    if rank is None:
+        raise ModelError(f"GatherElements gradient at opset {ctx.opset} needs the rank of {indices.name!r}")
+    axis %= rank
+    classes = op.Range(b.scalar_int(0), op.Reshape(op.Gather(x_shape, b.ints([axis]), axis=0), b.ints([])),
+                       b.scalar_int(1))
+    hits = op.Equal(b.unsqueeze(index, [-1]), classes)
+    spread = op.Where(hits, b.unsqueeze(ctx.dy, [-1]), ctx.like(ctx.dy, 0.0))
+    summed = b.reduce_sum(spread, [axis], keepdims=True)  # size 1 at axis, D last
+    perm = list(range(rank + 1))
+    perm[axis], perm[rank] = rank, axis  # swap the size-1 axis and the D axis
+    dx = b.squeeze(op.Transpose(summed, perm=perm), [rank])
+    # indices may be smaller than x in the other axes: zero-fill the rest
+    missing = op.Sub(x_shape, op.Shape(dx))
+    return (op.Pad(dx, op.Concat(op.Mul(missing, b.scalar_int(0)), missing, axis=0)),)
+
+
+@grad("GatherND", versions=(13, None))
+def _gather_nd(ctx):
+    # GatherND == Gather(x viewed as [B*F, *tail], flat index) with B the batch dims and
+    # F the indexed dims; the flat index is b * F + (Horner over the index tuple).
+    op, b = ctx.op, ctx.b
+    x, indices = ctx.inputs
+    batch_dims = ctx.attr("batch_dims", 0)
+    depth = indices.shape[-1] if indices.shape is not None and len(indices.shape) else None
+    if not isinstance(depth, int) or depth < 1:
+        raise ModelError(f"GatherND gradient needs a static last dim >= 1 of indices {indices.name!r}")
+    x_shape = op.Shape(x)
+    flat = None
+    for j in range(depth):
+        dim = op.Gather(x_shape, b.scalar_int(batch_dims + j), axis=0)
+        coord = _wrap_negative(ctx, op.Gather(indices, b.scalar_int(j), axis=-1), dim)
+        flat = coord if flat is None else op.Add(op.Mul(flat, dim), coord)
+    rows = _prod(ctx, op.Slice(x_shape, b.ints([batch_dims]), b.ints([batch_dims + depth])))
+    if batch_dims:
+        batches = _prod(ctx, op.Slice(x_shape, b.ints([0]), b.ints([batch_dims])))
+        ones = b.ints([1] * (len(indices.shape) - 1 - batch_dims))
+        batch_id = op.Reshape(op.Range(b.scalar_int(0), op.Reshape(batches, b.ints([])), b.scalar_int(1)),
+                              op.Concat(op.Slice(op.Shape(indices), b.ints([0]), b.ints([batch_dims])), ones, axis=0))
+        flat = op.Add(op.Mul(batch_id, rows), flat)
+        rows = op.Mul(batches, rows)
+    view = op.Concat(rows, op.Slice(x_shape, b.ints([batch_dims + depth]), b.ints([_INT64_MAX])), axis=0)
+    return (op.Reshape(gather_grad(ctx, ctx.dy, view, flat, 0), x_shape),)
+
+
+# -- scatters --------------------------------------------------------------------------
+
+
+def _scatter_reduction(ctx: GradContext) -> str:
+    reduction = ctx.attr("reduction", "none")
+    reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
+    if reduction not in ("none", "add"):
+        raise ModelError(f"{ctx.node.op_type} gradient supports reduction none or add, not {reduction!r}")
+    return reduction
+
+
+@grad("ScatterND", versions=(13, None))
+def _scatter_nd(ctx):
+    # none: written positions take updates, so data's gradient is dy with them zeroed;
+    # add: data passes dy through. updates read dy at the positions they were written to.
+    op = ctx.op
+    _, indices, updates = ctx.inputs
+    reduction = _scatter_reduction(ctx)
+    d_data = d_updates = None
+    if ctx.needs(0):
+        d_data = ctx.dy if reduction == "add" else op.ScatterND(ctx.dy, indices, ctx.b.zeros_like(updates))
+    if ctx.needs(2):
+        d_updates = op.GatherND(ctx.dy, indices)
+    return d_data, None, d_updates
+
+
+@grad("ScatterElements", versions=(13, None))
+def _scatter_elements(ctx):
+    op = ctx.op
+    _, indices, updates = ctx.inputs
+    axis = ctx.attr("axis", 0)
+    reduction = _scatter_reduction(ctx)
+    d_data = d_updates = None
+    if ctx.needs(0):
+        d_data = (ctx.dy if reduction == "add"
+                  else op.ScatterElements(ctx.dy, indices, ctx.b.zeros_like(updates), axis=axis))
+    if ctx.needs(2):
+        d_updates = op.GatherElements(ctx.dy, indices, axis=axis)
+    return d_data, None, d_updates

@@ -1,7 +1,9 @@
 """Models exported from PyTorch 2.13: onnxtrain's gradients and AdamW trajectories equal PyTorch's.
 
-The exporter writes BatchNormalization in inference form (running statistics), so
-the PyTorch side runs in eval mode too: both compute the same function.
+Two exporters: the current one (``dynamo=True``, opset 18+), which writes BatchNormalization
+in inference form (running statistics), so the PyTorch side runs in eval mode; and the
+TorchScript exporter of older stacks at opset 14 in training mode (BatchNormalization with
+batch statistics, ``training_mode=1``), compared with PyTorch in train mode.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.torch_models import examples, export, torch
+from tests.torch_models import examples, export, export_legacy, torch
 
 from onnxtrain import artifacts, onnxblock
 from onnxtrain.api import CheckpointState, Module, Optimizer
@@ -42,18 +44,21 @@ def _torch_loss(name, model, inputs, labels):
     return F.cross_entropy(out, target)
 
 
-@pytest.fixture(scope="module")
-def all_examples():
-    return examples()
+CASES = [("mlp", "dynamo"), ("cnn", "dynamo"), ("gpt", "dynamo"), ("bert", "dynamo"),
+         ("mlp", "legacy14"), ("cnn", "legacy14"), ("gpt", "legacy14")]
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "bert"])
-def test_gradients_and_adamw_trajectory_match_pytorch(name, all_examples, tmp_path):
-    ex = all_examples[name]
-    model = ex.model.eval()
+@pytest.mark.parametrize(("name", "exporter"), CASES, ids=[f"{n}-{e}" for n, e in CASES])
+def test_gradients_and_adamw_trajectory_match_pytorch(name, exporter, tmp_path):
+    ex = examples()[name]
     rng = np.random.default_rng(0)
-    sample = ex.inputs(4, rng)
-    onnx_model = export(model, tuple(torch.tensor(a) for a in sample), ex.input_names, ex.dynamic())
+    sample = tuple(torch.tensor(a) for a in ex.inputs(4, rng))
+    if exporter == "dynamo":
+        model = ex.model.eval()
+        onnx_model = export(model, sample, ex.input_names, ex.dynamic())
+    else:
+        model = ex.model.train()
+        onnx_model = export_legacy(model, sample, ex.input_names)
     param_names = [n for n, _ in model.named_parameters()]
     initializers = {i.name for i in onnx_model.graph.initializer}
     assert set(param_names) <= initializers, sorted(set(param_names) - initializers)

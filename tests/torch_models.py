@@ -111,6 +111,19 @@ def export(model: nn.Module, args: tuple, input_names: list[str], dynamic: dict)
     return program.model_proto
 
 
+def export_legacy(model: nn.Module, args: tuple, input_names: list[str], opset: int = 14) -> onnx.ModelProto:
+    """The TorchScript exporter of older stacks (opset 14-17), in training mode (BatchNorm uses batch stats)."""
+    buffer = _io.BytesIO()
+    dynamic_axes = {name: {0: "batch", 1: "seq"} if np.ndim(a) >= 2 and a.dtype in (torch.int64,) else {0: "batch"}
+                    for name, a in zip(input_names, args)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, args, buffer, dynamo=False, opset_version=opset, input_names=input_names,
+                          output_names=["output"], dynamic_axes=dynamic_axes,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    return onnx.load_from_string(buffer.getvalue())
+
+
 @dataclass
 class Example:
     name: str

@@ -1,4 +1,8 @@
-"""Gradient-table rows for rules/conv.py."""
+"""Gradient-table rows for rules/conv.py.
+
+ORT has no float64 Conv/ConvTranspose/pool kernels, so these rows are checked in
+float32: inputs stay in [-1, 1] and shapes small so finite differences stay accurate.
+"""
 
 from __future__ import annotations
 
@@ -6,5 +10,88 @@ import numpy as np  # noqa: F401
 
 from tests.autodiff.grad_table import C, Case, I, pos  # noqa: F401
 
+
+def U(*shape, **kw):
+    """A float input in [-1, 1]."""
+    return I(*shape, low=-1.0, high=1.0, **kw)
+
+
+def W(*shape, **kw):
+    """A float input in [-10, 10] for max pooling: wide gaps between a window's largest values
+    keep the finite-difference step (0.01 in float32) from switching the arg-max."""
+    return I(*shape, low=-10.0, high=10.0, **kw)
+
+
 ROWS: list[Case] = [
+    # -- Conv -------------------------------------------------------------------------
+    Case("Conv", [U(2, 3, 5, 6), U(4, 3, 3, 3), U(4)], opsets=(13, 23), id="Conv-2d-bias"),
+    Case("Conv", [U("N", 2, 7, 6), U(3, 2, 3, 2)], attrs={"strides": [2, 2], "pads": [1, 0, 2, 1]},
+         opsets=(13, 23), id="Conv-2d-strides-pads-symbolic"),
+    Case("Conv", [U(2, 2, 9, 8), U(2, 2, 2, 3)], attrs={"dilations": [2, 3], "strides": [1, 2], "pads": [1, 1, 0, 2]},
+         opsets=(13, 23), id="Conv-2d-dilations"),
+    Case("Conv", [U(2, 4, 6, 5), U(6, 2, 3, 3), U(6)], attrs={"group": 2, "pads": [1, 1, 1, 1]},
+         opsets=(13, 23), id="Conv-2d-groups"),
+    Case("Conv", [U("N", 3, 6, 5), U(3, 1, 3, 3)], attrs={"group": 3, "strides": [2, 1]},
+         opsets=(13, 23), id="Conv-2d-depthwise"),
+    Case("Conv", [U(2, 3, 7), U(2, 3, 3), U(2)], attrs={"strides": [2], "pads": [1, 2]},
+         opsets=(13, 23), id="Conv-1d"),
+    Case("Conv", [U(1, 2, 4, 5, 4), U(2, 2, 2, 3, 2)], attrs={"strides": [1, 2, 1], "pads": [1, 0, 0, 0, 1, 1]},
+         opsets=(13, 23), id="Conv-3d"),
+    Case("Conv", [U("N", 2, "H", "W"), U(3, 2, 3, 3)], attrs={"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+         dims={"N": 2, "H": 7, "W": 6}, opsets=(13, 23), id="Conv-same-upper-symbolic-spatial"),
+    Case("Conv", [U(2, 2, 6, 7), U(3, 2, 2, 4)], attrs={"auto_pad": "SAME_LOWER", "strides": [1, 2]},
+         opsets=(13, 23), id="Conv-same-lower"),
+    Case("Conv", [U(2, 2, 7, 6), U(3, 2, 3, 2)], attrs={"auto_pad": "VALID", "strides": [2, 3]},
+         opsets=(13, 23), id="Conv-valid"),
+]
+ROWS += [
+    # -- ConvTranspose ----------------------------------------------------------------
+    Case("ConvTranspose", [U(2, 3, 4, 5), U(3, 2, 3, 3), U(2)], opsets=(13, 23), id="ConvTranspose-2d-bias"),
+    Case("ConvTranspose", [U("N", 2, 3, 4), U(2, 3, 3, 2)],
+         attrs={"strides": [2, 3], "pads": [1, 0, 0, 1], "output_padding": [1, 2]},
+         opsets=(13, 23), id="ConvTranspose-strides-pads-output-padding-symbolic"),
+    Case("ConvTranspose", [U(2, 4, 3, 4), U(4, 2, 2, 3), U(4)],
+         attrs={"group": 2, "dilations": [2, 1], "strides": [1, 2]}, opsets=(13, 23), id="ConvTranspose-groups-dilations"),
+    Case("ConvTranspose", [U(2, 3, 5), U(3, 1, 3)], attrs={"group": 3, "strides": [2], "pads": [1, 1]},
+         opsets=(13, 23), id="ConvTranspose-1d-depthwise"),
+    Case("ConvTranspose", [U("N", 2, "H", 4), U(2, 2, 3, 3)], attrs={"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+         dims={"H": 3}, opsets=(13, 23), id="ConvTranspose-same-upper-symbolic-spatial"),
+    Case("ConvTranspose", [U(1, 2, 3, 4), U(2, 2, 2, 3)], attrs={"auto_pad": "SAME_LOWER", "strides": [2, 2]},
+         opsets=(13, 23), id="ConvTranspose-same-lower"),
+    Case("ConvTranspose", [U(1, 2, 3, 3), U(2, 1, 3, 3)], attrs={"output_shape": [6, 5], "strides": [2, 2]},
+         opsets=(13, 23), id="ConvTranspose-output-shape"),
+]
+ROWS += [
+    # -- pooling ----------------------------------------------------------------------
+    # MaxPool: opsets 13-15 scatter residue classes, 16+ scatter-add; overlapping windows
+    # (stride < kernel) make several outputs pick the same input.
+    Case("MaxPool", [W("N", 2, 5, 6)], attrs={"kernel_shape": [3, 3], "strides": [1, 2], "pads": [1, 1, 1, 0]},
+         opsets=(13, 23), id="MaxPool-2d-overlap-pads-symbolic"),
+    Case("MaxPool", [W(2, 2, 4, 6)], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}, opsets=(13, 23),
+         id="MaxPool-2d-disjoint"),
+    Case("MaxPool", [W(2, 3, 7, 6)], attrs={"kernel_shape": [2, 3], "strides": [2, 1], "dilations": [2, 1],
+                                            "ceil_mode": 1, "pads": [0, 1, 1, 1]},
+         opsets=(13, 23), id="MaxPool-2d-dilations-ceil"),
+    Case("MaxPool", [W(2, 3, 8)], attrs={"kernel_shape": [3], "strides": [2], "auto_pad": "SAME_UPPER"},
+         opsets=(13, 23), id="MaxPool-1d-same-upper"),
+    Case("MaxPool", [W(1, 2, 4, 3, 4)], attrs={"kernel_shape": [2, 2, 2], "strides": [1, 1, 2], "storage_order": 1},
+         outputs=1, opsets=(13, 23), id="MaxPool-3d-storage-order"),
+    Case("AveragePool", [U("N", 2, 5, 6)], attrs={"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 0, 1, 1]},
+         opsets=(13, 23), id="AveragePool-2d-pads-exclude-symbolic"),
+    Case("AveragePool", [U(2, 2, 5, 6)], attrs={"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
+                                                "count_include_pad": 1, "ceil_mode": 1},
+         opsets=(13, 23), id="AveragePool-2d-include-pad-ceil"),
+    Case("AveragePool", [U(2, 2, 6, 6)], attrs={"kernel_shape": [2, 3], "strides": [2, 2], "pads": [1, 0, 0, 0],
+                                                "ceil_mode": 1},
+         opsets=(13, 23), id="AveragePool-2d-exclude-pad-ceil"),
+    Case("AveragePool", [U(2, 3, 8)], attrs={"kernel_shape": [3], "strides": [2], "auto_pad": "SAME_LOWER"},
+         opsets=(13, 23), id="AveragePool-1d-same-lower"),
+    Case("AveragePool", [U(2, 2, 8, 7)], attrs={"kernel_shape": [2, 2], "dilations": [2, 3], "pads": [1, 1, 0, 1],
+                                                "count_include_pad": 1},
+         opsets=(19, 23), id="AveragePool-2d-dilations"),
+    Case("AveragePool", [U(1, 2, 4, 3, 5)], attrs={"kernel_shape": [2, 2, 3], "strides": [2, 1, 2]},
+         opsets=(13, 23), id="AveragePool-3d"),
+    Case("GlobalAveragePool", [U("N", 3, 4, 5)], opsets=(13, 23), id="GlobalAveragePool-symbolic"),
+    Case("GlobalAveragePool", [U(2, 3, 6)], opsets=(13, 23), id="GlobalAveragePool-1d"),
+    Case("GlobalMaxPool", [W("N", 3, 2, 3)], opsets=(13, 23), id="GlobalMaxPool-symbolic"),
 ]

@@ -1,0 +1,222 @@
+"""generate_artifacts end to end on models made with onnx.helper (no PyTorch)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import artifacts, onnxblock
+from onnxtrain.api import CheckpointState, Module, Optimizer
+from onnxtrain.errors import ArtifactError, InputMismatchError, UnsupportedOpError
+
+
+def regression_model(seed=0, hidden=8):
+    """x[N, 3] -> Gemm -> Sigmoid -> MatMul + bias -> y[N, 1]; the target is a fixed smooth function."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((3, hidden)).astype(np.float32), "w1"),
+        numpy_helper.from_array(np.zeros(hidden, np.float32), "b1"),
+        numpy_helper.from_array((rng.standard_normal((hidden, 1)) * 0.3).astype(np.float32), "w2"),
+        numpy_helper.from_array(np.zeros(1, np.float32), "b2"),
+        numpy_helper.from_array(np.array(2.0, np.float32), "scale"),  # a scalar constant, not a parameter
+    ]
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h"]),
+        helper.make_node("Mul", ["h", "scale"], ["hs"]),
+        helper.make_node("Sigmoid", ["hs"], ["a"]),
+        helper.make_node("MatMul", ["a", "w2"], ["o"]),
+        helper.make_node("Add", ["o", "b2"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "regression", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def batches(seed, count, size=16):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        x = rng.uniform(-1, 1, (size, 3)).astype(np.float32)
+        y = (np.sin(x[:, :1] * 2) + x[:, 1:2] * x[:, 2:3]).astype(np.float32)
+        yield x, y
+
+
+def make(tmp_path, **kwargs):
+    options = dict(loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
+    options.update(kwargs)
+    artifacts.generate_artifacts(regression_model(), **options)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    return state, module, optimizer
+
+
+def test_helper_model_trains_and_uses_standard_ops(tmp_path):
+    state, module, optimizer = make(tmp_path)
+    assert set(state.parameters) == {"w1", "b1", "w2", "b2"}  # the scalar "scale" stays a constant
+    optimizer.set_learning_rate(0.03)
+    losses = []
+    for x, y in batches(0, 150):
+        losses.append(float(module(x, y)))
+        optimizer.step()
+        module.lazy_reset_grad()
+    assert np.mean(losses[-10:]) < 0.2 * np.mean(losses[:10])
+    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        model = onnx.load(tmp_path / name)
+        onnx.checker.check_model(model)
+        assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}, name
+        ort.InferenceSession(str(tmp_path / name), providers=["CPUExecutionProvider"])
+
+
+def test_frozen_parameters_get_no_gradient_and_do_not_change(tmp_path):
+    state, module, optimizer = make(tmp_path, requires_grad=["w2", "b2"], frozen_params=["w1", "b1"])
+    before = {n: state.parameters[n].data.copy() for n in state.parameters}
+    training = onnx.load(tmp_path / "training_model.onnx")
+    grad_outputs = sorted(o.name for o in training.graph.output[1:])
+    assert grad_outputs == ["b2_grad.accumulation.out", "w2_grad.accumulation.out"]
+    x, y = next(batches(1, 1))
+    module(x, y)
+    optimizer.step()
+    for n in ("w1", "b1"):
+        np.testing.assert_array_equal(state.parameters[n].data, before[n])
+    assert not np.array_equal(state.parameters["w2"].data, before["w2"])
+
+
+def test_gradients_accumulate_until_reset(tmp_path):
+    state, module, _ = make(tmp_path)
+    (x1, y1), (x2, y2) = batches(2, 2)
+    module(x1, y1)
+    g1 = state.parameters["w1"].grad.copy()
+    module(x2, y2)
+    g12 = state.parameters["w1"].grad.copy()
+    module.lazy_reset_grad()
+    module(x2, y2)
+    g2 = state.parameters["w1"].grad.copy()
+    np.testing.assert_allclose(g12, g1 + g2, rtol=1e-6, atol=1e-7)
+
+
+def test_inference_export_matches_eval(tmp_path):
+    _, module, optimizer = make(tmp_path, additional_output_names=["y"])
+    for x, y in batches(3, 5):
+        module(x, y)
+        optimizer.step()
+        module.lazy_reset_grad()
+    module.eval()
+    x, y = next(batches(4, 1))
+    _, prediction = module(x, y)
+    module.export_model_for_inferencing(tmp_path / "infer.onnx", ["y"])
+    session = ort.InferenceSession(str(tmp_path / "infer.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["x"]
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], prediction, rtol=1e-6)
+
+
+def test_bad_inputs_raise_input_mismatch(tmp_path):
+    _, module, _ = make(tmp_path)
+    x, y = next(batches(5, 1))
+    with pytest.raises(InputMismatchError, match="x"):
+        module(np.zeros((4, 5), np.float32), y[:4])
+    with pytest.raises(InputMismatchError, match="float"):
+        module(x.astype(np.float64), y)
+    with pytest.raises(InputMismatchError):
+        module(x)
+
+
+def test_unsupported_ops_are_reported_together(tmp_path):
+    w = numpy_helper.from_array(np.ones((3, 3), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["a"]), helper.make_node("Det", ["a"], ["d"], name="det1"),
+             helper.make_node("Unsqueeze", ["d", "axes"], ["du"]),
+             helper.make_node("Mul", ["a", "du"], ["b"]),
+             helper.make_node("MyOp", ["b"], ["c"], domain="com.example", name="custom1"),
+             helper.make_node("ReduceSum", ["c"], ["y"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])],
+                              [w, numpy_helper.from_array(np.array([0], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)])
+    with pytest.raises(UnsupportedOpError) as info:
+        artifacts.generate_artifacts(model, requires_grad=["w"], artifact_directory=tmp_path)
+    assert info.value.unsupported == {"Det": ["det1"], "com.example::MyOp": ["custom1"]}
+
+
+def test_parameter_lists_are_validated(tmp_path):
+    with pytest.raises(ArtifactError, match="no initializer named"):
+        artifacts.generate_artifacts(regression_model(), requires_grad=["w1", "nope"], artifact_directory=tmp_path)
+    with pytest.raises(ArtifactError, match="both"):
+        artifacts.generate_artifacts(regression_model(), requires_grad=["w1"], frozen_params=["w1"],
+                                     artifact_directory=tmp_path)
+
+
+def test_nominal_checkpoint_has_no_values_but_the_right_shapes(tmp_path):
+    artifacts.generate_artifacts(regression_model(), loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path,
+                                 nominal_checkpoint=True, prefix="nom_")
+    state = CheckpointState.load_checkpoint(tmp_path / "nom_checkpoint")
+    assert state.parameters["w1"].data.shape == (3, 8)
+    assert (tmp_path / "nom_training_model.onnx").exists()
+    assert (tmp_path / "nom_checkpoint").stat().st_size < 2000
+
+
+def test_custom_loss_block_and_loss_input_names(tmp_path):
+    class WeightedMSE(onnxblock.Block):
+        def __init__(self):
+            super().__init__()
+            self.mse = onnxblock.loss.MSELoss()
+            self.mul = onnxblock.blocks.Mul()
+            self.half = onnxblock.blocks.Constant(np.float32(0.5))
+
+        def build(self, output_name):
+            return self.mul(self.mse(output_name, "target"), self.half())
+
+    state, module, optimizer = make(tmp_path, loss=WeightedMSE(), loss_input_names=["y"])
+    x, y = next(batches(6, 1))
+    loss = float(module(x, y))
+    module.eval()
+    eval_loss = float(module(x, y))
+    assert loss == pytest.approx(eval_loss, rel=1e-6)
+    meta = json.loads(dict((p.key, p.value) for p in onnx.load(tmp_path / "eval_model.onnx").metadata_props)
+                      ["onnxtrain.training"])
+    assert meta["loss_inputs"] == ["target"] and meta["user_inputs"] == ["x"]
+
+
+RESUME_SCRIPT = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_artifacts import batches
+    from onnxtrain.api import CheckpointState, Module, Optimizer
+    d = {d!r}
+    state = CheckpointState.load_checkpoint(d + "/resume_checkpoint")
+    module = Module(d + "/training_model.onnx", state, d + "/eval_model.onnx")
+    optimizer = Optimizer(d + "/optimizer_model.onnx", module)
+    for i, (x, y) in enumerate(batches(7, {n})):
+        if i < {k}:
+            continue
+        module(x, y); optimizer.step(); module.lazy_reset_grad()
+    CheckpointState.save_checkpoint(state, d + "/resumed_checkpoint", include_optimizer_state=True)
+""")
+
+
+def test_save_load_resume_in_a_fresh_process_is_bit_identical(tmp_path):
+    """N steps straight == k steps, save, load in a new process, N - k steps.
+
+    Bit-identical: the same kernels on the same inputs in the same order with one intra-op
+    thread (onnxruntime's CPU kernels are deterministic then); the subprocess sets the same.
+    """
+    n, k = 12, 5
+    state, module, optimizer = make(tmp_path)
+    optimizer.set_learning_rate(0.02)
+    for i, (x, y) in enumerate(batches(7, n)):
+        if i == k:
+            CheckpointState.save_checkpoint(state, tmp_path / "resume_checkpoint", include_optimizer_state=True)
+        module(x, y)
+        optimizer.step()
+        module.lazy_reset_grad()
+    script = RESUME_SCRIPT.format(tests=str(__import__("pathlib").Path(__file__).parent), d=str(tmp_path), n=n, k=k)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    resumed = CheckpointState.load_checkpoint(tmp_path / "resumed_checkpoint")
+    for name in state.parameters:
+        np.testing.assert_array_equal(resumed.parameters[name].data, state.parameters[name].data, err_msg=name)

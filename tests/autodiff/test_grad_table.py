@@ -50,10 +50,14 @@ def build_case_model(case: Case, opset: int, rng):
         opsets.append(helper.make_opsetid(case.domain, 1))
     model = helper.make_model(graph, opset_imports=opsets, ir_version=8)
     model = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    inferred = {vi.name: vi for vi in model.graph.value_info}
+    first_type = next((i.type.tensor_type.elem_type for i in model.graph.input), onnx.TensorProto.FLOAT)
     for out in model.graph.output:  # take output types from inference
-        for vi in model.graph.value_info:
-            if vi.name == out.name:
-                out.CopyFrom(vi)
+        if out.name in inferred:
+            out.CopyFrom(inferred[out.name])
+        elif out.type.tensor_type.elem_type == onnx.TensorProto.UNDEFINED:
+            # some schemas (GroupNormalization) infer no type: outputs have input 0's
+            out.type.tensor_type.elem_type = first_type
     return model, feeds, wrt
 
 

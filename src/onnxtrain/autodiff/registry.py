@@ -62,6 +62,22 @@ class GradContext:
             self.grad_outputs[index] = g
         return g
 
+    def forward_output(self, index: int, dtype: ir.DataType, label: str) -> ir.Value:
+        """Output ``index`` of the forward node, added to the node if it does not produce it.
+
+        Rules use this to reuse what the forward kernel computes anyway (a Dropout mask,
+        LayerNormalization's statistics) instead of recomputing or re-randomizing it.
+        """
+        node = self.node
+        if len(node.outputs) <= index:
+            node.resize_outputs(index + 1)
+        out = node.outputs[index]
+        if not out.name:  # newly added, or an omitted optional output
+            out.name = self.b.fresh_name(f"{node.op_type}_{label}")
+        if out.type is None:
+            out.type = ir.TensorType(dtype)
+        return out
+
     def needs(self, index: int) -> bool:
         return index < len(self.needs_grad) and self.needs_grad[index]
 

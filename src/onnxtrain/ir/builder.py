@@ -72,7 +72,8 @@ class GraphBuilder:
         """A builder on the same graph whose node names start with ``scope``."""
         return GraphBuilder(self.graph, scope=scope, opset=self.opset, _counter=self._counter)
 
-    def _fresh(self, base: str) -> str:
+    def fresh_name(self, base: str) -> str:
+        """A name unique within this builder's graph, under this builder's scope."""
         prefix = f"{self.scope}/" if self.scope else ""
         return f"{prefix}{base}_{next(self._counter)}"
 
@@ -87,7 +88,7 @@ class GraphBuilder:
         domain: str = "",
     ):
         attrs = {k: _attr_value(v) for k, v in (attributes or {}).items() if v is not None}
-        name = self._fresh(op_type)
+        name = self.fresh_name(op_type)
         node = ir.Node(
             domain,
             op_type,
@@ -168,7 +169,7 @@ class GraphBuilder:
     def reduce(self, op_type: str, x: ir.Value, axes: Sequence[int] | ir.Value | None, keepdims: bool = True,
                noop_with_empty_axes: bool = False) -> ir.Value:
         """Reduce* with axes as an attribute or input, whichever this opset wants."""
-        axes_as_input = self.opset >= 18 or op_type == "ReduceSum"
+        axes_as_input = self.opset >= 18 or (op_type == "ReduceSum" and self.opset >= 13)
         attrs: dict[str, Any] = {"keepdims": int(keepdims)}
         if noop_with_empty_axes:
             attrs["noop_with_empty_axes"] = 1

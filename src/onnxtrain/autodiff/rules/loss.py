@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import GradContext, grad
-from onnxtrain.autodiff.rules.nn import forward_output, rank, reduce_sum, unsqueeze
+from onnxtrain.autodiff.rules.nn import rank, reduce_sum, unsqueeze
 
 
 def _per_target(ctx: GradContext):
@@ -58,7 +58,7 @@ def _coefficient(ctx: GradContext, labels, w):
 def _softmax_cross_entropy(ctx):
     op = ctx.op
     scores = ctx.x
-    prob = op.Exp(forward_output(ctx, 1, scores.dtype, "log_prob"))  # reuse the forward's softmax
+    prob = op.Exp(ctx.forward_output(1, scores.dtype, "log_prob"))  # reuse the forward's softmax
     dx = None
     if ctx.grad_outputs[0] is not None:  # coef * (softmax - onehot)
         labels, w = _per_target(ctx)

@@ -18,19 +18,6 @@ _LOW_PRECISION = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
 # -- helpers ---------------------------------------------------------------------
-def forward_output(ctx: GradContext, index: int, dtype: ir.DataType, label: str) -> ir.Value:
-    """Output ``index`` of the forward node, added to the node if it does not produce it."""
-    node = ctx.node
-    if len(node.outputs) <= index:
-        node.resize_outputs(index + 1)
-    out = node.outputs[index]
-    if not out.name:  # newly added, or an omitted optional output
-        out.name = ctx.b._fresh(f"{node.op_type}_{label}")
-    if out.type is None:
-        out.type = ir.TensorType(dtype)
-    return out
-
-
 def rank(x: ir.Value) -> int:
     r = rank_of(x)
     if r is None:
@@ -108,8 +95,8 @@ def _layer_norm(ctx):
     r = rank(x)
     axes = list(range(normalize_axis(ctx.attr("axis", -1), r), r))
     stash = ir.DataType.FLOAT if ctx.attr("stash_type", 1) == 1 else x.dtype
-    mean = forward_output(ctx, 1, stash, "mean")
-    inv_std = forward_output(ctx, 2, stash, "inv_std_dev")
+    mean = ctx.forward_output(1, stash, "mean")
+    inv_std = ctx.forward_output(2, stash, "inv_std_dev")
     # work in the statistics' precision for fp16/bf16 inputs, else in x's own
     work = mean.dtype if x.dtype in _LOW_PRECISION else x.dtype
     xw, dy = b.cast_to(x, work), b.cast_to(ctx.dy, work)
@@ -215,7 +202,7 @@ def _dropout(ctx):
     if training is None or (training_const is not None and not bool(training_const)):
         return (dy,)  # inference mode: identity
     # reuse the forward mask: recomputing it would draw new random numbers
-    mask = forward_output(ctx, 1, ir.DataType.BOOL, "mask")
+    mask = ctx.forward_output(1, ir.DataType.BOOL, "mask")
     ratio = inputs[1] if len(inputs) > 1 and inputs[1] is not None else b.like(dy, 0.5)
     keep = op.Sub(b.like(dy, 1.0), b.cast_to(ratio, dy.dtype))
     dx = op.Div(op.Where(mask, dy, b.like(dy, 0.0)), keep)

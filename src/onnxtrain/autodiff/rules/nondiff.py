@@ -1,3 +1,21 @@
-"""Gradient rules: nondiff family."""
+"""Ops with floating-point outputs whose derivative is zero almost everywhere.
+
+Registered so that the autodiff walk passes through them with zero gradients instead of
+reporting them as unsupported. Ops whose outputs are integers or booleans (Shape, ArgMax,
+comparisons, IsNaN, ...) need no entry: no gradient flows along such values.
+
+Not here on purpose: Mod (piecewise linear, dy/da = 1; see elementwise.py), Clip, Abs,
+Relu-like activations (nonzero derivative on a set of positive measure).
+"""
 
 from __future__ import annotations
+
+from onnxtrain.autodiff.registry import nondifferentiable
+
+# piecewise-constant rounding functions
+nondifferentiable("Sign", "Floor", "Ceil", "Round")
+# a one-hot of the arg-max: piecewise constant too
+nondifferentiable("Hardmax")
+# the output depends on the input only through its shape (EyeLike, *Like) or is a random
+# sample with no pathwise derivative (Bernoulli draws 0/1 from the input probabilities)
+nondifferentiable("EyeLike", "RandomUniformLike", "RandomNormalLike", "Bernoulli")

@@ -1,46 +1,73 @@
-"""Reductions: ReduceSum, ReduceMean and friends."""
+"""Reductions (Reduce*) and CumSum.
+
+The reduced axes are an attribute up to opset 17 (12 for ReduceSum) and an optional input
+from opset 18 (13 for ReduceSum). The helpers below read either form, accept axes computed
+at run time (opset 13+), and handle ``keepdims`` and ``noop_with_empty_axes``, so each rule
+writes its gradient as ``keep_dims(dy) * (something shaped like x)``.
+"""
 
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import GradContext, grad
 
 
-def reduction_axes(ctx: GradContext) -> list[int] | None:
-    """The reduced axes as a list, or None for "all axes"; from the attribute or input 1."""
+def _axes(ctx: GradContext) -> list[int] | ir.Value | None:
+    """The reduced axes: a list (attribute or constant input), a run-time value, or None for all."""
     axes = ctx.attr("axes")
     if axes is None and len(ctx.inputs) > 1 and ctx.inputs[1] is not None:
         const = ctx.const_input(1)
         if const is None:
-            raise NotImplementedError(f"{ctx.node.op_type} with runtime-computed axes")
+            return ctx.inputs[1]
         axes = [int(a) for a in np.asarray(const).reshape(-1)]
-    if axes is not None and len(axes) == 0:
-        axes = None
+    return list(axes) if axes else None
+
+
+def reduction_axes(ctx: GradContext) -> list[int] | None:
+    """The reduced axes as a list, or None for "all axes"; from the attribute or a constant input 1."""
+    axes = _axes(ctx)
+    if isinstance(axes, ir.Value):
+        raise NotImplementedError(f"{ctx.node.op_type} with runtime-computed axes")
     return axes
 
 
-def expand_back(ctx: GradContext, dy):
+def keep_dims(ctx: GradContext, v: ir.Value) -> ir.Value:
+    """``v``, shaped like the reduction's output, reshaped to broadcast against the input.
+
+    A no-op for keepdims=1, for a reduction over all axes (a scalar) and for the identity
+    (noop_with_empty_axes with no axes); otherwise the reduced axes are unsqueezed back.
+    Negative axes need no care: Unsqueeze reads them against its output's rank, the input's.
+    """
+    axes = _axes(ctx)
+    if ctx.attr("keepdims", 1) or axes is None:
+        return v
+    if ctx.opset < 13:
+        return ctx.op.Unsqueeze(v, axes=axes)  # axes became an input of Unsqueeze at opset 13
+    return ctx.b.unsqueeze(v, axes)
+
+
+def expand_back(ctx: GradContext, dy: ir.Value) -> ir.Value:
     """Broadcast the gradient of a reduction back to the input's shape."""
-    b = ctx.b
-    axes = reduction_axes(ctx)
-    if axes is None and ctx.attr("noop_with_empty_axes", 0):
-        return dy  # reduction was the identity
-    if not ctx.attr("keepdims", 1) and axes is not None:
-        dy = b.unsqueeze(dy, axes)
-    return ctx.op.Expand(dy, ctx.op.Shape(ctx.x))
+    return ctx.op.Expand(keep_dims(ctx, dy), ctx.op.Shape(ctx.x))
 
 
-def reduced_count(ctx: GradContext):
-    """Number of elements averaged by a reduction, as a scalar of the input's type."""
-    op = ctx.op
-    axes = reduction_axes(ctx)
-    shape = op.Shape(ctx.x)
-    if axes is None:
-        count = op.Size(ctx.x)
-    else:
-        count = op.ReduceProd(op.Gather(shape, ctx.b.ints(axes), axis=0), keepdims=0)
-    return op.Cast(count, to=int(ctx.x.dtype))
+def reduce_again(ctx: GradContext, op_type: str, v: ir.Value) -> ir.Value:
+    """Reduce ``v`` (shaped like the input) over the node's axes with keepdims=1."""
+    axes = _axes(ctx)
+    noop = bool(ctx.attr("noop_with_empty_axes", 0))
+    if axes is None and noop:
+        return v  # the reduction was the identity
+    # a run-time axes value may turn out empty: pass noop on so that case stays the identity
+    return ctx.b.reduce(op_type, v, axes, keepdims=True, noop_with_empty_axes=noop and isinstance(axes, ir.Value))
+
+
+def reduced_count(ctx: GradContext) -> ir.Value:
+    """Number of elements reduced into each output element, as a scalar of the input's type."""
+    op, dtype = ctx.op, int(ctx.x.dtype)
+    # size(x) / size(y) holds for any axes, keepdims and noop, static or run-time
+    return op.Div(op.Cast(op.Size(ctx.x), to=dtype), op.Cast(op.Size(ctx.y), to=dtype))
 
 
 @grad("ReduceSum")
@@ -50,4 +77,70 @@ def _reduce_sum(ctx):
 
 @grad("ReduceMean")
 def _reduce_mean(ctx):
-    return (ctx.op.Div(expand_back(ctx, ctx.dy), reduced_count(ctx)),)
+    return (expand_back(ctx, ctx.op.Div(ctx.dy, reduced_count(ctx))),)
+
+
+def _reduce_select(ctx):
+    """ReduceMax/ReduceMin: the gradient goes to the elements equal to the result; ties split it evenly."""
+    op, x = ctx.op, ctx.x
+    hit = op.Equal(x, keep_dims(ctx, ctx.y))
+    ties = reduce_again(ctx, "ReduceSum", op.Cast(hit, to=int(x.dtype)))
+    return (op.Where(hit, op.Div(keep_dims(ctx, ctx.dy), ties), ctx.like(x, 0.0)),)
+
+
+grad("ReduceMax")(_reduce_select)
+grad("ReduceMin")(_reduce_select)
+
+
+@grad("ReduceProd")
+def _reduce_prod(ctx):
+    # The gradient of one element is the product of the others. Written without dividing by a
+    # zero: with z zeros in a slice and p the product of its nonzeros, that is p / x when z = 0,
+    # p at the zero when z = 1, and 0 otherwise.
+    op, x = ctx.op, ctx.x
+    zero, one = ctx.like(x, 0.0), ctx.like(x, 1.0)
+    is_zero = op.Equal(x, zero)
+    x_safe = op.Where(is_zero, one, x)
+    p = reduce_again(ctx, "ReduceProd", x_safe)
+    z = reduce_again(ctx, "ReduceSum", op.Cast(is_zero, to=int(x.dtype)))
+    others = op.Where(is_zero, op.Where(op.Equal(z, one), p, zero),
+                      op.Where(op.Equal(z, zero), op.Div(p, x_safe), zero))
+    return (op.Mul(keep_dims(ctx, ctx.dy), others),)
+
+
+@grad("ReduceL1")
+def _reduce_l1(ctx):
+    return (ctx.op.Mul(keep_dims(ctx, ctx.dy), ctx.op.Sign(ctx.x)),)
+
+
+@grad("ReduceL2")
+def _reduce_l2(ctx):
+    # x / ||x||, with 0 where the norm is 0 (the subgradient torch picks)
+    op, y = ctx.op, ctx.y
+    zero = ctx.like(y, 0.0)
+    scale = op.Where(op.Equal(y, zero), zero, op.Div(ctx.dy, y))
+    return (op.Mul(keep_dims(ctx, scale), ctx.x),)
+
+
+@grad("ReduceSumSquare")
+def _reduce_sum_square(ctx):
+    return (ctx.op.Mul(keep_dims(ctx, ctx.op.Mul(ctx.dy, ctx.like(ctx.dy, 2.0))), ctx.x),)
+
+
+@grad("ReduceLogSum")
+def _reduce_log_sum(ctx):
+    return (expand_back(ctx, ctx.op.Div(ctx.dy, ctx.op.Exp(ctx.y))),)  # exp(y) is the sum
+
+
+@grad("ReduceLogSumExp")
+def _reduce_log_sum_exp(ctx):
+    op = ctx.op
+    softmax = op.Exp(op.Sub(ctx.x, keep_dims(ctx, ctx.y)))  # exp(x - y): stable, y >= max(x)
+    return (op.Mul(keep_dims(ctx, ctx.dy), softmax),)
+
+
+@grad("CumSum", versions=(11, None))
+def _cumsum(ctx):
+    # each input element feeds the outputs after it: the adjoint is the cumsum in the other direction
+    reverse = 1 - int(ctx.attr("reverse", 0))
+    return (ctx.op.CumSum(ctx.dy, ctx.inputs[1], exclusive=int(ctx.attr("exclusive", 0)), reverse=reverse), None)

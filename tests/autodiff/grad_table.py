@@ -41,6 +41,8 @@ class Case:
     id: str = ""
     dims: dict = field(default_factory=dict)  # symbolic dim name -> size used at run time
     rtol: float | None = None
+    # "float32" for ops whose onnxruntime float64 kernel computes in float32 internally
+    precision: str = "float64"
 
     @property
     def name(self) -> str:

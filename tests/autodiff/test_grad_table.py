@@ -67,7 +67,7 @@ def test_rule_matches_finite_differences(case: Case, end: str):
     opset = case.opsets[0] if end == "lowest" else case.opsets[1]
     rng = np.random.default_rng(abs(hash((case.name, opset))) % 2**32)
     model, feeds, wrt = build_case_model(case, opset, rng)
-    check_gradients(model, feeds, wrt, rtol=case.rtol)
+    check_gradients(model, feeds, wrt, rtol=case.rtol, prefer_double=case.precision == "float64")
 
 
 def test_every_rule_has_a_row():

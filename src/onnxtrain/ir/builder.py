@@ -187,12 +187,19 @@ class GraphBuilder:
         return self.reduce("ReduceSum", x, axes, keepdims)
 
     def unsqueeze(self, x: ir.Value, axes: Sequence[int] | ir.Value) -> ir.Value:
-        return self.op.Unsqueeze(x, axes if isinstance(axes, ir.Value) else self.ints(axes))
+        return self._squeeze_like("Unsqueeze", x, axes)
 
     def squeeze(self, x: ir.Value, axes: Sequence[int] | ir.Value | None = None) -> ir.Value:
         if axes is None:
             return self.op.Squeeze(x)
-        return self.op.Squeeze(x, axes if isinstance(axes, ir.Value) else self.ints(axes))
+        return self._squeeze_like("Squeeze", x, axes)
+
+    def _squeeze_like(self, op_type: str, x: ir.Value, axes: Sequence[int] | ir.Value) -> ir.Value:
+        if self.opset >= 13:  # axes became an input at opset 13
+            return self.add_node(op_type, [x, axes if isinstance(axes, ir.Value) else self.ints(axes)])
+        if isinstance(axes, ir.Value):
+            raise ValueError(f"{op_type} at opset {self.opset} needs static axes")
+        return self.add_node(op_type, [x], {"axes": list(axes)})
 
     def zeros_like(self, x: ir.Value) -> ir.Value:
         """Zeros with the shape and element type of ``x`` (works for dynamic shapes)."""

@@ -1,3 +1,260 @@
-"""Gradient rules: convolution and pooling."""
+"""Gradient rules: convolution and pooling.
+
+Spatial geometry (pads from ``auto_pad``, output sizes) is computed with int64 Shape
+arithmetic so symbolic batch and spatial dims work. Two tools recur:
+
+* a transposed convolution without pads gives the "full" gradient of the padded
+  input; ``_fit`` crops the pads off (and zero-fills input rows no window touched)
+  with one Pad of possibly negative amounts;
+* ``_correlate`` correlates two batched tensors over the batch axis, which is the
+  weight gradient of Conv and of ConvTranspose (groups included).
+"""
 
 from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxtrain.autodiff.registry import grad
+from onnxtrain.ir.shapes import rank_of
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _tail(b, v: ir.Value, start: int = 2) -> ir.Value:
+    """``Shape(v)[start:]`` (the spatial sizes of an NC... tensor)."""
+    return b.op.Slice(b.op.Shape(v), b.ints([start]), b.ints([_INT64_MAX]))
+
+
+def _spatial_rank(ctx) -> int:
+    kernel = ctx.attr("kernel_shape")
+    if kernel:
+        return len(kernel)
+    rank = rank_of(ctx.inputs[1]) if len(ctx.inputs) > 1 and ctx.inputs[1] is not None else rank_of(ctx.x)
+    if rank is None:
+        raise NotImplementedError(f"{ctx.node.op_type} gradient needs the rank of its inputs")
+    return rank - 2
+
+
+def _ints_attr(ctx, name: str, r: int, default: int) -> list[int]:
+    value = ctx.attr(name)
+    return [int(v) for v in value] if value else [default] * r
+
+
+def _extent(ctx, r: int, dilations) -> ir.Value:
+    """Receptive extent (k - 1) * d + 1 of the kernel along each spatial axis."""
+    op, b = ctx.op, ctx.b
+    kernel = ctx.attr("kernel_shape")
+    kernel = b.ints(kernel) if kernel else _tail(b, ctx.inputs[1])
+    return op.Add(op.Mul(op.Sub(kernel, b.ints([1] * r)), b.ints(dilations)), b.ints([1] * r))
+
+
+def _same_pads(ctx, total: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Split a total pad as auto_pad says: the odd pixel goes at the end for SAME_UPPER."""
+    op = ctx.op
+    half = op.Div(total, ctx.b.ints([2]))
+    begin = half if ctx.attr("auto_pad", "NOTSET") == "SAME_UPPER" else op.Sub(total, half)
+    return begin, op.Sub(total, begin)
+
+
+def _forward_pads(ctx, r: int, x: ir.Value, y: ir.Value, strides, dilations):
+    """(begin, end) pads of a Conv/pool, as int64 vectors or numpy arrays when static."""
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        op, b = ctx.op, ctx.b
+        covered = op.Add(op.Mul(op.Sub(_tail(b, y), b.ints([1] * r)), b.ints(strides)), _extent(ctx, r, dilations))
+        total = op.Max(op.Sub(covered, _tail(b, x)), b.ints([0] * r))
+        return _same_pads(ctx, total)
+    if auto_pad == "VALID":
+        return np.zeros(r, np.int64), np.zeros(r, np.int64)
+    pads = np.array(_ints_attr(ctx, "pads", 2 * r, 0), np.int64)
+    return pads[:r], pads[r:]
+
+
+def _as_value(b, v) -> ir.Value:
+    return b.ints(v) if isinstance(v, np.ndarray) else v
+
+
+def _pad(b, t: ir.Value, begin, end) -> ir.Value:
+    """Zero-pad (negative: crop) the spatial axes of ``t``."""
+    if isinstance(begin, np.ndarray) and isinstance(end, np.ndarray) and not begin.any() and not end.any():
+        return t
+    pads = b.op.Concat(b.ints([0, 0]), _as_value(b, begin), b.ints([0, 0]), _as_value(b, end), axis=0)
+    return b.op.Pad(t, pads)
+
+
+def _fit(b, full: ir.Value, x: ir.Value, begin) -> ir.Value:
+    """Crop the gradient of the padded input to ``x``'s spatial extent (zeros where no window reached)."""
+    op = b.op
+    begin = _as_value(b, begin)
+    end = op.Sub(op.Add(_tail(b, x), begin), _tail(b, full))
+    return _pad(b, full, op.Neg(begin), end)
+
+
+def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, dilations) -> ir.Value:
+    """out[g*Ck + k, c, t] = sum_{n, s} kern[n, g*Ck + k, s] * data[n, g*Cd + c, t + s*dilation...].
+
+    The batch axis becomes the channel axis of a grouped Conv (kern acts as the weight).
+    """
+    op = b.op
+    spatial = list(range(2, 2 + r))
+    if group == 1:
+        data_t = op.Transpose(data, perm=[1, 0, *spatial])
+        kern_t = op.Transpose(kern, perm=[1, 0, *spatial])
+    else:
+        grouped = [2, 1, 0] + [a + 1 for a in spatial]  # (N, G, C, ...) -> (C, G, N, ...)
+        d = op.Reshape(data, op.Concat(b.ints([0, group, -1]), _tail(b, data), axis=0))
+        d = op.Transpose(d, perm=grouped)
+        data_t = op.Reshape(d, op.Concat(b.ints([0, -1]), _tail(b, data), axis=0))  # (Cd, G*N, ...)
+        k = op.Reshape(kern, op.Concat(b.ints([0, group, -1]), _tail(b, kern), axis=0))
+        k = op.Transpose(k, perm=[1, 2, 0] + [a + 1 for a in spatial])  # (G, Ck, N, ...)
+        batch = op.Slice(op.Shape(kern), b.ints([0]), b.ints([1]))
+        kern_t = op.Reshape(k, op.Concat(b.ints([-1]), batch, _tail(b, kern), axis=0))  # (G*Ck, N, ...)
+    out = op.Conv(data_t, kern_t, group=group, strides=strides, dilations=dilations)
+    return op.Transpose(out, perm=[1, 0, *spatial])
+
+
+def _bias_grad(ctx, r: int) -> ir.Value:
+    return ctx.b.reduce_sum(ctx.dy, [0, *range(2, 2 + r)], keepdims=False)
+
+
+@grad("Conv", versions=(13, None))
+def _conv(ctx):
+    x, w = ctx.inputs[:2]
+    b, op, dy = ctx.b, ctx.op, ctx.dy
+    r = _spatial_rank(ctx)
+    strides, dilations = _ints_attr(ctx, "strides", r, 1), _ints_attr(ctx, "dilations", r, 1)
+    group = int(ctx.attr("group", 1))
+    begin, end = _forward_pads(ctx, r, x, ctx.y, strides, dilations)
+    dx = dw = db = None
+    if ctx.needs(0):
+        full = op.ConvTranspose(dy, w, strides=strides, dilations=dilations, group=group)
+        dx = _fit(b, full, x, begin)
+    if ctx.needs(1):
+        # strides and dilations swap roles; windows may reach past the kernel: crop to it
+        dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)
+        dw = op.Slice(dw, b.ints([0] * r), _tail(b, w), b.ints(list(range(2, 2 + r))))
+    if ctx.needs(2):
+        db = _bias_grad(ctx, r)
+    return (dx, dw, db)[: len(ctx.inputs)]
+
+
+def _conv_transpose_begin_pads(ctx, r: int, x: ir.Value, strides, dilations):
+    """Leading pads a ConvTranspose crops off its full output (see the ONNX spec's equations)."""
+    output_shape = ctx.attr("output_shape")
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    if not output_shape and auto_pad not in ("SAME_UPPER", "SAME_LOWER"):
+        return np.array(_ints_attr(ctx, "pads", 2 * r, 0)[:r], np.int64)
+    op, b = ctx.op, ctx.b
+    full = op.Add(op.Add(op.Mul(op.Sub(_tail(b, x), b.ints([1] * r)), b.ints(strides)), _extent(ctx, r, dilations)),
+                  b.ints(_ints_attr(ctx, "output_padding", r, 0)))
+    wanted = b.ints(output_shape[-r:]) if output_shape else op.Mul(_tail(b, x), b.ints(strides))
+    total = op.Max(op.Sub(full, wanted), b.ints([0] * r))
+    half = op.Div(total, b.ints([2]))
+    # the spec's "else" branch (SAME_LOWER and explicit output_shape) puts the odd pixel first
+    return half if auto_pad == "SAME_UPPER" else op.Sub(total, half)
+
+
+@grad("ConvTranspose", versions=(13, None))
+def _conv_transpose(ctx):
+    x, w = ctx.inputs[:2]
+    b, op = ctx.b, ctx.op
+    r = _spatial_rank(ctx)
+    strides, dilations = _ints_attr(ctx, "strides", r, 1), _ints_attr(ctx, "dilations", r, 1)
+    group = int(ctx.attr("group", 1))
+    begin = _as_value(b, _conv_transpose_begin_pads(ctx, r, x, strides, dilations))
+    # place dy in the un-cropped output of length s*(H-1) + (k-1)*d + 1 (output_padding dropped)
+    full = op.Add(op.Mul(op.Sub(_tail(b, x), b.ints([1] * r)), b.ints(strides)), _extent(ctx, r, dilations))
+    dy_full = _pad(b, ctx.dy, begin, op.Sub(op.Sub(full, _tail(b, ctx.dy)), begin))
+    dx = dw = db = None
+    if ctx.needs(0):
+        dx = op.Conv(dy_full, w, strides=strides, dilations=dilations, group=group)
+    if ctx.needs(1):
+        dw = _correlate(b, dy_full, x, group, r, dilations, strides)
+    if ctx.needs(2):
+        db = _bias_grad(ctx, r)
+    return (dx, dw, db)[: len(ctx.inputs)]
+
+
+_POOL_ATTRS = ("kernel_shape", "strides", "pads", "dilations", "ceil_mode", "auto_pad", "count_include_pad")
+
+
+def _pool_attrs(ctx) -> dict:
+    return {name: ctx.attr(name) for name in _POOL_ATTRS if ctx.attr(name) is not None}
+
+
+def _max_pool_indices(ctx) -> ir.Value:
+    """Row-major flat arg-max indices, batch and channel offsets included (ONNX's definition)."""
+    if len(ctx.outputs) > 1 and int(ctx.attr("storage_order", 0)) == 0:
+        return ctx.outputs[1]
+    indices = ctx.op.MaxPool(ctx.x, _outputs=2, **_pool_attrs(ctx))[1]
+    indices.type = ir.TensorType(ir.DataType.INT64)
+    return indices
+
+
+@grad("MaxPool", versions=(13, None))
+def _max_pool(ctx):
+    op, b = ctx.op, ctx.b
+    kernel = ctx.attr("kernel_shape")
+    r = len(kernel)
+    strides, dilations = _ints_attr(ctx, "strides", r, 1), _ints_attr(ctx, "dilations", r, 1)
+    indices = _max_pool_indices(ctx)
+    zeros = op.ConstantOfShape(op.Reshape(op.Size(ctx.x), b.ints([1])),
+                               value=ir.tensor(np.zeros([1], ctx.x.dtype.numpy())))
+    spatial = list(range(2, 2 + r))
+
+    def scatter(dy, idx, **kw):
+        return op.ScatterElements(zeros, op.Reshape(idx, b.ints([-1])), op.Reshape(dy, b.ints([-1])), axis=0, **kw)
+
+    if ctx.opset >= 16:
+        flat = scatter(ctx.dy, indices, reduction="add")
+    else:
+        # no scatter-add before opset 16: windows of outputs m = ceil(extent / stride) apart are
+        # disjoint, so scatter each residue class of outputs mod m separately and sum.
+        period = [-(-((k - 1) * d + 1) // s) for k, s, d in zip(kernel, strides, dilations)]
+        parts = []
+        for start in itertools.product(*(range(m) for m in period)):
+            pick = (b.ints(list(start)), b.ints([_INT64_MAX] * r), b.ints(spatial), b.ints(period))
+            parts.append(scatter(op.Slice(ctx.dy, *pick), op.Slice(indices, *pick)))
+        flat = parts[0] if len(parts) == 1 else op.Sum(*parts)
+    return (op.Reshape(flat, op.Shape(ctx.x)),)
+
+
+@grad("AveragePool", versions=(13, None))
+def _average_pool(ctx):
+    x, y, dy = ctx.x, ctx.y, ctx.dy
+    op, b = ctx.op, ctx.b
+    kernel = ctx.attr("kernel_shape")
+    r = len(kernel)
+    strides, dilations = _ints_attr(ctx, "strides", r, 1), _ints_attr(ctx, "dilations", r, 1)
+    begin, end = _forward_pads(ctx, r, x, y, strides, dilations)
+    # y = window_sum(x) / divisor. Pooling ones gives valid_count / divisor whatever the
+    # count_include_pad and ceil_mode rules; a Conv of zero-padded ones counts the valid cells.
+    ones = op.ConstantOfShape(op.Concat(b.ints([1, 1]), _tail(b, x), axis=0),
+                              value=ir.tensor(np.ones([1], x.dtype.numpy())))
+    box = b.const(np.ones([1, 1, *kernel], x.dtype.numpy()))
+    reach = b.ints([(k - 1) * d for k, d in zip(kernel, dilations)])  # room for ceil_mode windows
+    valid = op.Conv(_pad(b, ones, begin, op.Add(_as_value(b, end), reach)), box, strides=strides, dilations=dilations)
+    valid = op.Slice(valid, b.ints([0] * r), _tail(b, y), b.ints(list(range(2, 2 + r))))
+    scale = op.Div(op.AveragePool(ones, **_pool_attrs(ctx)), valid)
+    g = op.Reshape(op.Mul(dy, scale), op.Concat(b.ints([-1, 1]), _tail(b, dy), axis=0))
+    full = op.ConvTranspose(g, box, strides=strides, dilations=dilations)
+    return (op.Reshape(_fit(b, full, x, begin), op.Shape(x)),)
+
+
+@grad("GlobalAveragePool", versions=(13, None))
+def _global_average_pool(ctx):
+    op = ctx.op
+    count = op.Cast(op.ReduceProd(_tail(ctx.b, ctx.x), keepdims=0), to=int(ctx.x.dtype))
+    return (op.Div(op.Expand(ctx.dy, op.Shape(ctx.x)), count),)
+
+
+@grad("GlobalMaxPool", versions=(13, None))
+def _global_max_pool(ctx):
+    op, b = ctx.op, ctx.b
+    flat = op.Reshape(ctx.x, b.ints([0, 0, -1]))
+    first_max = op.ArgMax(flat, axis=2, keepdims=1)  # one winner per (n, c), like MaxPool's Indices
+    dx = op.ScatterElements(b.zeros_like(flat), first_max, op.Reshape(ctx.dy, b.ints([0, 0, 1])), axis=2)
+    return (op.Reshape(dx, op.Shape(ctx.x)),)

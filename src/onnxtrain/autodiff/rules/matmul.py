@@ -46,3 +46,91 @@ def _matmul(ctx):
             db = op.MatMul(_transpose_last2(op, b, a, ra), dy)
         db = sum_to_shape(b, db, bm, _batched_shape(ctx.y, bm) if ra and rb and ra >= 2 and rb >= 2 else None)
     return da, db
+
+
+@grad("Gemm", versions=(13, None))
+def _gemm(ctx):
+    # y = alpha * A' @ B' + beta * C with A' = A^T if transA (B' likewise)
+    a, bm = ctx.inputs[:2]
+    c = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+    op, b, dy = ctx.op, ctx.b, ctx.dy
+    alpha, beta = float(ctx.attr("alpha", 1.0)), float(ctx.attr("beta", 1.0))
+    ta, tb = int(ctx.attr("transA", 0)), int(ctx.attr("transB", 0))
+    da = db = dc = None
+    if ctx.needs(0):  # dA' = alpha dy B'^T; transposed back when transA
+        da = op.Gemm(bm, dy, alpha=alpha, transA=tb, transB=1) if ta else op.Gemm(dy, bm, alpha=alpha, transB=1 - tb)
+    if ctx.needs(1):  # dB' = alpha A'^T dy
+        db = op.Gemm(dy, a, alpha=alpha, transA=1, transB=ta) if tb else op.Gemm(a, dy, alpha=alpha, transA=1 - ta)
+    if c is not None and ctx.needs(2):
+        dc = sum_to_shape(b, dy if beta == 1.0 else op.Mul(dy, b.like(dy, beta)), c)
+    return (da, db, dc)[: len(ctx.inputs)]
+
+
+_ELLIPSIS = "..."
+
+
+def _einsum_terms(equation: str) -> tuple[list[list[str]], list[str]]:
+    """Operand terms and output term as token lists ('...' is one token); implicit output made explicit."""
+    equation = equation.replace(" ", "")
+    lhs, arrow, rhs = equation.partition("->")
+
+    def tokens(term: str) -> list[str]:
+        head, dots, tail = term.partition(_ELLIPSIS)
+        return [*head, *([_ELLIPSIS] if dots else []), *tail]
+
+    terms = [tokens(t) for t in lhs.split(",")]
+    if arrow:
+        out = tokens(rhs)
+    else:  # labels seen exactly once, sorted, after the ellipsis (ONNX's implicit form)
+        labels = [t for term in terms for t in term if t != _ELLIPSIS]
+        out = ([_ELLIPSIS] if any(_ELLIPSIS in t for t in terms) else []) + sorted(
+            t for t in set(labels) if labels.count(t) == 1)
+    for term in terms:
+        labels = [t for t in term if t != _ELLIPSIS]
+        if len(set(labels)) != len(labels):
+            raise NotImplementedError(f"Einsum gradient: repeated label within one operand (diagonal) in {equation!r}")
+    return terms, out
+
+
+def _ellipsis_rank(ctx, terms) -> int:
+    for v, term in zip(ctx.inputs, terms):
+        if _ELLIPSIS in term and rank_of(v) is not None:
+            return rank_of(v) - (len(term) - 1)
+    raise NotImplementedError("Einsum gradient needs the rank of an operand with '...'")
+
+
+@grad("Einsum", versions=(13, None))
+def _einsum(ctx):
+    # d operand_i = einsum(dy, other operands -> term_i); labels of term_i found in none of
+    # those (summed out of operand i alone) are broadcast back with Unsqueeze + Expand.
+    terms, out = _einsum_terms(ctx.attr("equation"))
+    op, b = ctx.op, ctx.b
+    grads = []
+    for i, (x, term) in enumerate(zip(ctx.inputs, terms)):
+        if not ctx.needs(i):
+            grads.append(None)
+            continue
+        others = [t for j, t in enumerate(terms) if j != i]
+        available = set(out).union(*others)
+        kept = [t for t in term if t in available]
+        # onnxruntime wants '...' in the output when an input has it: keep it in front, sum it after
+        extra = [_ELLIPSIS] if _ELLIPSIS in available and _ELLIPSIS not in term else []
+        equation = ",".join("".join(t) for t in [out, *others]) + "->" + "".join(extra + kept)
+        g = op.Einsum(ctx.dy, *[v for j, v in enumerate(ctx.inputs) if j != i], equation=equation)
+        if extra:
+            g = b.reduce_sum(g, list(range(_ellipsis_rank(ctx, terms))), keepdims=False)
+        if len(kept) < len(term):
+            rank = rank_of(x)
+            if rank is None:
+                raise NotImplementedError("Einsum gradient needs the rank of an operand with summed-out labels")
+            dims, pos = [], 0  # first axis of each token in x
+            for t in term:
+                dims.append(pos)
+                pos += rank - (len(term) - 1) if t == _ELLIPSIS else 1
+            missing = [a for t, d in zip(term, dims) if t not in available
+                       for a in (range(d, d + rank - len(term) + 1) if t == _ELLIPSIS else [d])]
+            g = op.Expand(b.unsqueeze(g, missing), op.Shape(x))
+        if _ELLIPSIS in term:  # ellipsis dims of size 1 broadcast against the other operands
+            g = sum_to_shape(b, g, x)
+        grads.append(g)
+    return tuple(grads)

@@ -1,0 +1,54 @@
+"""Turn the eval model into an inference model (``Module.export_model_for_inferencing``)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes.common import OutputFixPass, RemoveUnusedNodesPass
+
+from onnxtrain.errors import ModelError
+from onnxtrain.ir import io
+
+_METADATA_KEYS = ("onnxtrain.training",)
+
+
+def export_inference_model(eval_model_uri: str, inference_model_uri: str | os.PathLike, output_names: list[str],
+                           parameters: dict[str, np.ndarray], loss_inputs: list[str]) -> None:
+    """Keep the nodes needed for ``output_names``, embed ``parameters`` as initializers and
+    drop inputs nothing uses any more (the loss inputs among them)."""
+    model = io.load_model(eval_model_uri)
+    graph = model.graph
+    values = {v.name: v for v in graph.inputs}
+    values.update({v.name: v for v in graph.initializers.values()})
+    for node in graph:
+        values.update({v.name: v for v in node.outputs})
+    unknown = [n for n in output_names if n not in values]
+    if unknown:
+        raise ModelError(f"graph outputs {unknown} are not values of the eval model; it has e.g. "
+                         f"{[o.name for o in graph.outputs]} and {len(values)} other values")
+    graph.outputs.clear()
+    graph.outputs.extend(values[n] for n in output_names)
+    RemoveUnusedNodesPass()(model)
+
+    used_loss_inputs = [n for n in loss_inputs if n in values and values[n].uses()]
+    if used_loss_inputs:
+        raise ModelError(f"the requested outputs {output_names} depend on the loss inputs {used_loss_inputs}; "
+                         f"pick outputs computed before the loss")
+    kept = []
+    for value in list(graph.inputs):
+        needed = bool(value.uses()) or value.is_graph_output()
+        if value.name in parameters:
+            if needed:
+                value.const_value = ir.tensor(np.ascontiguousarray(parameters[value.name]), name=value.name)
+                graph.register_initializer(value)
+        elif needed:
+            kept.append(value)
+    graph.inputs.clear()
+    graph.inputs.extend(kept)
+    OutputFixPass()(model)  # an output that is a graph input or repeated gets an Identity
+    for key in _METADATA_KEYS:
+        model.metadata_props.pop(key, None)
+        graph.metadata_props.pop(key, None)
+    io.save_model(model, inference_model_uri)

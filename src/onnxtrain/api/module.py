@@ -1,0 +1,304 @@
+"""Module: run the training and eval models of the artifacts against a CheckpointState.
+
+Mirrors ``onnxruntime.training.api.Module`` on a stock ``InferenceSession``. The graph I/O
+contract is docs/artifacts.md: parameters are graph inputs, each trainable parameter has
+an accumulation buffer input and an accumulated-gradient output, and ``lazy_reset_grad``
+chooses between ``grad`` and ``buffer + grad``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnxruntime as ort
+
+from onnxtrain import names
+from onnxtrain.api.checkpoint_state import CheckpointState
+from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
+from onnxtrain.runtime.binding import BindingCache
+from onnxtrain.runtime.device import parse_device, providers_for
+from onnxtrain.runtime.inputs import gather_inputs, to_ortvalues
+from onnxtrain.runtime.session import IOSpec, create_session, input_specs, output_specs
+from onnxtrain.runtime.values import from_numpy
+
+TRAINING_METADATA_KEY = "onnxtrain.training"
+
+
+class _Signature:
+    """How a training or eval model's inputs and outputs map onto the state."""
+
+    def __init__(self, session: ort.InferenceSession, state: CheckpointState, training: bool, what: str):
+        inputs, outputs = input_specs(session), output_specs(session)
+        by_name = {s.name: s for s in inputs}
+        meta = _training_metadata(session)
+        grad_params = [o.name[: -len(names.ACCUMULATION_OUT_SUFFIX)] for o in outputs
+                       if o.name.endswith(names.ACCUMULATION_OUT_SUFFIX)]
+        declared = set(meta.get("trainable", [])) | set(meta.get("frozen", []))
+        param_names = [s.name for s in inputs if s.name in state._slots or s.name in declared]
+        missing = [n for n in param_names if n not in state._slots]
+        missing += [p for p in grad_params if p not in state._slots and p not in missing]
+        if missing:
+            raise CheckpointError(f"the {what} takes parameters {missing} that the checkpoint does not hold")
+        if training:
+            unused = [n for n in state._slots if n not in by_name]
+            if unused:
+                raise CheckpointError(f"the checkpoint holds parameters {unused} that the {what} does not take")
+        for name in param_names:
+            _check_param(state, name, by_name[name], grad=name in grad_params, training=training, what=what)
+        self.params = param_names
+        self.trainable = [n for n in param_names if state._slots[n].requires_grad] if training else []
+        if training:
+            for p in self.trainable:
+                if names.accumulation_buffer_name(p) not in by_name:
+                    raise ModelError(f"the {what} has no input {names.accumulation_buffer_name(p)!r} "
+                                     f"for trainable parameter {p!r}")
+            if names.LAZY_RESET_GRAD not in by_name:
+                raise ModelError(f"the {what} has no {names.LAZY_RESET_GRAD!r} input")
+        internal = set(param_names) | {names.accumulation_buffer_name(p) for p in self.trainable}
+        internal |= {names.LAZY_RESET_GRAD} if training else set()
+        self.user_inputs: list[IOSpec] = [s for s in inputs if s.name not in internal]
+        grad_outputs = {names.accumulation_out_name(p) for p in self.trainable}
+        self.user_outputs: list[str] = [o.name for o in outputs if o.name not in grad_outputs]
+        self.loss_inputs: list[str] = list(meta.get("loss_inputs", []))
+
+
+def _check_param(state: CheckpointState, name: str, spec: IOSpec, grad: bool, training: bool, what: str) -> None:
+    slot = state._slots[name]
+    if training and grad != slot.requires_grad:
+        model_says = "trainable" if grad else "frozen"
+        ckpt_says = "trainable" if slot.requires_grad else "frozen"
+        raise CheckpointError(f"parameter {name!r} is {model_says} in the {what} but {ckpt_says} in the checkpoint")
+    if spec.dtype is not None and spec.dtype != slot.dtype:
+        raise CheckpointError(f"parameter {name!r} is {slot.dtype} in the checkpoint; the {what} expects "
+                              f"{spec.describe()}")
+    if spec.shape is not None and (len(spec.shape) != len(slot.shape) or any(
+            isinstance(d, int) and d != s for d, s in zip(spec.shape, slot.shape))):
+        raise CheckpointError(f"parameter {name!r} has shape {list(slot.shape)} in the checkpoint; the {what} "
+                              f"expects {spec.describe()}")
+
+
+def _training_metadata(session: ort.InferenceSession) -> dict:
+    text = session.get_modelmeta().custom_metadata_map.get(TRAINING_METADATA_KEY)
+    if not text:
+        return {}
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"model metadata {TRAINING_METADATA_KEY!r} is not valid JSON: {exc}") from exc
+    return meta if isinstance(meta, dict) else {}
+
+
+class Module:
+    """Runs training and evaluation steps of the training artifacts.
+
+    ``module(*inputs)`` runs the training model when ``module.training`` (accumulating
+    gradients into the state until :meth:`lazy_reset_grad`), else the eval model, and returns
+    the loss, or a tuple ``(loss, *additional_outputs)`` when the model has more outputs. Inputs
+    are numpy arrays (outputs are numpy) or OrtValues (outputs are OrtValues), positional in
+    the order of :meth:`input_names`, or by name.
+
+    Args:
+        train_model_uri: path to ``training_model.onnx``.
+        state: the :class:`CheckpointState` holding the parameters.
+        eval_model_uri: path to ``eval_model.onnx`` (needed for ``eval()`` and export).
+        device: ``"cpu"`` or ``"cuda[:id]"``: where parameters and gradients live.
+        session_options: ``onnxruntime.SessionOptions`` for the sessions.
+        providers: explicit execution providers (default: from ``device``).
+
+    Example (``artifacts`` is a folder of training artifacts for a model with input ``x``, an
+    MSE loss against ``target`` and an extra output ``pred``; ``x``, ``y`` is a batch):
+        >>> from onnxtrain.api import CheckpointState, Module, Optimizer
+        >>> state = CheckpointState.load_checkpoint(f"{artifacts}/checkpoint")
+        >>> module = Module(f"{artifacts}/training_model.onnx", state, f"{artifacts}/eval_model.onnx")
+        >>> optimizer = Optimizer(f"{artifacts}/optimizer_model.onnx", module)
+        >>> optimizer.set_learning_rate(0.05)
+        >>> module.input_names(), module.output_names()
+        (['x', 'target'], ['loss', 'pred'])
+        >>> for _ in range(3):
+        ...     loss, pred = module(x, y)
+        ...     optimizer.step()
+        ...     module.lazy_reset_grad()
+        >>> eval_loss, _ = module.eval()(x, y)
+        >>> bool(eval_loss < loss)
+        True
+    """
+
+    training: bool
+
+    def __init__(self, train_model_uri: str | os.PathLike, state: CheckpointState,
+                 eval_model_uri: str | os.PathLike | None = None, device: str = "cpu",
+                 session_options: ort.SessionOptions | None = None, providers: list | None = None) -> None:
+        if not isinstance(state, CheckpointState):
+            raise TypeError(f"state must be a CheckpointState, got {type(state).__name__}")
+        self.training = True
+        self._state = state
+        self._device = parse_device(device)
+        self._providers = providers_for(self._device, providers)
+        self._session_options = session_options
+        self._train_session = create_session(train_model_uri, self._providers, session_options, "training model")
+        self._train = _Signature(self._train_session, state, training=True, what="training model")
+        self._eval_model_uri = None if eval_model_uri is None else os.fspath(eval_model_uri)
+        self._eval_session = self._eval = None
+        if eval_model_uri is not None:
+            self._eval_session = create_session(eval_model_uri, self._providers, session_options, "eval model")
+            self._eval = _Signature(self._eval_session, state, training=False, what="eval model")
+        state._to_device(self._device)
+        state._ensure_grads()
+        self._reset_grad = True  # buffers start empty, so the first step must not add to them
+        self._flags = {v: from_numpy(np.array(v), self._device) for v in (True, False)}
+        self._train_bindings = BindingCache(self._train_session, self._setup_train_binding)
+        self._eval_bindings = None if self._eval_session is None else \
+            BindingCache(self._eval_session, self._setup_eval_binding)
+
+    # -- running -------------------------------------------------------------------------
+
+    def __call__(self, *user_inputs, **named_inputs):
+        """Run one training step (``training``) or eval step; return the loss (and extra outputs)."""
+        training = self.training
+        sig = self._signature(training)
+        values = gather_inputs(sig.user_inputs, user_inputs, named_inputs)
+        feeds, ortvalue_mode = to_ortvalues(sig.user_inputs, values)
+        missing = self._state._missing_values()
+        if missing:
+            raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint): set them with "
+                                  f"copy_buffer_to_parameters or state.parameters[name] = array first")
+        state = self._state
+        if training:
+            binding = self._train_bindings.get((state._layout, state._param_phase, state._grad_phase))
+            binding.bind_ortvalue_input(names.LAZY_RESET_GRAD, self._flags[self._reset_grad])
+        else:
+            binding = self._eval_bindings.get((state._layout, state._param_phase))
+        for spec, value in zip(sig.user_inputs, feeds):
+            binding.bind_ortvalue_input(spec.name, value)
+        for name in sig.user_outputs:  # ORT allocates these per run: their shapes may change
+            binding.bind_output(name, self._device.type, self._device.id)
+        session = self._train_session if training else self._eval_session
+        session.run_with_iobinding(binding)
+        # Only now, after a successful run, do the freshly written gradient buffers become current.
+        if training:
+            state._grad_phase = 1 - state._grad_phase
+            for p in sig.trainable:
+                state._slots[p].has_grad = True
+            self._reset_grad = False
+        outputs = binding.get_outputs()[: len(sig.user_outputs)]
+        results = tuple(outputs) if ortvalue_mode else tuple(o.numpy() for o in outputs)
+        return results[0] if len(results) == 1 else results
+
+    def _signature(self, training: bool) -> _Signature:
+        if training:
+            return self._train
+        if self._eval is None:
+            raise ModelError("no eval model was given to Module(...): cannot run in eval mode")
+        return self._eval
+
+    def _setup_train_binding(self, binding: ort.IOBinding) -> None:
+        state, sig = self._state, self._train
+        for name in sig.user_outputs:  # first, so they are the first outputs get_outputs() returns
+            binding.bind_output(name, self._device.type, self._device.id)
+        for name in sig.params:
+            binding.bind_ortvalue_input(name, state._value(state._slots[name]))
+        for p in sig.trainable:
+            slot = state._slots[p]
+            binding.bind_ortvalue_input(names.accumulation_buffer_name(p), state._grad(slot))
+            binding.bind_ortvalue_output(names.accumulation_out_name(p), state._spare_grad(slot))
+
+    def _setup_eval_binding(self, binding: ort.IOBinding) -> None:
+        state, sig = self._state, self._eval
+        for name in sig.user_outputs:
+            binding.bind_output(name, self._device.type, self._device.id)
+        for name in sig.params:
+            binding.bind_ortvalue_input(name, state._value(state._slots[name]))
+
+    # -- modes ---------------------------------------------------------------------------
+
+    def train(self, mode: bool = True) -> Module:
+        """Set training mode (``True``) or evaluation mode (``False``); return self."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> Module:
+        """Set evaluation mode; return self."""
+        return self.train(False)
+
+    def lazy_reset_grad(self) -> None:
+        """Make the next training step overwrite the gradients instead of adding to them."""
+        self._reset_grad = True
+
+    def input_names(self) -> list[str]:
+        """User input names of the current mode's model (for training: model inputs, then loss inputs)."""
+        return [s.name for s in self._signature(self.training).user_inputs]
+
+    def output_names(self) -> list[str]:
+        """User output names of the current mode's model: the loss, then additional outputs."""
+        return list(self._signature(self.training).user_outputs)
+
+    # -- parameters as one buffer --------------------------------------------------------
+
+    def _selected(self, trainable_only: bool) -> list:
+        return [self._state._slots[n] for n in self._train.params
+                if not trainable_only or self._state._slots[n].requires_grad]
+
+    def get_parameters_size(self, trainable_only: bool = True) -> int:
+        """Number of elements in all (or only the trainable) parameters."""
+        return sum(slot.size for slot in self._selected(trainable_only))
+
+    def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
+        """All (or the trainable) parameters flattened into one 1-D OrtValue, in the training
+        model's parameter order (trainable first, then frozen)."""
+        slots = self._selected(trainable_only)
+        dtype = _common_dtype(slots)
+        missing = [s.name for s in slots if not s.has_value]
+        if missing:
+            raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint)")
+        flat = np.concatenate([self._state._value(s).numpy().reshape(-1) for s in slots]) if slots \
+            else np.zeros(0, dtype=dtype)
+        return from_numpy(flat.astype(dtype, copy=False), self._device)
+
+    def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
+        """Copy a flat buffer (OrtValue or numpy, as from :meth:`get_contiguous_parameters`) into
+        the parameters, in the same order."""
+        slots = self._selected(trainable_only)
+        flat = buffer.numpy() if isinstance(buffer, ort.OrtValue) else np.asarray(buffer)
+        expected = sum(s.size for s in slots)
+        dtype = _common_dtype(slots)
+        if flat.ndim != 1 or flat.size != expected:
+            raise InputMismatchError(f"parameter buffer has shape {list(flat.shape)}; expected a 1-D buffer of "
+                                     f"{expected} elements ({'trainable' if trainable_only else 'all'} parameters)")
+        if flat.dtype != dtype:
+            raise InputMismatchError(f"parameter buffer has dtype {flat.dtype}; the parameters are {dtype}")
+        offset = 0
+        for slot in slots:
+            part = flat[offset: offset + slot.size].reshape(slot.shape)
+            self._state._value(slot).update_inplace(np.ascontiguousarray(part))
+            slot.has_value = True
+            offset += slot.size
+
+    # -- export --------------------------------------------------------------------------
+
+    def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike,
+                                     graph_output_names: list[str]) -> None:
+        """Write an inference model: the eval model pruned to the nodes that compute
+        ``graph_output_names``, without loss inputs, with the current parameter values
+        embedded as initializers. It runs in a plain ``onnxruntime.InferenceSession``."""
+        from onnxtrain.api._export import export_inference_model
+
+        if self._eval_model_uri is None:
+            raise ModelError("exporting an inference model needs the eval model: pass eval_model_uri to Module")
+        if isinstance(graph_output_names, str) or not graph_output_names:
+            raise ValueError("graph_output_names must be a non-empty list of output names")
+        missing = self._state._missing_values()
+        if missing:
+            raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint)")
+        values = {n: self._state._value(s).numpy() for n, s in self._state._slots.items()}
+        export_inference_model(self._eval_model_uri, inference_model_uri, list(graph_output_names), values,
+                               self._eval.loss_inputs)
+
+
+def _common_dtype(slots) -> np.dtype:
+    dtypes = {s.dtype for s in slots}
+    if len(dtypes) > 1:
+        raise ModelError(f"parameters have different dtypes {sorted(str(d) for d in dtypes)}; a contiguous "
+                         f"buffer needs one dtype")
+    return dtypes.pop() if dtypes else np.dtype(np.float32)

@@ -1,0 +1,156 @@
+"""Optimizer: run the optimizer model of the artifacts to update the parameters.
+
+Mirrors ``onnxruntime.training.api.Optimizer``. The optimizer model (docs/artifacts.md)
+takes ``learning_rate``, ``step`` and, per trainable parameter ``p``, ``p``, ``p_grad`` and
+``p.<state>``; it returns ``p.updated`` and ``p.<state>.updated``. The new values are
+written into spare buffers and swapped in after the run, so nothing is copied and a
+failed run changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnxruntime as ort
+
+from onnxtrain import names
+from onnxtrain.api.checkpoint_state import _OptimizerState
+from onnxtrain.api.module import Module
+from onnxtrain.errors import CheckpointError, ModelError
+from onnxtrain.runtime.binding import BindingCache
+from onnxtrain.runtime.session import create_session, input_specs, output_specs
+from onnxtrain.runtime.values import from_numpy, zeros
+
+OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
+
+
+class Optimizer:
+    """Updates the parameters of a :class:`Module` from its accumulated gradients.
+
+    Optimizer state (e.g. AdamW's ``momentum0``/``momentum1``) starts at zero unless the
+    checkpoint holds it; the step count and learning rate also come from the checkpoint
+    when it was saved with ``include_optimizer_state=True``, so training resumes exactly.
+
+    Args:
+        optimizer_uri: path to ``optimizer_model.onnx``.
+        module: the :class:`Module` whose trainable parameters are updated.
+
+    Example (``artifacts`` is a folder of training artifacts, ``x``, ``y`` a batch):
+        >>> from onnxtrain.api import CheckpointState, Module, Optimizer
+        >>> state = CheckpointState.load_checkpoint(f"{artifacts}/checkpoint")
+        >>> module = Module(f"{artifacts}/training_model.onnx", state)
+        >>> optimizer = Optimizer(f"{artifacts}/optimizer_model.onnx", module)
+        >>> optimizer.set_learning_rate(1e-4)
+        >>> _ = module(x, y); optimizer.step(); module.lazy_reset_grad()
+        >>> optimizer.get_learning_rate(), optimizer.step_count
+        (0.0001, 1)
+    """
+
+    def __init__(self, optimizer_uri: str | os.PathLike, module: Module):
+        if not isinstance(module, Module):
+            raise TypeError(f"module must be an onnxtrain.api.Module, got {type(module).__name__}")
+        self._module = module
+        self._state = state = module._state
+        self._session = create_session(optimizer_uri, module._providers, module._session_options, "optimizer model")
+        self._params = list(module._train.trainable)
+        self._states = self._read_signature()
+
+        opt = state._optimizer
+        if opt is None:
+            opt = state._optimizer = _OptimizerState(states=self._states)
+        elif opt.states != self._states and (opt.pending or opt.buffers):
+            raise CheckpointError(f"the checkpoint holds optimizer state {opt.states} but the optimizer model "
+                                  f"uses {self._states}")
+        opt.states = list(self._states)
+        self._opt = opt
+        self._adopt_state_buffers()
+        state._ensure_spare_values()
+        self._bindings = BindingCache(self._session, self._setup_binding)
+
+    def _read_signature(self) -> list[str]:
+        inputs = [s.name for s in input_specs(self._session)]
+        outputs = {s.name for s in output_specs(self._session)}
+        if inputs[:2] != [names.LEARNING_RATE, names.STEP]:
+            raise ModelError(f"the optimizer model's first inputs must be {[names.LEARNING_RATE, names.STEP]}, "
+                             f"got {inputs[:2]}")
+        meta_text = self._session.get_modelmeta().custom_metadata_map.get(OPTIMIZER_METADATA_KEY)
+        meta = json.loads(meta_text) if meta_text else {}
+        if "states" in meta:
+            states = list(meta["states"])
+        else:  # infer from the first parameter's inputs: p, p_grad, p.<state>...
+            first = self._params[0] if self._params else ""
+            states = [n[len(first) + 1:] for n in inputs if n.startswith(first + ".")]
+        expected = [names.LEARNING_RATE, names.STEP]
+        for p in self._params:
+            expected += [p, names.grad_name(p)] + [names.state_name(p, s) for s in states]
+        if sorted(inputs) != sorted(expected):
+            extra = sorted(set(inputs) - set(expected))
+            missing = sorted(set(expected) - set(inputs))
+            raise ModelError(f"the optimizer model does not match the training model's trainable parameters: "
+                             f"missing inputs {missing[:8]}, unexpected inputs {extra[:8]}")
+        wanted = {names.updated_name(p) for p in self._params}
+        wanted |= {names.updated_name(names.state_name(p, s)) for p in self._params for s in states}
+        if not wanted <= outputs:
+            raise ModelError(f"the optimizer model lacks outputs {sorted(wanted - outputs)[:8]}")
+        return states
+
+    def _adopt_state_buffers(self) -> None:
+        """Two buffers per (parameter, state): the checkpoint's values or zeros, on the module's device."""
+        opt, state = self._opt, self._state
+        if opt.buffers and all(p in opt.buffers for p in self._params):
+            return
+        if opt.pending:
+            missing = [p for p in self._params if p not in opt.pending]
+            if missing:
+                raise CheckpointError(f"the checkpoint's optimizer state has no entry for parameters {missing[:8]}")
+        for p in self._params:
+            slot = state._slots[p]
+            per = {}
+            for s in self._states:
+                value = opt.pending.get(p, {}).get(s)
+                first = zeros(slot.shape, slot.dtype, state._device) if value is None else \
+                    from_numpy(np.array(value, dtype=slot.dtype, copy=True), state._device)
+                per[s] = [first, zeros(slot.shape, slot.dtype, state._device)]
+            opt.buffers[p] = per
+        opt.pending = {}
+        opt.phase = 0
+        state._layout += 1
+
+    def _setup_binding(self, binding: ort.IOBinding) -> None:
+        state, opt = self._state, self._opt
+        for p in self._params:
+            slot = state._slots[p]
+            binding.bind_ortvalue_input(p, state._value(slot))
+            binding.bind_ortvalue_input(names.grad_name(p), state._grad(slot))
+            binding.bind_ortvalue_output(names.updated_name(p), state._spare_value(slot))
+            for s in self._states:
+                key = names.state_name(p, s)
+                binding.bind_ortvalue_input(key, opt.current(p, s))
+                binding.bind_ortvalue_output(names.updated_name(key), opt.spare(p, s))
+
+    def step(self) -> None:
+        """Update every trainable parameter once from its accumulated gradient."""
+        state, opt = self._state, self._opt
+        binding = self._bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
+        binding.bind_cpu_input(names.LEARNING_RATE, np.array(opt.learning_rate, dtype=np.float32))
+        # ``step`` is the number of this update (1 for the first): bias corrections use it as a power.
+        binding.bind_cpu_input(names.STEP, np.array(opt.step + 1, dtype=np.int64))
+        self._session.run_with_iobinding(binding)
+        state._param_phase = 1 - state._param_phase
+        opt.phase = 1 - opt.phase
+        opt.step += 1
+
+    @property
+    def step_count(self) -> int:
+        """Number of updates done so far (restored from a checkpoint with optimizer state)."""
+        return self._opt.step
+
+    def set_learning_rate(self, learning_rate: float) -> None:
+        """Set the learning rate used by the following steps."""
+        self._opt.learning_rate = float(learning_rate)
+
+    def get_learning_rate(self) -> float:
+        """The learning rate the next step will use."""
+        return self._opt.learning_rate

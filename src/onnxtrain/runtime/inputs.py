@@ -1,0 +1,96 @@
+"""Check user inputs against a session's signature before running it.
+
+A mismatch raises InputMismatchError naming the input and what the model expects, instead
+of an onnxruntime error from deep inside a kernel (or, worse, a silent broadcast).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from onnxtrain.errors import InputMismatchError
+from onnxtrain.runtime.session import IOSpec
+
+
+def gather_inputs(specs: Sequence[IOSpec], args: Sequence, kwargs: Mapping[str, object]) -> list:
+    """Match positional and named user inputs to ``specs`` (in order); return them in spec order."""
+    names = [s.name for s in specs]
+    if len(args) > len(specs):
+        raise InputMismatchError(f"got {len(args)} positional inputs, the model takes {len(specs)}: {names}")
+    values: dict[str, object] = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name not in names:
+            raise InputMismatchError(f"unknown input {name!r}; the model's inputs are {names}")
+        if name in values:
+            raise InputMismatchError(f"input {name!r} was given both by position and by name")
+        values[name] = value
+    missing = [n for n in names if n not in values]
+    if missing:
+        raise InputMismatchError(f"got {len(values)} inputs, the model takes {len(specs)}: {names}; "
+                                 f"missing {missing}")
+    return [values[n] for n in names]
+
+
+def to_ortvalues(specs: Sequence[IOSpec], values: Sequence) -> tuple[list[ort.OrtValue], bool]:
+    """Validate ``values`` against ``specs`` and wrap them as CPU OrtValues (numpy memory is
+    shared, not copied; ORT moves them to the session's device).
+
+    Returns the OrtValues and whether every input already was an OrtValue (then the caller
+    returns OrtValues, as upstream does).
+    """
+    result, all_ortvalues = [], True
+    symbols: dict[str, tuple[int, str]] = {}
+    for spec, value in zip(specs, values):
+        if isinstance(value, ort.OrtValue):
+            if spec.type_str != value.data_type():
+                _fail(spec, f"is an OrtValue of {value.data_type()}")
+            _check_shape(spec, tuple(value.shape()), symbols)
+            result.append(value)
+            continue
+        all_ortvalues = False
+        array = _as_array(spec, value)
+        _check_shape(spec, array.shape, symbols)
+        result.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array)))
+    return result, all_ortvalues
+
+
+def _as_array(spec: IOSpec, value) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        if spec.dtype is not None and value.dtype != spec.dtype:
+            _fail(spec, f"has dtype {value.dtype}")
+        return value
+    if hasattr(value, "__array__") or hasattr(value, "__dlpack__"):  # e.g. a torch tensor
+        array = np.asarray(value)
+        if spec.dtype is not None and array.dtype != spec.dtype:
+            _fail(spec, f"has dtype {array.dtype}")
+        return array
+    # Python scalars and nested lists carry no dtype of their own: take the model's.
+    try:
+        return np.asarray(value, dtype=spec.dtype)
+    except (TypeError, ValueError) as exc:
+        raise InputMismatchError(f"input {spec.name!r} cannot be converted to the model's "
+                                 f"{spec.describe()}: {exc}") from exc
+
+
+def _check_shape(spec: IOSpec, shape: tuple[int, ...], symbols: dict[str, tuple[int, str]]) -> None:
+    if spec.shape is None:
+        return
+    if len(shape) != len(spec.shape):
+        _fail(spec, f"has shape {list(shape)} (rank {len(shape)})")
+    for axis, (dim, expected) in enumerate(zip(shape, spec.shape)):
+        if isinstance(expected, int):
+            if dim != expected:
+                _fail(spec, f"has shape {list(shape)} (dim {axis} is {dim}, expected {expected})")
+        elif isinstance(expected, str):
+            # A named symbolic dim must take the same size in every input that uses it.
+            seen = symbols.setdefault(expected, (dim, spec.name))
+            if seen[0] != dim:
+                _fail(spec, f"has shape {list(shape)}: dim {axis} ({expected!r}) is {dim} but input "
+                            f"{seen[1]!r} gave {expected!r} = {seen[0]}")
+
+
+def _fail(spec: IOSpec, what: str):
+    raise InputMismatchError(f"input {spec.name!r} {what}; the model expects {spec.describe()}")

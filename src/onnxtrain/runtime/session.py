@@ -1,0 +1,70 @@
+"""Create sessions once, read their input/output signatures."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from onnxtrain.errors import ModelError
+
+# onnxruntime type strings -> numpy dtypes (bfloat16 has no numpy dtype and is left out).
+_ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int8)": np.int8, "tensor(int16)": np.int16, "tensor(int32)": np.int32, "tensor(int64)": np.int64,
+    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32,
+    "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_, "tensor(string)": np.str_,
+}
+
+
+@dataclass(frozen=True)
+class IOSpec:
+    """A session input or output: name, numpy dtype (None if unknown) and shape.
+
+    ``shape`` holds ints for static dims and strings (or None) for symbolic ones; it is None
+    when the model does not declare a rank.
+    """
+
+    name: str
+    dtype: np.dtype | None
+    shape: tuple | None
+    type_str: str
+
+    def describe(self) -> str:
+        dims = "?" if self.shape is None else "[" + ", ".join("?" if d is None else str(d) for d in self.shape) + "]"
+        return f"{self.type_str} with shape {dims}"
+
+
+def _spec(arg) -> IOSpec:
+    dtype = _ORT_TYPES.get(arg.type)
+    shape = None if arg.shape is None else tuple(d if isinstance(d, int) and d >= 0 else (d or None)
+                                                 for d in arg.shape)
+    return IOSpec(arg.name, None if dtype is None else np.dtype(dtype), shape, arg.type)
+
+
+def input_specs(session: ort.InferenceSession) -> list[IOSpec]:
+    return [_spec(a) for a in session.get_inputs()]
+
+
+def output_specs(session: ort.InferenceSession) -> list[IOSpec]:
+    return [_spec(a) for a in session.get_outputs()]
+
+
+def create_session(model: str | os.PathLike | bytes, providers: list,
+                   session_options: ort.SessionOptions | None = None, what: str = "model") -> ort.InferenceSession:
+    """An InferenceSession for ``model`` (a path or serialized bytes); ModelError if ORT rejects it."""
+    if isinstance(model, (str, os.PathLike)):
+        model = os.fspath(model)
+        if not os.path.isfile(model):
+            raise ModelError(f"{what} file {model!r} does not exist")
+    if session_options is None:
+        session_options = ort.SessionOptions()
+        # Failed runs are reported to the caller as exceptions; keep ORT's own log quiet.
+        session_options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(model, sess_options=session_options, providers=providers)
+    except Exception as exc:  # ORT raises several pybind exception types
+        label = model if isinstance(model, str) else "<bytes>"
+        raise ModelError(f"onnxruntime could not load the {what} {label!r}: {exc}") from exc

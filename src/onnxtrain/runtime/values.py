@@ -1,0 +1,27 @@
+"""OrtValue helpers: allocate on a device, wrap numpy without copying on CPU, read back."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from onnxtrain.runtime.device import Device
+
+
+def from_numpy(array: np.ndarray, device: Device) -> ort.OrtValue:
+    """An OrtValue holding ``array``. On CPU it shares ``array``'s memory (no copy): the caller
+    must not keep writing to ``array`` unless that is the point."""
+    array = np.asarray(array, order="C")
+    if device.type == "cpu":
+        return ort.OrtValue.ortvalue_from_numpy(array)
+    return ort.OrtValue.ortvalue_from_numpy(array, device.type, device.id)
+
+
+def zeros(shape, dtype, device: Device) -> ort.OrtValue:
+    """A zero-filled OrtValue (ORT's own allocations are uninitialized, so start from numpy)."""
+    return from_numpy(np.zeros(tuple(shape), dtype=dtype), device)
+
+
+def to_numpy(value: ort.OrtValue) -> np.ndarray:
+    """A numpy copy of ``value`` (on CPU ``OrtValue.numpy()`` aliases the buffer, which we reuse)."""
+    return np.array(value.numpy(), copy=True)

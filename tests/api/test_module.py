@@ -1,0 +1,265 @@
+"""Module: training/eval steps, gradient accumulation, input checks, parameter buffers, export."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from onnxtrain.api import CheckpointState, Module
+from onnxtrain.checkpoint import write_checkpoint
+from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
+
+from .conftest import batch, ref_forward, ref_grads
+
+
+@pytest.fixture
+def module(artifacts):
+    return Module(artifacts.training, CheckpointState.load_checkpoint(artifacts.checkpoint), artifacts.eval)
+
+
+def _grads(module):
+    return {n: module._state.parameters[n].grad for n in ("W", "b")}
+
+
+def test_names(module):
+    assert module.training
+    assert module.input_names() == ["x", "target"]
+    assert module.output_names() == ["loss", "pred"]
+    module.eval()
+    assert not module.training
+    assert module.input_names() == ["x", "target"]
+    assert module.output_names() == ["loss", "pred"]
+    assert module.train() is module and module.training
+
+
+def test_loss_outputs_and_gradients_match_numpy(module, artifacts):
+    x, t = batch()
+    loss, pred = module(x, t)
+    ref_loss, ref_pred = ref_forward(artifacts.params, x, t)
+    assert isinstance(loss, np.ndarray) and loss.shape == ()
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(pred, ref_pred, rtol=1e-5)
+    ref = ref_grads(artifacts.params, x, t)
+    for name, grad in _grads(module).items():
+        np.testing.assert_allclose(grad, ref[name], rtol=1e-5, atol=1e-6)
+    assert module._state.parameters["scale"].grad is None  # frozen
+    for name, value in artifacts.params.items():  # the training step does not move parameters
+        np.testing.assert_array_equal(module._state.parameters[name].data, value)
+
+
+def test_gradients_accumulate_until_lazy_reset(module, artifacts):
+    (x1, t1), (x2, t2), (x3, t3) = batch(4, 1), batch(3, 2), batch(5, 3)
+    g1, g2, g3 = (ref_grads(artifacts.params, x, t) for x, t in ((x1, t1), (x2, t2), (x3, t3)))
+    module(x1, t1)
+    module(x2, t2)
+    for name, grad in _grads(module).items():
+        np.testing.assert_allclose(grad, g1[name] + g2[name], rtol=1e-5, atol=1e-6)
+    module.lazy_reset_grad()
+    module(x3, t3)
+    for name, grad in _grads(module).items():
+        np.testing.assert_allclose(grad, g3[name], rtol=1e-5, atol=1e-6)
+    module(x1, t1)
+    for name, grad in _grads(module).items():
+        np.testing.assert_allclose(grad, g3[name] + g1[name], rtol=1e-5, atol=1e-6)
+
+
+def test_eval_mode_runs_eval_model_and_keeps_gradients(module, artifacts):
+    x, t = batch()
+    module(x, t)
+    before = _grads(module)
+    module.eval()
+    loss, pred = module(x, t)
+    np.testing.assert_allclose(loss, ref_forward(artifacts.params, x, t)[0], rtol=1e-5)
+    for name, grad in _grads(module).items():
+        np.testing.assert_array_equal(grad, before[name])
+
+
+def test_eval_without_eval_model(artifacts):
+    module = Module(artifacts.training, CheckpointState.load_checkpoint(artifacts.checkpoint))
+    module.eval()
+    with pytest.raises(ModelError, match="eval model"):
+        module(*batch())
+
+
+def test_any_batch_size_reuses_the_sessions(module, artifacts):
+    session = module._train_session
+    for n in (1, 7, 2, 7):
+        x, t = batch(n, n)
+        module.lazy_reset_grad()
+        loss, pred = module(x, t)
+        assert pred.shape == (n, 2)
+        np.testing.assert_allclose(loss, ref_forward(artifacts.params, x, t)[0], rtol=1e-5)
+        np.testing.assert_allclose(_grads(module)["W"], ref_grads(artifacts.params, x, t)["W"], rtol=1e-5, atol=1e-6)
+    assert module._train_session is session
+
+
+def test_outputs_are_fresh_arrays(module):
+    x, t = batch()
+    loss1, pred1 = module(x, t)
+    kept = pred1.copy()
+    module(*batch(4, 9))
+    np.testing.assert_array_equal(pred1, kept)
+
+
+def test_named_and_ortvalue_inputs(module, artifacts):
+    x, t = batch()
+    loss, _ = module(x, target=t)
+    np.testing.assert_allclose(loss, ref_forward(artifacts.params, x, t)[0], rtol=1e-5)
+    outs = module(ort.OrtValue.ortvalue_from_numpy(x), ort.OrtValue.ortvalue_from_numpy(t))
+    assert all(isinstance(o, ort.OrtValue) for o in outs)
+    np.testing.assert_allclose(outs[0].numpy(), loss, rtol=1e-6)
+    module.eval()
+    loss_list, _ = module(x.tolist(), t.tolist())  # lists take the model's dtype
+    np.testing.assert_allclose(loss_list, loss, rtol=1e-6)
+
+
+@pytest.mark.parametrize("call, pattern", [
+    (lambda m, x, t: m(x), r"got 1 inputs.*\['x', 'target'\].*missing \['target'\]"),
+    (lambda m, x, t: m(x, t, t), r"got 3 positional inputs.*\['x', 'target'\]"),
+    (lambda m, x, t: m(x, label=t), r"unknown input 'label'"),
+    (lambda m, x, t: m(x, t, x=x), r"'x' was given both"),
+    (lambda m, x, t: m(x.astype(np.float64), t), r"input 'x' has dtype float64.*tensor\(float\) with shape \[batch, 3\]"),
+    (lambda m, x, t: m(np.ones((4, 5), np.float32), t), r"input 'x' has shape \[4, 5\] \(dim 1 is 5, expected 3\)"),
+    (lambda m, x, t: m(x[None], t), r"input 'x' has shape \[1, 4, 3\] \(rank 3\).*\[batch, 3\]"),
+    (lambda m, x, t: m(x, t[:3]), r"input 'target' .*'batch'.* is 3 but input 'x' gave 'batch' = 4"),
+    (lambda m, x, t: m(ort.OrtValue.ortvalue_from_numpy(x.astype(np.int64)), t), r"'x' is an OrtValue of tensor\(int64\)"),
+    (lambda m, x, t: m(x, "abc"), r"'target' cannot be converted"),
+])
+def test_bad_inputs(module, call, pattern):
+    x, t = batch()
+    with pytest.raises(InputMismatchError, match=pattern):
+        call(module, x, t)
+    assert all(g is None for g in _grads(module).values())  # nothing ran
+
+
+def test_failed_run_leaves_parameters_and_gradients_untouched(module, artifacts, monkeypatch):
+    x1, t1 = batch(4, 1)
+    x2, t2 = batch(4, 2)
+    module(x1, t1)
+    before = _grads(module)
+    real_run = module._train_session.run_with_iobinding
+
+    def run_then_fail(binding, *args):
+        real_run(binding, *args)  # the outputs are written...
+        raise RuntimeError("simulated failure after the kernels ran")
+
+    monkeypatch.setattr(module._train_session, "run_with_iobinding", run_then_fail)
+    with pytest.raises(RuntimeError, match="simulated"):
+        module(x2, t2)
+    for name, grad in _grads(module).items():
+        np.testing.assert_array_equal(grad, before[name])
+    monkeypatch.undo()
+    module(x2, t2)  # accumulation continues from the state before the failure
+    g1, g2 = ref_grads(artifacts.params, x1, t1), ref_grads(artifacts.params, x2, t2)
+    for name, grad in _grads(module).items():
+        np.testing.assert_allclose(grad, g1[name] + g2[name], rtol=1e-5, atol=1e-6)
+
+
+def test_contiguous_parameters(module, artifacts):
+    p = artifacts.params
+    assert module.get_parameters_size() == 3 * 2 + 2
+    assert module.get_parameters_size(trainable_only=False) == 3 * 2 + 2 + 2
+    flat = module.get_contiguous_parameters()
+    assert isinstance(flat, ort.OrtValue)
+    np.testing.assert_array_equal(flat.numpy(), np.concatenate([p["W"].ravel(), p["b"], p["scale"]]))
+    np.testing.assert_array_equal(module.get_contiguous_parameters(trainable_only=True).numpy(),
+                                  np.concatenate([p["W"].ravel(), p["b"]]))
+    new = np.arange(8, dtype=np.float32)
+    module.copy_buffer_to_parameters(ort.OrtValue.ortvalue_from_numpy(new))
+    np.testing.assert_array_equal(module._state.parameters["W"].data, new[:6].reshape(3, 2))
+    np.testing.assert_array_equal(module._state.parameters["b"].data, new[6:])
+    np.testing.assert_array_equal(module._state.parameters["scale"].data, p["scale"])
+    x, t = batch()
+    loss, _ = module(x, t)
+    np.testing.assert_allclose(loss, ref_forward({"W": new[:6].reshape(3, 2), "b": new[6:], "scale": p["scale"]},
+                                                 x, t)[0], rtol=1e-5)
+    with pytest.raises(InputMismatchError, match="8 elements"):
+        module.copy_buffer_to_parameters(np.zeros(10, np.float32))
+    with pytest.raises(InputMismatchError, match="float64"):
+        module.copy_buffer_to_parameters(np.zeros(8, np.float64))
+    module.copy_buffer_to_parameters(np.zeros(10, np.float32), trainable_only=False)
+    assert not module._state.parameters["scale"].data.any()
+
+
+# ----------------------------------------------------------------------------- checkpoint/model mismatch
+
+def _module_with(artifacts, tmp_path, params, requires_grad):
+    write_checkpoint(tmp_path / "bad", params, requires_grad)
+    return Module(artifacts.training, CheckpointState.load_checkpoint(tmp_path / "bad"), artifacts.eval)
+
+
+def test_checkpoint_must_match_the_model(artifacts, tmp_path):
+    p = artifacts.params
+    with pytest.raises(CheckpointError, match=r"takes parameters \['scale'\].*does not hold"):
+        _module_with(artifacts, tmp_path, {"W": p["W"], "b": p["b"]}, {"W", "b"})
+    with pytest.raises(CheckpointError, match=r"holds parameters \['extra'\]"):
+        _module_with(artifacts, tmp_path, {**p, "extra": p["b"]}, {"W", "b"})
+    with pytest.raises(CheckpointError, match=r"'W' has shape \[2, 3\].*\[3, 2\]"):
+        _module_with(artifacts, tmp_path, {**p, "W": p["W"].T.copy()}, {"W", "b"})
+    with pytest.raises(CheckpointError, match="'b' is float64"):
+        _module_with(artifacts, tmp_path, {**p, "b": p["b"].astype(np.float64)}, {"W", "b"})
+    with pytest.raises(CheckpointError, match="'b' is trainable in the training model but frozen"):
+        _module_with(artifacts, tmp_path, p, {"W"})
+    with pytest.raises(CheckpointError, match="'scale' is frozen in the training model but trainable"):
+        _module_with(artifacts, tmp_path, p, {"W", "b", "scale"})
+
+
+def test_missing_model_file(artifacts, tmp_path):
+    state = CheckpointState.load_checkpoint(artifacts.checkpoint)
+    with pytest.raises(ModelError, match="does not exist"):
+        Module(tmp_path / "nope.onnx", state)
+    (tmp_path / "bad.onnx").write_bytes(b"not a model")
+    with pytest.raises(ModelError, match="could not load"):
+        Module(tmp_path / "bad.onnx", state)
+    with pytest.raises(ValueError, match="unknown device"):
+        Module(artifacts.training, state, device="tpu")
+
+
+# ----------------------------------------------------------------------------- export
+
+def test_export_model_for_inferencing(module, artifacts, tmp_path):
+    x, t = batch()
+    module(x, t)
+    module._state.parameters["b"] = np.array([0.25, -1.0], np.float32)  # export uses current values
+    path = tmp_path / "inference.onnx"
+    module.export_model_for_inferencing(path, ["pred"])
+
+    model = onnx.load(path)
+    assert [i.name for i in model.graph.input] == ["x"]  # no target, no parameters
+    assert [o.name for o in model.graph.output] == ["pred"]
+    assert {i.name for i in model.graph.initializer} == {"W", "b", "scale"}
+    assert {n.op_type for n in model.graph.node} == {"MatMul", "Add", "Mul"}
+    assert not any(p.key == "onnxtrain.training" for p in model.metadata_props)
+    onnx.checker.check_model(model, full_check=True)
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    module.eval()
+    for n in (4, 1, 9):
+        x, t = batch(n, n)
+        (pred,) = session.run(None, {"x": x})
+        np.testing.assert_array_equal(pred, module(x, t)[1])
+
+
+def test_export_intermediate_value_and_errors(module, tmp_path):
+    path = tmp_path / "inference.onnx"
+    module.export_model_for_inferencing(path, ["z"])  # an intermediate value: x @ W + b, scale unused
+    model = onnx.load(path)
+    assert {i.name for i in model.graph.initializer} == {"W", "b"}
+    x, _ = batch()
+    p = {n: module._state.parameters[n].data for n in ("W", "b")}
+    (z,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(z, x @ p["W"] + p["b"], rtol=1e-6)
+    with pytest.raises(ModelError, match=r"\['logits'\] are not values"):
+        module.export_model_for_inferencing(path, ["logits"])
+    with pytest.raises(ModelError, match=r"depend on the loss inputs \['target'\]"):
+        module.export_model_for_inferencing(path, ["loss"])
+    with pytest.raises(ValueError):
+        module.export_model_for_inferencing(path, [])
+
+
+def test_export_needs_eval_model(artifacts, tmp_path):
+    module = Module(artifacts.training, CheckpointState.load_checkpoint(artifacts.checkpoint))
+    with pytest.raises(ModelError, match="eval model"):
+        module.export_model_for_inferencing(tmp_path / "m.onnx", ["pred"])

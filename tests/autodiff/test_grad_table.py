@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import numpy as np
 import onnx
 import pytest
@@ -65,7 +67,7 @@ def build_case_model(case: Case, opset: int, rng):
 @pytest.mark.parametrize("end", ["lowest", "highest"])
 def test_rule_matches_finite_differences(case: Case, end: str):
     opset = case.opsets[0] if end == "lowest" else case.opsets[1]
-    rng = np.random.default_rng(abs(hash((case.name, opset))) % 2**32)
+    rng = np.random.default_rng(zlib.crc32(f"{case.name}@{opset}".encode()))  # stable across runs
     model, feeds, wrt = build_case_model(case, opset, rng)
     check_gradients(model, feeds, wrt, rtol=case.rtol, prefer_double=case.precision == "float64")
 

@@ -30,12 +30,18 @@ def is_float(value: ir.Value | None) -> bool:
     return value is not None and value.dtype in FLOAT_TYPES
 
 
+def _may_carry_gradient(value: ir.Value) -> bool:
+    # a value of unknown type (output of an op shape inference does not know) may be float:
+    # keep it, so an unknown op on the path is reported rather than silently cut off
+    return value.dtype is None or value.dtype in FLOAT_TYPES
+
+
 def _active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.Value]:
     """Float values that depend on a requires-grad value."""
     active = {v for v in wrt}
     for node in nodes:
         if any(i is not None and i in active for i in node.inputs):
-            active.update(o for o in node.outputs if is_float(o))
+            active.update(o for o in node.outputs if _may_carry_gradient(o))
     return active
 
 

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits through the artifacts flow")
     demo.add_argument("--out", default="demo_out", help="folder for artifacts and the exported model")
-    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--epochs", type=int, default=20)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
@@ -68,8 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from onnxtrain.errors import OnnxTrainError
+
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except OnnxTrainError as exc:  # a user error: the message says what to fix, no traceback
+        print(f"onnxtrain: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

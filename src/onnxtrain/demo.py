@@ -41,7 +41,7 @@ def build_cnn(seed: int = 0, opset: int = 18) -> onnx.ModelProto:
         numpy_helper.from_array(np.zeros(8, np.float32), "conv1.bias"),
         numpy_helper.from_array(kaiming((16, 8, 3, 3), 72), "conv2.weight"),
         numpy_helper.from_array(np.zeros(16, np.float32), "conv2.bias"),
-        numpy_helper.from_array(kaiming((10, 64), 64) / np.sqrt(2.0), "fc.weight"),
+        numpy_helper.from_array(kaiming((10, 64), 32), "fc.weight"),
         numpy_helper.from_array(np.zeros(10, np.float32), "fc.bias"),
     ]
     nodes = [
@@ -76,7 +76,7 @@ def load_digits(seed: int = 0):
     return images[train], labels[train], images[test], labels[test]
 
 
-def run_demo(out_dir: str | pathlib.Path = "demo_out", epochs: int = 8, batch_size: int = 32,
+def run_demo(out_dir: str | pathlib.Path = "demo_out", epochs: int = 20, batch_size: int = 32,
              learning_rate: float = 3e-3, seed: int = 0, progress: bool = True) -> DemoResult:
     """Generate artifacts, train, evaluate, export and verify; return the figures."""
     import onnxruntime as ort
@@ -99,7 +99,7 @@ def run_demo(out_dir: str | pathlib.Path = "demo_out", epochs: int = 8, batch_si
 
     rng = np.random.default_rng(seed)
     steps_per_epoch = int(np.ceil(len(y_train) / batch_size))
-    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, desc="training", unit="step")
+    bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, desc="training", unit="step", mininterval=0.5)
     loss = float("nan")
     for epoch in range(epochs):
         module.train()
@@ -109,7 +109,7 @@ def run_demo(out_dir: str | pathlib.Path = "demo_out", epochs: int = 8, batch_si
             loss, _ = module(x_train[idx], y_train[idx])
             optimizer.step()
             module.lazy_reset_grad()
-            bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.4f}")
+            bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.4f}", refresh=False)
             bar.update()
     bar.close()
 

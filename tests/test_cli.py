@@ -1,0 +1,41 @@
+"""The command line: the demo (the README's main job) and `onnxtrain artifacts`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import onnx
+
+from tests.test_artifacts import regression_model
+
+
+def _onnxtrain(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "onnxtrain.cli", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def test_demo_reaches_the_required_accuracy(tmp_path):
+    result = _onnxtrain("demo", "--out", str(tmp_path / "demo"), "--no-progress", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    accuracy = float(re.search(r"test accuracy \(eval model\): ([0-9.]+)", result.stdout).group(1))
+    exported = float(re.search(r"inference model, plain InferenceSession\): ([0-9.]+)", result.stdout).group(1))
+    assert accuracy >= 0.95 and exported == accuracy
+    assert (tmp_path / "demo" / "inference_model.onnx").exists()
+
+
+def test_artifacts_command_defaults_to_all_float_initializers(tmp_path):
+    onnx.save(regression_model(), tmp_path / "model.onnx")
+    result = _onnxtrain("artifacts", "model.onnx", "--loss", "mse", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    training = onnx.load(tmp_path / "out" / "training_model.onnx")
+    grads = sorted(o.name for o in training.graph.output if o.name.endswith("_grad.accumulation.out"))
+    assert grads == [f"{n}_grad.accumulation.out" for n in ("b1", "b2", "w1", "w2")]
+    assert (tmp_path / "out" / "optimizer_model.onnx").exists()
+
+
+def test_artifacts_command_reports_bad_parameter_names(tmp_path):
+    onnx.save(regression_model(), tmp_path / "model.onnx")
+    result = _onnxtrain("artifacts", "model.onnx", "--requires-grad", "w9", "-o", "out", cwd=tmp_path)
+    assert result.returncode != 0
+    assert "no initializer named ['w9']" in result.stderr

@@ -9,6 +9,7 @@ batch statistics, ``training_mode=1``), compared with PyTorch in train mode.
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir
 import pytest
 
 from tests.torch_models import examples, export, export_legacy, torch
@@ -33,7 +34,9 @@ class FlatCrossEntropy(onnxblock.Block):
         logits = self.context.value(logits_name)
         vocab = logits.shape[-1]
         flat = b.op.Reshape(logits, b.ints([-1, vocab]))
-        return self.ce(flat.name, "labels")
+        labels = b.input("labels", onnx_ir.DataType.INT32, ["batch", "seq"])
+        flat_labels = b.op.Reshape(labels, b.ints([-1]))
+        return self.ce(flat.name, flat_labels.name)
 
 
 def _torch_loss(name, model, inputs, labels):

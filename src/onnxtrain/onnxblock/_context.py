@@ -56,6 +56,18 @@ class BuildContext:
             raise ModelError(f"the model has no value named {name!r}")
         return found
 
+    def shape_of(self, value: ir.Value) -> ir.Shape | None:
+        """The shape of ``value``, running ONNX shape inference if the builder does not know it."""
+        if value.shape is not None:
+            return value.shape
+        inferred = io.infer_shapes(io.load_model(io.to_proto(self.model)))
+        found = BuildContext(inferred).find(value.name)
+        if found is not None and found.shape is not None:
+            value.shape = found.shape
+            if value.type is None:
+                value.type = found.type
+        return value.shape
+
     @property
     def model_proto(self):
         return io.to_proto(self.model)

@@ -124,6 +124,8 @@ def build_training_and_eval(
     graph.outputs.clear()
     graph.outputs.append(loss)
     graph.outputs.extend(values[n] for n in additional_output_names)
+    pipeline.run(model, pipeline.before_autodiff())
+    loss = graph.outputs[0]  # folding may have replaced the node that produced it
     metadata = _metadata(params, user_inputs, loss_inputs, loss_name, additional_output_names)
     model.metadata_props[TRAINING_METADATA_KEY] = metadata
 

@@ -33,7 +33,7 @@ class _ElementwiseLoss(Block):
         found = self.context.find(target_name)
         if found is not None:
             return found
-        target = ir.Value(name=target_name, type=output.type, shape=output.shape)
+        target = ir.Value(name=target_name, type=output.type, shape=self.context.shape_of(output))
         self.context.graph.inputs.append(target)
         return target
 
@@ -112,8 +112,9 @@ class CrossEntropyLoss(Block):
         labels = self.context.find(labels_name)
         if labels is None:
             shape = None
-            if scores.shape is not None and len(scores.shape) >= 2:
-                dims = list(scores.shape)
+            scores_shape = self.context.shape_of(scores)
+            if scores_shape is not None and len(scores_shape) >= 2:
+                dims = list(scores_shape)
                 shape = ir.Shape(dims[:1] + dims[2:])
             labels = ir.Value(name=labels_name, type=ir.TensorType(ir.DataType.INT32), shape=shape)
             self.context.graph.inputs.append(labels)

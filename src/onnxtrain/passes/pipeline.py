@@ -13,6 +13,15 @@ from onnx_ir.passes.common import (
 from onnxtrain.passes.fold import FoldConstantsPass
 
 
+def before_autodiff() -> list[ir.passes.PassBase]:
+    """Simplify a forward graph whose parameters are already graph inputs (so they are not folded).
+
+    Folding also rewrites sequence idioms exporters emit (SplitToSequence + SequenceAt with
+    constant indices) into plain Split outputs, which autodiff handles.
+    """
+    return [FoldConstantsPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
+
+
 def after_autodiff() -> list[ir.passes.PassBase]:
     """Clean a training/eval graph: fold what turned out static, merge duplicates, drop dead nodes."""
     return [

@@ -60,7 +60,7 @@ def make(tmp_path, **kwargs):
 
 def test_helper_model_trains_and_uses_standard_ops(tmp_path):
     state, module, optimizer = make(tmp_path)
-    assert set(state.parameters) == {"w1", "b1", "w2", "b2"}  # the scalar "scale" stays a constant
+    assert set(state.parameters.keys()) == {"w1", "b1", "w2", "b2"}  # the scalar "scale" stays a constant
     optimizer.set_learning_rate(0.03)
     losses = []
     for x, y in batches(0, 150):
@@ -77,7 +77,7 @@ def test_helper_model_trains_and_uses_standard_ops(tmp_path):
 
 def test_frozen_parameters_get_no_gradient_and_do_not_change(tmp_path):
     state, module, optimizer = make(tmp_path, requires_grad=["w2", "b2"], frozen_params=["w1", "b1"])
-    before = {n: state.parameters[n].data.copy() for n in state.parameters}
+    before = {n: p.data.copy() for n, p in state.parameters}
     training = onnx.load(tmp_path / "training_model.onnx")
     grad_outputs = sorted(o.name for o in training.graph.output[1:])
     assert grad_outputs == ["b2_grad.accumulation.out", "w2_grad.accumulation.out"]
@@ -218,5 +218,5 @@ def test_save_load_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     script = RESUME_SCRIPT.format(tests=str(__import__("pathlib").Path(__file__).parent), d=str(tmp_path), n=n, k=k)
     subprocess.run([sys.executable, "-c", script], check=True)
     resumed = CheckpointState.load_checkpoint(tmp_path / "resumed_checkpoint")
-    for name in state.parameters:
+    for name, _ in state.parameters:
         np.testing.assert_array_equal(resumed.parameters[name].data, state.parameters[name].data, err_msg=name)

@@ -16,7 +16,9 @@ def test_parameters_view(artifacts):
     state = CheckpointState.load_checkpoint(artifacts.checkpoint)
     params = state.parameters
     assert len(params) == 3 and "W" in params and "nope" not in params
-    assert list(params) == list(params.keys()) == ["W", "b", "scale"]  # dict-like: iteration yields names
+    assert params.keys() == ["W", "b", "scale"]
+    # as upstream's: iterating yields (name, Parameter) pairs
+    assert [(name, p.name) for name, p in params] == [("W", "W"), ("b", "b"), ("scale", "scale")]
     assert [(name, p.name) for name, p in params.items()] == [("W", "W"), ("b", "b"), ("scale", "scale")]
     w = params["W"]
     assert w.name == "W" and w.requires_grad and not params["scale"].requires_grad
@@ -71,7 +73,8 @@ def test_properties(artifacts, tmp_path):
     assert props["epoch"] == 3 and "epoch" in props and len(props) == 4
     assert dict(props) == {"epoch": 3, "best": 0.91, "note": "text", "np": 0.5}
     del props["np"]
-    assert list(props) == ["epoch", "best", "note"]
+    assert props.keys() == ["epoch", "best", "note"]
+    assert list(props) == [("epoch", 3), ("best", 0.91), ("note", "text")]  # upstream: pairs
     props["np"] = np.float32(0.5)
     for bad in (True, [1], None, {"a": 1}):
         with pytest.raises(TypeError):

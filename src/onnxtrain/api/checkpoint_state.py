@@ -118,9 +118,9 @@ class Parameters(Mapping):
     """Dict-like view of the parameters, by name, in checkpoint order.
 
     ``params[name]`` is a :class:`Parameter`; ``params[name] = array`` copies ``array`` into
-    the parameter (same shape and dtype required). Iterating yields the names, like a dict;
-    use ``params.items()`` for ``(name, Parameter)`` pairs. (Upstream's ``Parameters`` yields
-    the pairs when iterated directly; ``.items()`` reads the same in both.)
+    the parameter (same shape and dtype required). As upstream's, iterating yields
+    ``(name, Parameter)`` pairs (``for name, param in state.parameters``); ``keys()``,
+    ``values()`` and ``items()`` behave as a dict's.
     """
 
     def __init__(self, state: CheckpointState):
@@ -139,8 +139,17 @@ class Parameters(Mapping):
     def __contains__(self, name: object) -> bool:
         return name in self._state._slots
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._state._slots))
+    def __iter__(self) -> Iterator[tuple[str, Parameter]]:
+        return iter([(name, Parameter(self._state, name)) for name in self._state._slots])
+
+    def keys(self) -> list[str]:
+        return list(self._state._slots)
+
+    def values(self) -> list[Parameter]:
+        return [Parameter(self._state, name) for name in self._state._slots]
+
+    def items(self) -> list[tuple[str, Parameter]]:
+        return list(self)
 
     def __len__(self) -> int:
         return len(self._state._slots)
@@ -152,8 +161,8 @@ class Parameters(Mapping):
 class Properties(MutableMapping):
     """Dict-like user properties (int, float or str values), saved with the checkpoint.
 
-    Iterating yields the names, like a dict (upstream yields ``(name, value)`` pairs; use
-    ``.items()`` for those).
+    As upstream's, iterating yields ``(name, value)`` pairs; ``keys()``, ``values()`` and
+    ``items()`` behave as a dict's.
     """
 
     def __init__(self, state: CheckpointState):
@@ -178,8 +187,17 @@ class Properties(MutableMapping):
     def __contains__(self, name: object) -> bool:
         return name in self._state._properties
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(list(self._state._properties))
+    def __iter__(self) -> Iterator[tuple[str, int | float | str]]:
+        return iter(list(self._state._properties.items()))
+
+    def keys(self) -> list[str]:
+        return list(self._state._properties)
+
+    def values(self) -> list[int | float | str]:
+        return list(self._state._properties.values())
+
+    def items(self) -> list[tuple[str, int | float | str]]:
+        return list(self._state._properties.items())
 
     def __len__(self) -> int:
         return len(self._state._properties)

@@ -58,6 +58,15 @@ def _accumulate(b: GraphBuilder, parts: list[ir.Value]) -> ir.Value:
     return parts[0] if len(parts) == 1 else b.op.Sum(*parts)
 
 
+def _with_shape_of(grad: ir.Value, primal: ir.Value) -> ir.Value:
+    """A gradient has its primal's shape and type: record them so rules can plan statically."""
+    if grad.shape is None and primal.shape is not None:
+        grad.shape = primal.shape
+    if grad.type is None and primal.type is not None:
+        grad.type = primal.type
+    return grad
+
+
 def build_gradients(
     graph: ir.Graph,
     loss: ir.Value | Sequence[ir.Value],
@@ -109,7 +118,8 @@ def build_gradients(
 
     for node in reversed(on_path):
         grad_outputs = [
-            _accumulate(b, contributions[o]) if o in contributions else None for o in node.outputs
+            _with_shape_of(_accumulate(b, contributions[o]), o) if o in contributions else None
+            for o in node.outputs
         ]
         if all(g is None for g in grad_outputs):
             continue

@@ -5,21 +5,25 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import (
     CommonSubexpressionEliminationPass,
+    InlinePass,
     RemoveUnusedNodesPass,
     RemoveUnusedOpsetsPass,
     TopologicalSortPass,
 )
 
+from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.fold import FoldConstantsPass
 
 
 def before_autodiff() -> list[ir.passes.PassBase]:
     """Simplify a forward graph whose parameters are already graph inputs (so they are not folded).
 
-    Folding also rewrites sequence idioms exporters emit (SplitToSequence + SequenceAt with
-    constant indices) into plain Split outputs, which autodiff handles.
+    Model-local functions are inlined and ops without a gradient rule are replaced by their
+    ONNX function bodies where they have one. Folding also rewrites sequence idioms
+    exporters emit (SplitToSequence + SequenceAt with constant indices) into plain Split
+    outputs, which autodiff handles.
     """
-    return [FoldConstantsPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
+    return [InlinePass(), DecomposePass(), FoldConstantsPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 
 def after_autodiff() -> list[ir.passes.PassBase]:

@@ -1,0 +1,53 @@
+"""Fallback for ops without a gradient rule: expand their ONNX function body.
+
+Many ONNX ops are defined by a function body made of other ops (GroupNormalization,
+MeanVarianceNormalization, Shrink, ...). A node of such an op with no rule of its own
+is replaced by its body, whose primitive ops have rules; the gradient then flows
+through the primitives. Hand rules stay preferable where a decomposition is worse in
+numerics or memory, so decomposition only happens for ops the registry lacks.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes.common import InlinePass, ShapeInferencePass
+
+from onnxtrain.autodiff.builder import FLOAT_TYPES
+from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, Registry
+from onnxtrain.ir.schema import function_body
+
+DECOMPOSED_DOMAIN = "pkg.onnxtrain.decomposed"
+
+
+class DecomposePass(ir.passes.InPlacePass):
+    """Replace nodes whose op has no gradient rule but an ONNX function body by that body."""
+
+    def __init__(self, registry: Registry = DEFAULT_REGISTRY):
+        super().__init__()
+        self.registry = registry
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        opset = model.graph.opset_imports.get("", 1)
+        count = 0
+        for node in list(model.graph):
+            if node.domain not in ("", "ai.onnx") or self.registry.lookup("", node.op_type, opset) is not None:
+                continue
+            if not any(i is not None and i.dtype in FLOAT_TYPES for i in node.inputs):
+                continue  # nothing differentiable flows through it
+            function = function_body(node, opset)
+            if function is None:
+                continue
+            count += 1
+            function.domain, function.name = DECOMPOSED_DOMAIN, f"{node.op_type}_{count}"
+            model.functions[function.identifier()] = function
+            node.domain, node.op_type = DECOMPOSED_DOMAIN, function.name
+        if not count:
+            return ir.passes.PassResult(model, False)
+        model.graph.opset_imports[DECOMPOSED_DOMAIN] = 1
+        InlinePass()(model)
+        for key in [k for k in model.functions if k[0] == DECOMPOSED_DOMAIN]:
+            del model.functions[key]
+        model.graph.opset_imports.pop(DECOMPOSED_DOMAIN, None)
+        # the inlined values need element types: autodiff follows only float values
+        ShapeInferencePass(strict_mode=False)(model)
+        return ir.passes.PassResult(model, True)

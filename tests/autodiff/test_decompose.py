@@ -1,0 +1,72 @@
+"""Ops without a rule but with an ONNX function body are differentiated through the body."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.autodiff import DEFAULT_REGISTRY
+from onnxtrain.autodiff.check import check_gradients
+from onnxtrain.autodiff.decompose import DecomposePass
+from onnxtrain.errors import UnsupportedOpError
+from onnxtrain.ir import io
+
+CASES = [
+    ("GroupNormalization", {"num_groups": 2, "epsilon": 1e-5}, 21, [("N", 4, 3), (4,), (4,)]),
+    ("MeanVarianceNormalization", {"axes": [0, 2, 3]}, 13, [(2, 3, 4, 5)]),
+    ("Shrink", {"lambd": 0.5, "bias": 0.2}, 18, [(3, 4)]),
+]
+
+
+def _model(op, attrs, opset, shapes):
+    names = [f"in{k}" for k in range(len(shapes))]
+    graph = helper.make_graph([helper.make_node(op, names, ["y"], **attrs)], op,
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, list(s)) for n, s in zip(names, shapes)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(shapes[0]))])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize(("op", "attrs", "opset", "shapes"), CASES, ids=[c[0] for c in CASES])
+def test_decomposed_op_matches_finite_differences(op, attrs, opset, shapes):
+    assert DEFAULT_REGISTRY.lookup("", op, opset) is None  # else this test checks a rule, not decomposition
+    rng = np.random.default_rng(0)
+    feeds = {f"in{k}": rng.uniform(-2, 2, [3 if isinstance(d, str) else d for d in s]).astype(np.float32)
+             for k, s in enumerate(shapes)}
+    if op == "Shrink":  # keep away from the kinks at +-lambd
+        x = feeds["in0"]
+        x[np.abs(np.abs(x) - 0.5) < 0.05] += 0.2
+    check_gradients(_model(op, attrs, opset, shapes), feeds)
+
+
+def test_group_norm_gradient_matches_torch():
+    torch = pytest.importorskip("torch")
+    from onnxtrain.ir.builder import GraphBuilder
+    from onnxtrain.autodiff import build_gradients
+    import onnxruntime as ort
+
+    model = io.load_model(_model("GroupNormalization", {"num_groups": 2, "epsilon": 1e-5}, 21,
+                                 [(2, 4, 3), (4,), (4,)]))
+    DecomposePass()(model)
+    graph = model.graph
+    b = GraphBuilder(graph)
+    weight = np.random.default_rng(1).standard_normal((2, 4, 3)).astype(np.float32)
+    loss = b.op.ReduceSum(b.op.Mul(graph.outputs[0], b.const(weight)), keepdims=0)
+    grads = build_gradients(graph, loss, list(graph.inputs))
+    graph.outputs.clear()
+    graph.outputs.extend(grads[v] for v in graph.inputs)
+    for k, g in enumerate(graph.outputs):
+        g.name = f"grad{k}"
+    rng = np.random.default_rng(2)
+    x, scale, bias = (rng.standard_normal(s).astype(np.float32) for s in [(2, 4, 3), (4,), (4,)])
+    ours = ort.InferenceSession(io.serialize(model)).run(None, {"in0": x, "in1": scale, "in2": bias})
+    tx, ts, tb = (torch.tensor(a, requires_grad=True) for a in (x, scale, bias))
+    (torch.nn.functional.group_norm(tx, 2, ts, tb, eps=1e-5) * torch.tensor(weight)).sum().backward()
+    for got, want in zip(ours, (tx.grad, ts.grad, tb.grad)):
+        np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_op_without_rule_or_body_is_still_unsupported():
+    model = _model("Det", {}, 18, [(3, 3)])
+    with pytest.raises(UnsupportedOpError, match="Det"):
+        check_gradients(model, {"in0": np.eye(3, dtype=np.float32) * 2})

@@ -93,3 +93,26 @@ def test_gradients_and_adamw_trajectory_match_pytorch(name, exporter, tmp_path):
         optimizer.step()
         module.lazy_reset_grad()
         torch_optimizer.step()
+
+
+def test_eval_model_of_a_training_mode_export_evaluates(tmp_path):
+    """Dropout and batch-statistics BatchNorm in a training-mode export become inference ops in eval_model."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Dropout(0.5), nn.Linear(4 * 6 * 6, 3))
+    with torch.no_grad():  # non-trivial running statistics
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 2.0)
+    x = np.random.default_rng(0).standard_normal((5, 1, 6, 6)).astype(np.float32)
+    labels = np.array([0, 1, 2, 1, 0])
+    onnx_model = export_legacy(model.train(), (torch.tensor(x),), ["image"])
+    ops = {n.op_type for n in onnx_model.graph.node}
+    assert {"Dropout", "BatchNormalization"} <= ops
+    artifacts.generate_artifacts(onnx_model, requires_grad=[n for n, _ in model.named_parameters()],
+                                 loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx").eval()
+    eval_loss = module(x, labels.astype(np.int32))
+    expected = F.cross_entropy(model.eval()(torch.tensor(x)), torch.tensor(labels)).item()
+    np.testing.assert_allclose(float(eval_loss), expected, rtol=1e-5)

@@ -126,10 +126,12 @@ def build_training_and_eval(
     graph.outputs.extend(values[n] for n in additional_output_names)
     pipeline.run(model, pipeline.before_autodiff())
     loss = graph.outputs[0]  # folding may have replaced the node that produced it
+    if loss.name.startswith("onnxblock/") and "loss" not in values:
+        loss.name = loss_name = "loss"  # a generated name: give the loss output a readable one
     metadata = _metadata(params, user_inputs, loss_inputs, loss_name, additional_output_names)
     model.metadata_props[TRAINING_METADATA_KEY] = metadata
 
-    eval_model = _clean(io.load_model(io.to_proto(model)))
+    eval_model = pipeline.run(io.load_model(io.to_proto(model)), pipeline.eval_model())
 
     b = GraphBuilder(graph, scope="")
     trainable = [v for v in graph.inputs if v.name in params.trainable]

@@ -13,6 +13,7 @@ from onnx_ir.passes.common import (
 
 from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.fold import FoldConstantsPass
+from onnxtrain.passes.inference_mode import InferenceModePass
 
 
 def before_autodiff() -> list[ir.passes.PassBase]:
@@ -36,6 +37,11 @@ def after_autodiff() -> list[ir.passes.PassBase]:
         RemoveUnusedOpsetsPass(),
         TopologicalSortPass(),
     ]
+
+
+def eval_model() -> list[ir.passes.PassBase]:
+    """An eval model from a forward+loss graph: training-mode ops evaluate, then clean up."""
+    return [InferenceModePass(), *after_autodiff()]
 
 
 def run(model: ir.Model, passes: list[ir.passes.PassBase]) -> ir.Model:

@@ -28,9 +28,11 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
+        # no conv bias before a BatchNorm (it cancels): with batch statistics its gradient is
+        # rounding noise, which Adam's normalization would turn into real but arbitrary updates
         self.features = nn.Sequential(
-            nn.Conv2d(1, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(6, 8, 3, stride=1, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AvgPool2d(2),
+            nn.Conv2d(1, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(6, 8, 3, stride=1, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.AvgPool2d(2),
         )
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(8 * 2 * 2, 10))
 

@@ -59,8 +59,15 @@ class _Signature:
         internal = set(param_names) | {names.accumulation_buffer_name(p) for p in self.trainable}
         internal |= {names.LAZY_RESET_GRAD} if training else set()
         self.user_inputs: list[IOSpec] = [s for s in inputs if s.name not in internal]
+        output_names = {o.name for o in outputs}
+        # training-mode BatchNormalization statistics: output name -> the frozen parameter it updates
+        self.buffer_updates: dict[str, str] = {
+            out: param for out, param in meta.get("buffer_updates", {}).items()
+            if training and out in output_names and param in state._slots
+        } if training else {}
         grad_outputs = {names.accumulation_out_name(p) for p in self.trainable}
-        self.user_outputs: list[str] = [o.name for o in outputs if o.name not in grad_outputs]
+        self.user_outputs: list[str] = [o.name for o in outputs
+                                        if o.name not in grad_outputs and o.name not in self.buffer_updates]
         self.loss_inputs: list[str] = list(meta.get("loss_inputs", []))
 
 
@@ -172,17 +179,21 @@ class Module:
             binding = self._eval_bindings.get((state._layout, state._param_phase))
         for spec, value in zip(sig.user_inputs, feeds):
             binding.bind_ortvalue_input(spec.name, value)
-        for name in sig.user_outputs:  # ORT allocates these per run: their shapes may change
+        for name in [*sig.user_outputs, *sig.buffer_updates]:  # ORT allocates these per run
             binding.bind_output(name, self._device.type, self._device.id)
         session = self._train_session if training else self._eval_session
         session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        for value, param in zip(outputs[len(sig.user_outputs):], sig.buffer_updates.values()):
+            # running statistics are small: copy into the parameter's buffer, which stays bound
+            state._value(state._slots[param]).update_inplace(np.ascontiguousarray(value.numpy()))
         # Only now, after a successful run, do the freshly written gradient buffers become current.
         if training:
             state._grad_phase = 1 - state._grad_phase
             for p in sig.trainable:
                 state._slots[p].has_grad = True
             self._reset_grad = False
-        outputs = binding.get_outputs()[: len(sig.user_outputs)]
+        outputs = outputs[: len(sig.user_outputs)]
         results = tuple(outputs) if ortvalue_mode else tuple(o.numpy() for o in outputs)
         return results[0] if len(results) == 1 else results
 
@@ -195,7 +206,7 @@ class Module:
 
     def _setup_train_binding(self, binding: ort.IOBinding) -> None:
         state, sig = self._state, self._train
-        for name in sig.user_outputs:  # first, so they are the first outputs get_outputs() returns
+        for name in [*sig.user_outputs, *sig.buffer_updates]:  # first, so get_outputs() returns them first
             binding.bind_output(name, self._device.type, self._device.id)
         for name in sig.params:
             binding.bind_ortvalue_input(name, state._value(state._slots[name]))

@@ -32,20 +32,38 @@ class Parameters:
     frozen: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def _batch_norm_statistics(graph: ir.Graph) -> list[str]:
+    """Initializers used as BatchNormalization running mean/variance (buffers, not parameters)."""
+    stats = []
+    for node in graph:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+            stats += [v.name for v in node.inputs[3:5] if v is not None and v.is_initializer()]
+    return stats
+
+
 def default_trainable(model: ir.Model, frozen: Sequence[str] = ()) -> list[str]:
-    """Float initializers of rank >= 1 that are not exporter constants and not frozen."""
+    """Float initializers of rank >= 1 that are not exporter constants, statistics or frozen."""
+    stats = set(_batch_norm_statistics(model.graph))
     return [
         name for name, value in model.graph.initializers.items()
         if value.dtype in FLOAT_TYPES and value.const_value is not None and len(value.const_value.shape) >= 1
-        and not _EXPORTER_CONSTANT.match(name) and name not in frozen
+        and not _EXPORTER_CONSTANT.match(name) and name not in frozen and name not in stats
     ]
 
 
 def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
                       frozen_params: Sequence[str] | None) -> Parameters:
-    """Validate the user's parameter lists against the model's initializers."""
+    """Validate the user's parameter lists against the model's initializers.
+
+    With ``requires_grad=None`` every float initializer of rank >= 1 trains, except
+    BatchNormalization running statistics, which are frozen (kept in the checkpoint and,
+    for training-mode BatchNormalization, updated by every training step).
+    """
     frozen_params = list(frozen_params or [])
-    requires_grad = default_trainable(model, frozen_params) if requires_grad is None else list(requires_grad)
+    if requires_grad is None:
+        requires_grad = default_trainable(model, frozen_params)
+        frozen_params += [n for n in _batch_norm_statistics(model.graph) if n not in frozen_params]
+    requires_grad = list(requires_grad)
     inits = model.graph.initializers
     overlap = sorted(set(requires_grad) & set(frozen_params))
     if overlap:
@@ -84,12 +102,47 @@ def _clean(model: ir.Model) -> ir.Model:
     return pipeline.run(model, pipeline.after_autodiff())
 
 
-def _metadata(params: Parameters, user_inputs, loss_inputs, loss_name, additional) -> str:
+def _metadata(params: Parameters, user_inputs, loss_inputs, loss_name, additional, buffer_updates=None) -> str:
     return json.dumps({
         "trainable": list(params.trainable), "frozen": list(params.frozen),
         "user_inputs": list(user_inputs), "loss_inputs": list(loss_inputs),
         "loss_output": loss_name, "additional_outputs": list(additional),
+        "buffer_updates": dict(buffer_updates or {}),
     })
+
+
+def _is_training_batch_norm(node: ir.Node, opset: int) -> bool:
+    if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+        return False
+    mode = node.attributes.get("training_mode")
+    if opset >= 14:
+        return mode is not None and mode.value == 1
+    return len(node.outputs) > 1  # before opset 14, extra outputs meant training mode
+
+
+def _expose_running_statistics(graph: ir.Graph, frozen: Sequence[str]) -> dict[str, str]:
+    """Make the updated running statistics of training-mode BatchNormalization graph outputs.
+
+    Returns {output name: frozen parameter it updates}; the runtime writes each output
+    back into its parameter after a training step, as PyTorch updates its buffers.
+    """
+    updates: dict[str, str] = {}
+    opset = graph.opset_imports.get("", 0)
+    for node in graph:
+        if not _is_training_batch_norm(node, opset):
+            continue
+        if len(node.outputs) < 3:
+            node.resize_outputs(3)
+        for stat, out in zip(node.inputs[3:5], node.outputs[1:3]):
+            if stat is None or stat.name not in frozen or stat.name in updates.values():
+                continue
+            if out.is_graph_output():
+                out = GraphBuilder(graph, scope="buffers").op.Identity(out)
+            out.name = names.updated_name(stat.name)
+            out.type, out.shape = stat.type, stat.shape
+            graph.outputs.append(out)
+            updates[out.name] = stat.name
+    return updates
 
 
 def build_training_and_eval(
@@ -145,4 +198,8 @@ def build_training_and_eval(
         out.name = names.accumulation_out_name(p.name)
         out.type, out.shape = p.type, p.shape
         graph.outputs.append(out)
+    updates = _expose_running_statistics(graph, list(params.frozen))
+    if updates:
+        model.metadata_props[TRAINING_METADATA_KEY] = _metadata(
+            params, user_inputs, loss_inputs, loss_name, additional_output_names, updates)
     return _clean(model), eval_model

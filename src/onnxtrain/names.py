@@ -13,8 +13,6 @@ LAZY_RESET_GRAD = "lazy_reset_grad"
 LEARNING_RATE = "learning_rate"
 STEP = "step"
 UPDATED_SUFFIX = ".updated"
-LOSS_OUTPUT = "onnx::loss::21273"  # upstream's default loss output name for LossType losses
-TARGET_INPUT = "target"
 # optimizer state names per parameter, as upstream's checkpoint calls them
 FIRST_MOMENT = "momentum0"
 SECOND_MOMENT = "momentum1"

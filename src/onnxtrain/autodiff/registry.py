@@ -165,11 +165,6 @@ def unary(op_type: str, derivative: Callable[[GradContext], ir.Value], **kwargs)
     grad(op_type, **kwargs)(rule)
 
 
-def linear(op_type: str, **kwargs) -> Callable[[RuleFn], RuleFn]:
-    """Alias of ``grad`` for ops linear in their differentiable inputs (for readability)."""
-    return grad(op_type, **kwargs)
-
-
 def nondifferentiable(*op_types: str, domain: str = "") -> None:
     """Register ops whose float inputs get no gradient (their outputs are piecewise constant)."""
     def no_gradient(ctx: GradContext):

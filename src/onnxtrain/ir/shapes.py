@@ -14,10 +14,6 @@ import onnx_ir as ir
 from onnxtrain.ir.builder import GraphBuilder
 
 
-def shape_of(b: GraphBuilder, x: ir.Value) -> ir.Value:
-    return b.op.Shape(x)
-
-
 def rank_of(x: ir.Value) -> int | None:
     return None if x.shape is None else len(x.shape)
 

@@ -48,12 +48,19 @@ def batches(seed, count, size=16):
         yield x, y
 
 
-def make(tmp_path, **kwargs):
+def single_thread() -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = options.inter_op_num_threads = 1
+    return options
+
+
+def make(tmp_path, session_options=None, **kwargs):
     options = dict(loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
     options.update(kwargs)
     artifacts.generate_artifacts(regression_model(), **options)
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
-    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx",
+                    session_options=session_options)
     optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
     return state, module, optimizer
 
@@ -186,11 +193,11 @@ def test_custom_loss_block_and_loss_input_names(tmp_path):
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, numpy as np
     sys.path.insert(0, {tests!r})
-    from test_artifacts import batches
+    from test_artifacts import batches, single_thread
     from onnxtrain.api import CheckpointState, Module, Optimizer
     d = {d!r}
     state = CheckpointState.load_checkpoint(d + "/resume_checkpoint")
-    module = Module(d + "/training_model.onnx", state, d + "/eval_model.onnx")
+    module = Module(d + "/training_model.onnx", state, d + "/eval_model.onnx", session_options=single_thread())
     optimizer = Optimizer(d + "/optimizer_model.onnx", module)
     for i, (x, y) in enumerate(batches(7, {n})):
         if i < {k}:
@@ -207,7 +214,7 @@ def test_save_load_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     thread (onnxruntime's CPU kernels are deterministic then); the subprocess sets the same.
     """
     n, k = 12, 5
-    state, module, optimizer = make(tmp_path)
+    state, module, optimizer = make(tmp_path, session_options=single_thread())
     optimizer.set_learning_rate(0.02)
     for i, (x, y) in enumerate(batches(7, n)):
         if i == k:

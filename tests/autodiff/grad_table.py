@@ -6,7 +6,9 @@ check at both ends. ``test_grad_table.py`` checks every row against central fini
 differences through onnxruntime; a meta-test fails for any rule without a row.
 
 Shapes may use strings for symbolic dims: the graph input then has that symbolic dim,
-and the row is run with the concrete size in ``dims`` (default 3).
+and the row is run with the concrete size in ``dims`` (default: a random size from 2 to 5,
+fixed per row and opset by the row's seed; 3 in rows with constant inputs, whose indices
+and labels are written for that size).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ _ONNX_TYPES = {"float32": onnx.TensorProto.FLOAT, "float64": onnx.TensorProto.DO
 
 
 def _sample(spec, rng, dims):
-    shape = tuple(dims.get(d, 3) if isinstance(d, str) else d for d in spec.shape)
+    shape = tuple(dims[d] if isinstance(d, str) else d for d in spec.shape)
     x = rng.uniform(spec.low, spec.high, size=shape)
     for point in spec.away_from:
         close = np.abs(x - point) < 0.05
@@ -28,6 +28,11 @@ def _sample(spec, rng, dims):
 
 
 def build_case_model(case: Case, opset: int, rng):
+    # each symbolic dim gets a random run-time size (fixed per row and opset by the seed), except
+    # in rows with constant inputs (indices, labels), which are written for a size of 3
+    symbols = sorted({d for spec in case.inputs if spec is not None for d in spec.shape if isinstance(d, str)})
+    has_constants = any(spec is not None and spec.value is not None for spec in case.inputs)
+    sizes = {sym: case.dims.get(sym, 3 if has_constants else int(rng.integers(2, 6))) for sym in symbols}
     graph_inputs, initializers, feeds, wrt, names = [], [], {}, [], []
     for i, spec in enumerate(case.inputs):
         if spec is None:
@@ -39,7 +44,7 @@ def build_case_model(case: Case, opset: int, rng):
             initializers.append(numpy_helper.from_array(np.asarray(spec.value), name))
             continue
         graph_inputs.append(helper.make_tensor_value_info(name, _ONNX_TYPES[spec.dtype], list(spec.shape)))
-        feeds[name] = _sample(spec, rng, case.dims)
+        feeds[name] = _sample(spec, rng, sizes)
         if spec.grad:
             wrt.append(name)
     outputs = [f"out{k}" for k in range(case.outputs)]

@@ -106,3 +106,24 @@ def check_model(model: ir.Model) -> None:
         onnx.checker.check_model(to_proto(model), full_check=False)
     except Exception as exc:
         raise ModelError(f"generated model fails the ONNX checker: {exc}") from exc
+
+
+def tensor_to_numpy(tensor: "onnx.TensorProto"):
+    """The value of an ``onnx.TensorProto`` as a numpy array."""
+    return onnx.numpy_helper.to_array(tensor)
+
+
+def replace_initializers(model: "onnx.ModelProto", values: dict) -> None:
+    """Overwrite the initializers of ``model`` named in ``values`` (same shape and dtype required)."""
+    from onnxtrain.errors import CheckpointError
+
+    by_name = {init.name: init for init in model.graph.initializer}
+    unknown = sorted(set(values) - set(by_name))
+    if unknown:
+        raise CheckpointError(f"the model has no initializers named {unknown}")
+    for name, value in values.items():
+        current = onnx.numpy_helper.to_array(by_name[name])
+        if current.shape != value.shape or current.dtype != value.dtype:
+            raise CheckpointError(f"parameter {name!r} is {value.dtype}{list(value.shape)} in the checkpoint but "
+                                  f"{current.dtype}{list(current.shape)} in the model")
+        by_name[name].CopyFrom(onnx.numpy_helper.from_array(value, name))

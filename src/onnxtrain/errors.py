@@ -21,16 +21,18 @@ class UnsupportedOpError(OnnxTrainError):
     once so a user sees the whole list in one run.
     """
 
-    def __init__(self, unsupported: Mapping[str, Sequence[str]]):
+    def __init__(self, unsupported: Mapping[str, Sequence[str]], reason: str | None = None):
         self.unsupported = {op: list(nodes) for op, nodes in unsupported.items()}
+        self.reason = reason
         lines = [
             f"  {op}: {len(nodes)} node(s): {', '.join(nodes[:8])}{' ...' if len(nodes) > 8 else ''}"
             for op, nodes in sorted(self.unsupported.items())
         ]
-        super().__init__(
-            f"no gradient rule for {len(self.unsupported)} op type(s) on the path to the loss:\n"
-            + "\n".join(lines)
-        )
+        if reason is None:
+            head = f"no gradient rule for {len(self.unsupported)} op type(s) on the path to the loss:\n"
+        else:
+            head = f"the gradient rule cannot handle this use of the op ({reason}):\n"
+        super().__init__(head + "\n".join(lines))
 
 
 class InputMismatchError(OnnxTrainError, ValueError):

@@ -42,3 +42,14 @@ def test_unsupported_ops_are_listed_together():
         check_gradients(_model(["Sin", "Tanh", "Cos", "Sin"]), {"x": x}, registry=registry)
     assert set(info.value.unsupported) == {"Sin", "Cos"}
     assert info.value.unsupported["Sin"] == ["node0", "node3"]
+
+
+def test_a_rule_that_cannot_handle_a_variant_reports_the_node():
+    # Einsum with a repeated label inside one operand (a diagonal) is outside its rule
+    graph = helper.make_graph([helper.make_node("Einsum", ["x"], ["y"], equation="ii->i", name="diag")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(UnsupportedOpError, match="diagonal") as info:
+        check_gradients(model, {"x": np.eye(3, dtype=np.float32)})
+    assert info.value.unsupported == {"Einsum": ["diag"]}

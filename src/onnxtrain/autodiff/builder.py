@@ -54,6 +54,11 @@ def _values_reaching(nodes: Sequence[ir.Node], targets: Iterable[ir.Value]) -> s
     return reaching
 
 
+def _op_key(node: ir.Node) -> str:
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    return f"{domain}::{node.op_type}" if domain else node.op_type
+
+
 def _accumulate(b: GraphBuilder, parts: list[ir.Value]) -> ir.Value:
     return parts[0] if len(parts) == 1 else b.op.Sum(*parts)
 
@@ -106,8 +111,7 @@ def build_gradients(
         version = node.version or opsets.get(domain, opsets.get("ai.onnx", 1))
         rule = registry.lookup(domain, node.op_type, version)
         if rule is None:
-            key = f"{domain}::{node.op_type}" if domain else node.op_type
-            unsupported.setdefault(key, []).append(node.name or "<unnamed>")
+            unsupported.setdefault(_op_key(node), []).append(node.name or "<unnamed>")
         rules[node] = (rule, version)
     if unsupported:
         raise UnsupportedOpError(unsupported)
@@ -127,7 +131,10 @@ def build_gradients(
         needs = [i is not None and i in active for i in node.inputs]
         ctx = GradContext(node=node, b=b.child(f"grad/{node.name}"), grad_outputs=grad_outputs,
                           needs_grad=needs, opset=version)
-        input_grads = tuple(rule.fn(ctx))
+        try:
+            input_grads = tuple(rule.fn(ctx))
+        except NotImplementedError as exc:  # a rule that does not cover this variant of its op
+            raise UnsupportedOpError({_op_key(node): [node.name or "<unnamed>"]}, reason=str(exc)) from exc
         if len(input_grads) > len(node.inputs):
             raise AssertionError(
                 f"gradient rule of {node.op_type} returned {len(input_grads)} gradients for "

@@ -53,3 +53,7 @@ class ModelError(OnnxTrainError, ValueError):
 
 class GradientCheckError(OnnxTrainError, AssertionError):
     """Analytic and numerical gradients disagree (raised by ``check_gradients``)."""
+
+
+class ExportError(OnnxTrainError):
+    """PyTorch's ONNX exporter could not export a module (ORTModule); the message says why."""

@@ -36,8 +36,9 @@ def _may_carry_gradient(value: ir.Value) -> bool:
     return value.dtype is None or value.dtype in FLOAT_TYPES
 
 
-def _active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.Value]:
-    """Float values that depend on a requires-grad value."""
+def active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.Value]:
+    """Values that may carry a gradient and depend on a requires-grad value (``nodes`` in
+    topological order)."""
     active = {v for v in wrt}
     for node in nodes:
         if any(i is not None and i in active for i in node.inputs):
@@ -96,7 +97,7 @@ def build_gradients(
     nodes = list(graph)
     opsets = dict(graph.opset_imports)
 
-    active = _active_values(nodes, wrt)
+    active = active_values(nodes, wrt)
     reaching = _values_reaching(nodes, losses)
     on_path = [
         n for n in nodes

@@ -39,6 +39,11 @@ def after_autodiff() -> list[ir.passes.PassBase]:
     ]
 
 
+def cleanup() -> list[ir.passes.PassBase]:
+    """After a graph was cut out of a larger one: drop what it no longer uses, reorder."""
+    return [RemoveUnusedNodesPass(), RemoveUnusedOpsetsPass(), TopologicalSortPass()]
+
+
 def eval_model() -> list[ir.passes.PassBase]:
     """An eval model from a forward+loss graph: training-mode ops evaluate, then clean up."""
     return [InferenceModePass(), *after_autodiff()]

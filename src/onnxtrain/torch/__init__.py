@@ -1,0 +1,8 @@
+"""PyTorch front door: :class:`ORTModule` runs a module's forward and backward in ONNX Runtime.
+
+Importing this package needs PyTorch (``pip install torch``); ``import onnxtrain`` does not.
+"""
+
+from onnxtrain.torch.ortmodule import DebugOptions, ORTModule, ORTModuleFallbackWarning
+
+__all__ = ["ORTModule", "DebugOptions", "ORTModuleFallbackWarning"]

@@ -1,0 +1,118 @@
+"""Run ONNX Runtime sessions on torch tensors without copies, inside torch autograd.
+
+Inputs reach ORT through DLPack (``OrtValue.from_dlpack`` shares the tensor's memory, on
+CPU or CUDA); outputs are allocated by ORT on the inputs' device and handed to torch
+through DLPack the same way. A training call is one ``torch.autograd.Function``: its
+forward runs the forward session and keeps the saved activations, its backward runs the
+backward session.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import onnxruntime as ort
+import torch
+
+from onnxtrain.ir import io
+from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, ForwardBackward
+from onnxtrain.runtime.device import Device, providers_for
+from onnxtrain.runtime.session import create_session
+
+
+def device_of(tensors: Sequence[torch.Tensor]) -> Device:
+    for t in tensors:
+        if t.device.type != "cpu":
+            return Device(t.device.type, t.device.index or 0)
+    return Device("cpu")
+
+
+def _to_ort(tensor: torch.Tensor) -> ort.OrtValue:
+    tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return ort.OrtValue.from_dlpack(tensor)
+
+
+class SessionRunner:
+    """One InferenceSession and the names of its inputs and outputs, run on torch tensors."""
+
+    def __init__(self, model, device: Device, session_options: ort.SessionOptions | None, what: str):
+        self.device = device
+        self.session = create_session(io.serialize(model), providers_for(device), session_options, what=what)
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        binding = self.session.io_binding()
+        for name, tensor in zip(self.input_names, inputs):
+            binding.bind_ortvalue_input(name, _to_ort(tensor))
+        for name in self.output_names:
+            binding.bind_output(name, self.device.type, self.device.id)
+        if self.device.type != "cpu":
+            binding.synchronize_inputs()
+        self.session.run_with_iobinding(binding)
+        if self.device.type != "cpu":
+            binding.synchronize_outputs()
+        return [torch.from_dlpack(v) for v in binding.get_outputs()]
+
+
+@dataclass
+class TrainingPrograms:
+    """The forward and backward sessions of one graph for one set of requires-grad inputs."""
+
+    graphs: ForwardBackward
+    forward: SessionRunner
+    backward: SessionRunner
+    wrt_positions: list[int]   # input positions the backward graph returns gradients for
+    non_differentiable: list[int]  # forward outputs (of the model's) that carry no gradient
+
+    @classmethod
+    def build(cls, graphs: ForwardBackward, wrt_positions: list[int], device: Device,
+              session_options: ort.SessionOptions | None) -> "TrainingPrograms":
+        num = graphs.num_model_outputs
+        non_diff = [i for i in range(num) if i not in graphs.differentiable_outputs]
+        return cls(graphs, SessionRunner(graphs.forward, device, session_options, "forward graph"),
+                   SessionRunner(graphs.backward, device, session_options, "backward graph"),
+                   wrt_positions, non_diff)
+
+
+class ORTFunction(torch.autograd.Function):
+    """``apply(programs, *inputs)`` -> the model outputs; gradients flow to the requires-grad inputs."""
+
+    @staticmethod
+    def forward(ctx, programs: TrainingPrograms, *inputs):
+        outputs = programs.forward.run(inputs)
+        graphs = programs.graphs
+        num = graphs.num_model_outputs
+        ctx.programs = programs
+        ctx.num_inputs = len(inputs)
+        # keep exactly what the backward graph reads: saved activations, outputs, inputs
+        kept = []
+        for source, index in graphs.backward_inputs:
+            if source == FROM_FORWARD_OUTPUT:
+                kept.append(outputs[index])
+            elif source == FROM_INPUT:
+                kept.append(inputs[index])
+        ctx.save_for_backward(*kept)
+        model_outputs = outputs[:num]
+        ctx.mark_non_differentiable(*[model_outputs[i] for i in programs.non_differentiable])
+        return tuple(model_outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grad_outputs):
+        programs: TrainingPrograms = ctx.programs
+        kept = iter(ctx.saved_tensors)
+        feeds = []
+        for source, index in programs.graphs.backward_inputs:
+            if source == FROM_OUTPUT_GRAD:
+                feeds.append(grad_outputs[index])
+            else:
+                feeds.append(next(kept))
+        grads = programs.backward.run(feeds)
+        result: list[torch.Tensor | None] = [None] * (1 + ctx.num_inputs)
+        for position, g in zip(programs.wrt_positions, grads):
+            result[1 + position] = g
+        return tuple(result)

@@ -1,0 +1,256 @@
+"""Export a torch module call to an ONNX graph whose parameters and buffers are inputs.
+
+A call ``module(*args, **kwargs)`` is flattened (``torch.utils._pytree``): its tensor
+leaves become graph inputs, every other leaf (ints, flags, None, strings) is baked into
+the graph and becomes part of the cache key. Parameters and buffers are lifted from
+initializers to graph inputs, so the graph reads the module's current weights on every
+run and an optimizer step never needs a re-export. Buffers a training-mode forward
+mutates (BatchNorm running statistics, counters) come back as extra outputs.
+
+Every tensor dim is exported as ``Dim.AUTO``: dynamic where the model allows it, static
+where it does not. A later call is served by the same graph when its shapes fit: static
+dims equal, symbolic dims consistent across inputs and within the ranges the exporter
+derived.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import onnx_ir as ir
+import torch
+from torch.utils import _pytree as pytree
+
+from onnxtrain.errors import ExportError
+from onnxtrain.passes import pipeline
+from onnxtrain.torch._translations import translation_table
+
+# The wrapper's attribute holding the user's module: the exporter names its parameters
+# "<prefix><fqn>"; the prefix is stripped from graph input names.
+_MODULE_ATTR = "module"
+_PREFIX = _MODULE_ATTR + "."
+# Loggers of the exporter that report environment facts (e.g. "torchvision is not
+# installed") as warnings on every export; quieted during our exports.
+_NOISY_LOGGERS = ("torch.onnx._internal.exporter._registration", "torch.onnx._internal.exporter._core")
+
+
+def _freeze(leaf) -> Hashable:
+    """A hashable stand-in for a non-tensor argument, for the cache key."""
+    try:
+        hash(leaf)
+        return (type(leaf).__name__, leaf)
+    except TypeError:
+        return (type(leaf).__name__, repr(leaf))
+
+
+@dataclass(frozen=True)
+class CallSchema:
+    """What about a call decides its graph, other than shapes covered by dynamic dims."""
+
+    tree: Hashable
+    constants: tuple           # frozen non-tensor leaves, in leaf order
+    tensors: tuple             # (leaf position, dtype, rank, device) per tensor leaf
+    training: bool
+    parameters: tuple          # (name, dtype, device) of every parameter and buffer
+
+
+@dataclass
+class FlatCall:
+    """A flattened call: the tensor leaves and how to rebuild the call from them."""
+
+    tensors: list[torch.Tensor]
+    leaves: list
+    positions: list[int]
+    spec: pytree.TreeSpec
+    schema: CallSchema
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]):
+        leaves = list(self.leaves)
+        for pos, t in zip(self.positions, tensors):
+            leaves[pos] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall:
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    tensors = [leaves[i] for i in positions]
+    constants = tuple(_freeze(leaf) for i, leaf in enumerate(leaves) if i not in set(positions))
+    schema = CallSchema(
+        tree=str(spec),
+        constants=constants,
+        tensors=tuple((i, t.dtype, t.dim(), t.device) for i, t in zip(positions, tensors)),
+        training=module.training,
+        parameters=tuple((n, p.dtype, p.device) for n, p in _named_state(module).items()),
+    )
+    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return FlatCall(tensors, template, positions, spec, schema)
+
+
+def _named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = dict(module.named_parameters(remove_duplicate=False))
+    state.update(module.named_buffers(remove_duplicate=False))
+    return state
+
+
+class _Recorder(list):
+    """Collects (output spec, output leaves) of traced calls. The exporter traces a copy of
+    the wrapper, so the recorder is shared by copies instead of copied."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+
+class _FlatModule(torch.nn.Module):
+    """Calls the user's module from flat tensors; returns flat output tensors then all buffers."""
+
+    def __init__(self, module: torch.nn.Module, call: FlatCall, buffer_names: list[str]):
+        super().__init__()
+        setattr(self, _MODULE_ATTR, module)
+        self._call = call
+        self._buffer_names = buffer_names
+        self.traced_outputs = _Recorder()
+
+    def forward(self, *tensors):
+        args, kwargs = self._call.rebuild(tensors)
+        out = getattr(self, _MODULE_ATTR)(*args, **kwargs)
+        leaves, spec = pytree.tree_flatten(out)
+        self.traced_outputs.append((spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]))
+        module = getattr(self, _MODULE_ATTR)
+        return (*[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
+                *[module.get_buffer(n) for n in self._buffer_names])
+
+
+@dataclass
+class ExportedGraph:
+    """A module call as an ONNX graph (parameters and buffers as inputs).
+
+    Graph inputs: the call's tensors (``num_user_inputs``), then the module state named in
+    ``state_names``. Graph outputs: the call's output tensors (``num_user_outputs``), then
+    the new values of the buffers in ``buffer_updates``.
+    """
+
+    model: ir.Model
+    num_user_inputs: int
+    state_names: list[str]
+    num_user_outputs: int
+    buffer_updates: list[str]
+    output_spec: pytree.TreeSpec
+    output_leaves: list
+    input_shapes: list[tuple]                 # per user input: ints and symbol names
+    dim_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
+    exported: ir.Model | None = None          # the exporter's graph, for DebugOptions.save_onnx
+
+    def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether this graph computes a call with these input shapes (same schema assumed)."""
+        bound: dict[str, int] = {}
+        for t, dims in zip(tensors, self.input_shapes):
+            if t.dim() != len(dims):
+                return False
+            for size, dim in zip(t.shape, dims):
+                if isinstance(dim, int):
+                    if size != dim:
+                        return False
+                    continue
+                if bound.setdefault(dim, size) != size:
+                    return False
+                low, high = self.dim_ranges.get(dim, (0, None))
+                if size < low or (high is not None and size > high):
+                    return False
+        return True
+
+    def rebuild_output(self, tensors: Sequence[torch.Tensor]):
+        leaves = list(self.output_leaves)
+        it = iter(tensors)
+        for i, leaf in enumerate(leaves):
+            if leaf is None:
+                leaves[i] = next(it)
+        return pytree.tree_unflatten(leaves, self.output_spec)
+
+
+def _bound(value) -> int | None:
+    """An int bound of a sympy range, None when unbounded (sympy or torch infinity)."""
+    if getattr(value, "is_finite", True) is False or "oo" in str(value):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return None
+
+
+def _dim_ranges(exported_program) -> dict[str, tuple[int, int | None]]:
+    ranges = {}
+    for symbol, value_range in exported_program.range_constraints.items():
+        ranges[str(symbol)] = (_bound(value_range.lower) or 0, _bound(value_range.upper))
+    return ranges
+
+
+def export_call(module: torch.nn.Module, call: FlatCall) -> ExportedGraph:
+    """Export ``module`` called as ``call`` (see the module docstring)."""
+    buffer_names = list(dict(module.named_buffers()))
+    wrapper = _FlatModule(module, call, buffer_names)
+    dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors)
+    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                wrapper, tuple(call.tensors), dynamo=True, optimize=False, verbose=False,
+                dynamic_shapes=(dynamic,), custom_translation_table=translation_table(),
+            )
+    except Exception as exc:  # the exporter raises many types; the reason is in the message
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"torch.onnx.export could not export {type(module).__name__}: "
+                          f"{type(exc).__name__}: {first_line}") from exc
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+    model = program.model
+    exported_copy = ir.from_proto(ir.to_proto(model))
+    graph = model.graph
+    num_user_inputs = len(graph.inputs)
+    if num_user_inputs != len(call.tensors):
+        raise ExportError(f"the exported graph has {num_user_inputs} inputs for {len(call.tensors)} tensors")
+    input_shapes = [tuple(d if isinstance(d, int) else str(d) for d in v.shape) for v in graph.inputs]
+
+    state = _named_state(module)
+    state_names = []
+    for name, value in list(graph.initializers.items()):
+        fqn = name[len(_PREFIX):] if name.startswith(_PREFIX) else None
+        if fqn is None or fqn not in state:
+            continue  # an exporter constant
+        graph.initializers.pop(name)
+        value.const_value = None
+        value.name = fqn
+        graph.inputs.append(value)
+        state_names.append(fqn)
+
+    num_user_outputs = len(graph.outputs) - len(buffer_names)
+    updates = []
+    kept = list(graph.outputs[:num_user_outputs])
+    for name, value in zip(buffer_names, graph.outputs[num_user_outputs:]):
+        if value.is_graph_input() or value.producer() is None:
+            continue  # the forward did not change this buffer
+        value.name = f"{name}.updated"
+        kept.append(value)
+        updates.append(name)
+    graph.outputs.clear()
+    graph.outputs.extend(kept)
+    pipeline.run(model, pipeline.before_autodiff())
+    return ExportedGraph(
+        model=model, num_user_inputs=num_user_inputs, state_names=state_names,
+        num_user_outputs=num_user_outputs, buffer_updates=updates,
+        output_spec=wrapper.traced_outputs[-1][0], output_leaves=wrapper.traced_outputs[-1][1],
+        input_shapes=input_shapes, dim_ranges=_dim_ranges(program.exported_program),
+        exported=exported_copy,
+    )

@@ -1,0 +1,55 @@
+"""Translations of aten ops that PyTorch's ONNX exporter gets wrong for training.
+
+PyTorch's exporter translates training-mode batch normalization
+(``aten._native_batch_norm_legit_functional`` with ``training=True``) as inference-mode
+BatchNormalization: it normalizes with the running statistics and returns them
+unchanged. For training that is wrong twice (the forward uses the wrong statistics and
+the buffers never update), so we translate it ourselves into primitive ops that compute
+batch statistics and the updated running statistics exactly as PyTorch does.
+"""
+
+from __future__ import annotations
+
+import torch
+from onnxscript import opset18 as op
+
+
+def batch_norm_functional(input, weight, bias, running_mean, running_var,
+                          training: bool = False, momentum: float = 0.1, eps: float = 1e-5):
+    """``aten._native_batch_norm_legit_functional``: (out, save_mean, save_rstd, new_running_mean,
+    new_running_var), with PyTorch's semantics: batch statistics in training (biased variance
+    to normalize, unbiased variance in the running estimate)."""
+    rank = len(input.shape)
+    per_channel = op.Constant(value_ints=[1, -1] + [1] * (rank - 2))
+    flat = op.Constant(value_ints=[-1])
+    if not training:
+        mean, var = op.Reshape(running_mean, per_channel), op.Reshape(running_var, per_channel)
+        centered = op.Sub(input, mean)
+    else:
+        axes = op.Constant(value_ints=[0, *range(2, rank)])
+        mean = op.ReduceMean(input, axes, keepdims=1)
+        centered = op.Sub(input, mean)
+        var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=1)
+    rstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(op.Constant(value_float=eps), var))))
+    out = op.Mul(centered, rstd)
+    if weight is not None:
+        out = op.Mul(out, op.Reshape(weight, per_channel))
+    if bias is not None:
+        out = op.Add(out, op.Reshape(bias, per_channel))
+    save_mean, save_rstd = op.Reshape(mean, flat), op.Reshape(rstd, flat)
+    if not training:
+        return out, save_mean, save_rstd, running_mean, running_var
+    # PyTorch's running variance is the unbiased estimate: var * n / (n - 1)
+    count = op.CastLike(op.Div(op.Size(input), op.Shape(input, start=1, end=2)), var)
+    one = op.CastLike(op.Constant(value_float=1.0), var)
+    unbiased = op.Div(op.Mul(op.Reshape(var, flat), count), op.Sub(count, one))
+    keep = op.CastLike(op.Constant(value_float=1.0 - momentum), var)
+    take = op.CastLike(op.Constant(value_float=momentum), var)
+    new_mean = op.Add(op.Mul(running_mean, keep), op.Mul(save_mean, take))
+    new_var = op.Add(op.Mul(running_var, keep), op.Mul(unbiased, take))
+    return out, save_mean, save_rstd, new_mean, new_var
+
+
+def translation_table() -> dict:
+    """The ``custom_translation_table`` passed to ``torch.onnx.export``."""
+    return {torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional}

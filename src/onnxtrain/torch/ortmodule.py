@@ -1,0 +1,218 @@
+"""ORTModule: run a torch module's forward and backward through ONNX Runtime."""
+
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+
+from onnxtrain.errors import OnnxTrainError
+from onnxtrain.ir import io
+from onnxtrain.passes.partition import build_forward_backward
+from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
+from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
+
+
+class ORTModuleFallbackWarning(UserWarning):
+    """ORTModule could not run a module through ONNX Runtime and runs it in PyTorch instead."""
+
+
+@dataclass
+class DebugOptions:
+    """Debugging switches of :class:`ORTModule` (upstream's ``DebugOptions``, plus ``fallback``).
+
+    Args:
+        save_onnx: write the graphs of every export to ``save_dir``: the exporter's graph
+            (``<prefix>_<mode>_exported.onnx``), the graph after our passes (``_optimized``),
+            and the ``_forward``/``_backward`` (training) or ``_inference`` graphs that run.
+        onnx_prefix: file name prefix for ``save_onnx``.
+        save_dir: folder for ``save_onnx`` (created if missing).
+        fallback: if export or gradient building fails, warn once with the reason and run
+            the original module in PyTorch from then on. ``False`` raises the error instead
+            (e.g. an ``UnsupportedOpError`` listing the ops without a gradient rule).
+        session_options: ``onnxruntime.SessionOptions`` for every session (threads, ...).
+
+    Example:
+        >>> model = ORTModule(net, DebugOptions(save_onnx=True, onnx_prefix="net", fallback=False))
+    """
+
+    save_onnx: bool = False
+    onnx_prefix: str = "ortmodule"
+    save_dir: str | os.PathLike = "."
+    fallback: bool = True
+    session_options: ort.SessionOptions | None = field(default=None, repr=False)
+
+
+@dataclass
+class _Variant:
+    """One export of the module and the sessions built from it."""
+
+    graph: ExportedGraph
+    inference: SessionRunner | None = None
+    training: dict[tuple, TrainingPrograms] = field(default_factory=dict)
+
+
+class ORTModule(torch.nn.Module):
+    """Wrap a ``torch.nn.Module`` so that its forward and backward run in ONNX Runtime.
+
+    The rest of the training script stays as it is: the same optimizer on
+    ``model.parameters()``, the same loss, ``loss.backward()``, ``optimizer.step()``.
+    The module is exported on its first call (``torch.onnx.export(..., dynamo=True)``) with
+    parameters and buffers as graph inputs, so weights update without a re-export and
+    new batch or sequence sizes reuse the graph. A new export happens only when the
+    call's schema changes (dtypes, ranks, static sizes, non-tensor arguments, train/eval
+    mode) — ``export_count`` counts them.
+
+    In training, one gradient graph is built and cut into a forward and a backward graph
+    that run inside a ``torch.autograd.Function``; parameters (and inputs) that require
+    grad receive their gradients in ``.grad`` as usual. Without grad (``torch.no_grad()``,
+    or nothing requires grad) a forward-only graph runs. Buffers that the forward updates
+    (BatchNorm running statistics) are written back into the module's buffers.
+
+    Dropout runs ONNX Runtime's random generator, not PyTorch's: masks differ from eager
+    PyTorch for the same ``torch.manual_seed`` (the distribution is the same).
+
+    Parameter names, ``state_dict()`` keys and ``load_state_dict()`` are those of the
+    wrapped module, so checkpoints move freely between the two.
+
+    Example:
+        >>> model = ORTModule(torch.nn.Sequential(torch.nn.Linear(4, 2)))
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> loss = model(torch.randn(8, 4)).square().mean()
+        >>> loss.backward(); optimizer.step()
+    """
+
+    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None):
+        if not isinstance(module, torch.nn.Module):
+            raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
+        super().__init__()
+        self._original_module = module
+        self._debug = debug_options or DebugOptions()
+        self._variants: dict[CallSchema, list[_Variant]] = {}
+        self._fallback_reason: str | None = None
+        self.export_count = 0
+
+    # -- the wrapped module ------------------------------------------------------
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped ``torch.nn.Module``."""
+        return self._original_module
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_original_module"], name)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_variants"] = {}  # sessions are rebuilt on the next call
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    def __deepcopy__(self, memo):
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        for key, value in self.__getstate__().items():
+            clone.__dict__[key] = copy.deepcopy(value, memo)
+        return clone
+
+    @property
+    def fallback_reason(self) -> str | None:
+        """Why the module runs in PyTorch (None while it runs in ONNX Runtime)."""
+        return self._fallback_reason
+
+    # -- calls -------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        module = self._original_module
+        if self._fallback_reason is not None:
+            return module(*args, **kwargs)
+        call = flatten_call(module, args, kwargs)
+        state = dict(module.named_parameters(remove_duplicate=False))
+        state.update(module.named_buffers(remove_duplicate=False))
+        try:  # building: export, gradient graph, sessions; a failure here may fall back
+            variant = self._variant(call)
+            inputs = [*call.tensors, *(state[n] for n in variant.graph.state_names)]
+            wrt = tuple(i for i, t in enumerate(inputs) if t.requires_grad and t.is_floating_point())
+            training = torch.is_grad_enabled() and bool(wrt)
+            runner = self._training_programs(variant, wrt, inputs) if training else \
+                self._inference_runner(variant, inputs)
+        except OnnxTrainError as exc:
+            if not self._debug.fallback:
+                raise
+            self._fall_back(exc)
+            return module(*args, **kwargs)
+        outputs = ORTFunction.apply(runner, *inputs) if training else runner.run(inputs)
+        graph = variant.graph
+        with torch.no_grad():
+            for name, value in zip(graph.buffer_updates, outputs[graph.num_user_outputs:]):
+                state[name].copy_(value)
+        return graph.rebuild_output(outputs[:graph.num_user_outputs])
+
+    def _fall_back(self, exc: Exception) -> None:
+        self._fallback_reason = f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"ORTModule runs {type(self._original_module).__name__} in PyTorch: {self._fallback_reason}",
+            ORTModuleFallbackWarning, stacklevel=3,
+        )
+
+    def _variant(self, call) -> _Variant:
+        variants = self._variants.setdefault(call.schema, [])
+        for variant in variants:
+            if variant.graph.accepts(call.tensors):
+                return variant
+        graph = export_call(self._original_module, call)
+        self.export_count += 1
+        variant = _Variant(graph)
+        variants.append(variant)
+        self._save(graph.exported, "exported")
+        self._save(graph.model, "optimized")
+        return variant
+
+    def _mode(self) -> str:
+        return "training" if self._original_module.training else "inference"
+
+    def _save(self, model, stage: str) -> None:
+        if not self._debug.save_onnx or model is None:
+            return
+        folder = Path(self._debug.save_dir)
+        folder.mkdir(parents=True, exist_ok=True)
+        io.save_model(model, folder / f"{self._debug.onnx_prefix}_{self._mode()}_{stage}.onnx")
+
+    def _inference_runner(self, variant: _Variant, inputs) -> SessionRunner:
+        if variant.inference is None:
+            variant.inference = SessionRunner(variant.graph.model, device_of(inputs),
+                                              self._debug.session_options, "inference graph")
+            self._save(variant.graph.model, "inference")
+        return variant.inference
+
+    def _training_programs(self, variant: _Variant, wrt: tuple, inputs) -> TrainingPrograms:
+        programs = variant.training.get(wrt)
+        if programs is None:
+            model = io.load_model(variant.graph.model)
+            names = [model.graph.inputs[i].name for i in wrt]
+            graphs = build_forward_backward(model, names)
+            self._save(graphs.forward, "forward")
+            self._save(graphs.backward, "backward")
+            programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.session_options)
+            variant.training[wrt] = programs
+        return programs

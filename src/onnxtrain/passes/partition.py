@@ -144,12 +144,12 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
     backward_nodes = _ancestors(nodes, grad_outputs) - forward_nodes
 
     forward_values = {o for n in forward_nodes for o in n.outputs}
-    crossing: list[ir.Value] = []
+    crossing: dict[ir.Value, None] = {}  # ordered set
     for node in nodes:
         if node in backward_nodes:
-            crossing += [i for i in node.inputs if i is not None and i not in crossing
-                         and (i in forward_values or i in forward_inputs)]
-    crossing += [g for g in grad_outputs if (g in forward_values or g in forward_inputs) and g not in crossing]
+            crossing.update((i, None) for i in node.inputs
+                            if i is not None and (i in forward_values or i in forward_inputs))
+    crossing.update((g, None) for g in grad_outputs if g in forward_values or g in forward_inputs)
 
     saved = [v for v in crossing if v in forward_values and v not in model_outputs]
     forward_outputs = model_outputs + saved
@@ -193,24 +193,18 @@ def _extract(model: ir.Model, input_names: list[str], output_names: list[str], c
     values = {v.name: v for v in graph.inputs}
     for node in graph:
         values.update((o.name, o) for o in node.outputs)
-    new_inputs = []
-    for name in input_names:
+    graph.outputs.clear()  # before cutting: a cut value may have been an output
+    cut_inputs = {}
+    for name in cut:
         value = values[name]
         if value.is_graph_input():
-            new_inputs.append(value)
             continue
         fresh = ir.Value(name=name, type=value.type, shape=value.shape)
         value.replace_all_uses_with(fresh)
         value.name = f"{name}.replaced"
-        new_inputs.append(fresh)
-    outputs = []
-    for name in output_names:
-        value = values[name]
-        if value.name != name:  # a cut value is also an output: return the input
-            value = next(v for v in new_inputs if v.name == name)
-        outputs.append(value)
+        cut_inputs[name] = fresh
+    original_inputs = {v.name: v for v in graph.inputs}
     graph.inputs.clear()
-    graph.inputs.extend(new_inputs)
-    graph.outputs.clear()
-    graph.outputs.extend(outputs)
+    graph.inputs.extend(cut_inputs.get(n) or original_inputs[n] for n in input_names)
+    graph.outputs.extend(cut_inputs.get(n) or values[n] for n in output_names)
     return pipeline.run(copy, pipeline.cleanup())

@@ -17,6 +17,9 @@ UPDATED_SUFFIX = ".updated"
 FIRST_MOMENT = "momentum0"
 SECOND_MOMENT = "momentum1"
 MOMENTUM_BUFFER = "momentum0"
+# Node metadata on a Gather that implements an embedding lookup with a padding index: the
+# rows of that index get no gradient (PyTorch's ``nn.Embedding(padding_idx=...)``).
+PADDING_IDX_METADATA = "onnxtrain.padding_idx"
 
 
 def grad_name(param: str) -> str:

@@ -6,12 +6,18 @@ BatchNormalization: it normalizes with the running statistics and returns them
 unchanged. For training that is wrong twice (the forward uses the wrong statistics and
 the buffers never update), so we translate it ourselves into primitive ops that compute
 batch statistics and the updated running statistics exactly as PyTorch does.
+
+``aten.embedding`` with a padding index becomes a Gather like the exporter's, plus node
+metadata naming the padding index: the Gather gradient rule then gives that row no
+gradient, as ``nn.Embedding(padding_idx=...)`` does in PyTorch.
 """
 
 from __future__ import annotations
 
 import torch
 from onnxscript import opset18 as op
+
+from onnxtrain import names
 
 
 def batch_norm_functional(input, weight, bias, running_mean, running_var,
@@ -50,6 +56,19 @@ def batch_norm_functional(input, weight, bias, running_mean, running_var,
     return out, save_mean, save_rstd, new_mean, new_var
 
 
+def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse: bool = False):
+    """``aten.embedding``: Gather rows of ``weight``; the padding row gets no gradient."""
+    if scale_grad_by_freq:
+        raise NotImplementedError("nn.Embedding(scale_grad_by_freq=True) is not supported")
+    out = op.Gather(weight, indices, axis=0)
+    if padding_idx is not None and padding_idx >= 0:
+        out.producer().metadata_props[names.PADDING_IDX_METADATA] = str(int(padding_idx))
+    return out
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` passed to ``torch.onnx.export``."""
-    return {torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional}
+    return {
+        torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
+        torch.ops.aten.embedding.default: embedding,
+    }

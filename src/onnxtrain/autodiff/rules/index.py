@@ -13,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from onnxtrain import names
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.errors import ModelError
-from onnxtrain.ir.shapes import rank_of
+from onnxtrain.ir.shapes import normalize_axis, rank_of
 
 _INT64 = int(ir.DataType.INT64)
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -118,7 +119,19 @@ def _slice(ctx):
 
 @grad("Gather", versions=(13, None))
 def _gather(ctx):
-    return (gather_grad(ctx, ctx.dy, ctx.op.Shape(ctx.x), ctx.inputs[1], ctx.attr("axis", 0)),)
+    dy, indices, axis = ctx.dy, ctx.inputs[1], ctx.attr("axis", 0)
+    padding = ctx.node.metadata_props.get(names.PADDING_IDX_METADATA)
+    if padding is not None:  # an embedding lookup whose padding row gets no gradient
+        op, b = ctx.op, ctx.b
+        rank = rank_of(ctx.x)
+        if rank is None or indices.dtype is None:
+            raise NotImplementedError("padding index metadata on a Gather of unknown rank or index type")
+        trailing = rank - 1 - normalize_axis(axis, rank)
+        is_padding = op.Equal(indices, b.const(np.array(int(padding), dtype=indices.dtype.numpy())))
+        if trailing:
+            is_padding = b.unsqueeze(is_padding, list(range(-trailing, 0)))
+        dy = op.Where(is_padding, b.like(dy, 0.0), dy)
+    return (gather_grad(ctx, dy, ctx.op.Shape(ctx.x), indices, axis),)
 
 
 @grad("Compress", versions=(13, None))

@@ -1,0 +1,336 @@
+"""ORTModule against eager PyTorch: outputs, every parameter gradient, buffers, and the
+nn.Module behaviour a training script relies on."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import warnings
+
+import pytest
+
+from tests.torch_models import CNN, GPT, MLP, torch
+
+from onnxtrain.errors import UnsupportedOpError
+from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning
+
+RTOL, ATOL = 1e-4, 1e-5
+STRICT = DebugOptions(fallback=False)
+
+
+def _assert_close(actual, expected, what, rtol=RTOL, atol=ATOL):
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _assert_same_gradients(module, reference):
+    got = dict(module.named_parameters())
+    for name, param in reference.named_parameters():
+        if param.grad is None:
+            assert got[name].grad is None, name
+        else:
+            _assert_close(got[name].grad, param.grad, f"gradient of {name}")
+
+
+def _run_both(model, make_inputs, loss_fn, steps=1):
+    """Train ``model`` wrapped and eager side by side; compare outputs, gradients and buffers."""
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT)
+    for step in range(steps):
+        inputs = make_inputs(step)
+        out, ref_out = wrapped(*inputs), reference(*inputs)
+        _assert_close(out, ref_out, f"output at step {step}")
+        loss_fn(out).backward()
+        loss_fn(ref_out).backward()
+        _assert_same_gradients(model, reference)
+        for (name, buf), (_, ref_buf) in zip(model.named_buffers(), reference.named_buffers()):
+            _assert_close(buf, ref_buf, f"buffer {name} at step {step}")
+        for p in [*model.parameters(), *reference.parameters()]:
+            p.grad = None
+    return wrapped
+
+
+def test_mlp_matches_eager():
+    torch.manual_seed(0)
+    wrapped = _run_both(MLP(), lambda s: (torch.randn(4 + s, 12),), lambda y: (y * y).mean(), steps=3)
+    assert wrapped.export_count == 1  # three batch sizes, one export
+
+
+def test_cnn_with_batch_norm_matches_eager_including_running_statistics():
+    torch.manual_seed(0)
+    model = CNN()
+    _run_both(model, lambda s: (torch.randn(6, 1, 8, 8),), lambda y: y.logsumexp(1).mean(), steps=2)
+    assert int(model.features[1].num_batches_tracked) == 2
+
+
+def test_gpt_with_causal_mask_matches_eager():
+    torch.manual_seed(0)
+    _run_both(GPT(), lambda s: (torch.randint(0, 40, (3, 6 + s)),),
+              lambda y: torch.nn.functional.cross_entropy(y.flatten(0, 1), torch.arange(y.shape[0] * y.shape[1]) % 40),
+              steps=2)
+
+
+def _hf(kind):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "bert":
+        config = transformers.BertConfig(
+            vocab_size=60, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+            max_position_embeddings=32, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return transformers.BertForSequenceClassification(config)
+    config = transformers.GPT2Config(vocab_size=60, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_hugging_face_models_with_masks_and_labels_match_eager(kind):
+    model = _hf(kind)
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT)
+    for batch, length in [(3, 9), (4, 7)]:
+        ids = torch.randint(1, 60, (batch, length))
+        mask = torch.ones(batch, length, dtype=torch.int64)
+        mask[0, length - 3:] = 0
+        ids[0, length - 3:] = 0  # padding tokens: BERT's padding row must get no gradient
+        labels = torch.randint(0, 3, (batch,)) if kind == "bert" else ids.masked_fill(mask == 0, -100)
+        kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+        if kind == "gpt2":
+            kwargs["use_cache"] = False
+        out, ref_out = wrapped(**kwargs), reference(**kwargs)
+        assert type(out) is type(ref_out)
+        _assert_close(out.loss, ref_out.loss, "loss")
+        _assert_close(out.logits, ref_out.logits, "logits")
+        out.loss.backward()
+        ref_out.loss.backward()
+        _assert_same_gradients(model, reference)
+        model.zero_grad()
+        reference.zero_grad()
+    assert wrapped.export_count == 1
+
+
+def _tanh_mlp():
+    # onnxruntime's CPU Erf (GELU) has no float64 kernel: float64 tests use Tanh
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
+
+
+def test_batch_size_reuses_the_graph_while_mode_and_dtype_re_export():
+    torch.manual_seed(0)
+    wrapped = ORTModule(_tanh_mlp(), STRICT)
+    for batch in (2, 5, 9):
+        wrapped(torch.randn(batch, 12)).sum().backward()
+    assert wrapped.export_count == 1
+    wrapped.eval()
+    wrapped(torch.randn(3, 12))
+    assert wrapped.export_count == 2
+    wrapped.train()
+    wrapped(torch.randn(3, 12))
+    assert wrapped.export_count == 2  # the training graph is still cached
+    wrapped.double()
+    out = wrapped(torch.randn(3, 12, dtype=torch.float64))
+    assert out.dtype == torch.float64 and wrapped.export_count == 3
+
+
+def test_non_tensor_argument_is_part_of_the_schema():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+
+        def forward(self, x, scale=1.0, activation="relu"):
+            y = self.linear(x) * scale
+            return torch.relu(y) if activation == "relu" else torch.tanh(y)
+
+    torch.manual_seed(0)
+    model = Scaled()
+    wrapped = ORTModule(model, STRICT)
+    x = torch.randn(4, 3)
+    for scale, activation in [(1.0, "relu"), (2.0, "relu"), (2.0, "tanh"), (1.0, "relu")]:
+        _assert_close(wrapped(x, scale=scale, activation=activation), model(x, scale, activation), (scale, activation))
+    assert wrapped.export_count == 3
+
+
+def test_nested_inputs_kwargs_dict_outputs_and_input_gradients():
+    class Nested(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(2, 4)
+
+        def forward(self, pair, extra=None, *, options):
+            x, (y,) = pair
+            h = self.a(x) + self.b(extra["z"]) * options["gain"]
+            return {"sum": h.sum(-1), "parts": (h, y.float() * 2)}
+
+    torch.manual_seed(0)
+    model = Nested()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT)
+    x = torch.randn(5, 3, requires_grad=True)
+    z = torch.randn(5, 2, requires_grad=True)
+    y = torch.arange(5)
+    x_ref, z_ref = x.detach().clone().requires_grad_(), z.detach().clone().requires_grad_()
+    out = wrapped((x, (y,)), {"z": z}, options={"gain": 3.0})
+    ref = reference((x_ref, (y,)), {"z": z_ref}, options={"gain": 3.0})
+    assert set(out) == {"sum", "parts"} and isinstance(out["parts"], tuple)
+    _assert_close(out["parts"][1], ref["parts"][1], "integer-derived output")
+    assert not out["parts"][1].requires_grad
+    (out["sum"].square().sum() + out["parts"][0].mean()).backward()
+    (ref["sum"].square().sum() + ref["parts"][0].mean()).backward()
+    _assert_close(x.grad, x_ref.grad, "gradient of input x")
+    _assert_close(z.grad, z_ref.grad, "gradient of input z")
+    _assert_same_gradients(model, reference)
+
+
+def test_frozen_and_shared_parameters():
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(7, 4)
+            self.body = torch.nn.Linear(4, 4)
+            self.out = torch.nn.Linear(4, 7, bias=False)
+            self.out.weight = self.embed.weight  # shared
+
+        def forward(self, ids):
+            return self.out(torch.tanh(self.body(self.embed(ids))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    model.body.weight.requires_grad_(False)  # frozen
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    wrapped(ids).logsumexp(-1).sum().backward()
+    reference(ids).logsumexp(-1).sum().backward()
+    assert model.body.weight.grad is None
+    assert model.out.weight is model.embed.weight
+    _assert_same_gradients(model, reference)
+
+
+def test_no_grad_runs_forward_only_and_returns_plain_tensors():
+    torch.manual_seed(0)
+    model = MLP()
+    wrapped = ORTModule(model, STRICT)
+    x = torch.randn(3, 12)
+    with torch.no_grad():
+        out = wrapped(x)
+    assert out.grad_fn is None and not out.requires_grad
+    variant = next(iter(wrapped._variants.values()))[0]
+    assert variant.inference is not None and not variant.training  # no gradient graph was built
+    _assert_close(out, model(x).detach(), "no-grad output")
+
+
+def test_dropout_masks_outputs_and_gradients_consistently_and_is_off_in_eval():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Dropout(0.5))
+    wrapped = ORTModule(model, STRICT)
+    x = torch.randn(16, 8)
+    y = wrapped(x)
+    assert not torch.equal(y, wrapped(x))  # a fresh mask per call
+    kept = y != 0
+    assert 0.45 < kept.float().mean().item() < 0.55
+    dense = model[0](x).detach()
+    _assert_close(y[kept], 2 * dense[kept], "kept units are scaled by 1/(1-p)")
+    (y * dense).sum().backward()  # weights the units so that every gradient entry is distinct
+    expected = (2 * kept * dense).T @ x
+    _assert_close(model[0].weight.grad, expected, "weight gradient through the same mask")
+    wrapped.eval()
+    _assert_close(wrapped(x), model(x), "eval output")
+
+
+def test_module_behaviour_state_dict_copy_pickle_save():
+    torch.manual_seed(0)
+    model = CNN()
+    wrapped = ORTModule(model)
+    assert [n for n, _ in wrapped.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert list(wrapped.state_dict()) == list(model.state_dict())
+    assert [n for n, _ in wrapped.named_buffers()] == [n for n, _ in model.named_buffers()]
+    wrapped(torch.randn(4, 1, 8, 8)).sum().backward()
+
+    clone = copy.deepcopy(wrapped)
+    assert clone.module is not model and not clone._variants
+    x = torch.randn(4, 1, 8, 8)
+    wrapped.eval(), clone.eval()
+    _assert_close(clone(x), wrapped(x), "deep copy output")
+
+    restored = pickle.loads(pickle.dumps(wrapped))
+    _assert_close(restored(x), wrapped(x), "unpickled output")
+
+    buffer = io.BytesIO()
+    torch.save(wrapped.state_dict(), buffer)
+    buffer.seek(0)
+    plain = CNN()
+    plain.load_state_dict(torch.load(buffer))
+    plain.eval()
+    _assert_close(plain(x), wrapped(x), "eager model loaded from ORTModule state_dict")
+
+    fresh = ORTModule(CNN())
+    fresh.load_state_dict(plain.state_dict())
+    fresh.eval()
+    _assert_close(fresh(x), plain(x), "ORTModule after load_state_dict")
+
+
+def test_to_changes_dtype_and_optimizer_keeps_training():
+    torch.manual_seed(0)
+    model = _tanh_mlp()
+    wrapped = ORTModule(model, STRICT).to(torch.float64)
+    assert all(p.dtype == torch.float64 for p in wrapped.parameters())
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1)
+    x = torch.randn(8, 12, dtype=torch.float64)
+    losses = []
+    for _ in range(5):
+        optimizer.zero_grad()
+        loss = wrapped(x).square().mean()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+
+
+class _WithTopK(torch.nn.Module):
+    """TopK has no gradient rule: ORTModule cannot build its gradient graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return torch.topk(self.linear(x), 3, dim=-1).values.sum(-1)
+
+
+def test_unsupported_op_falls_back_with_one_warning_and_trains_correctly():
+    torch.manual_seed(0)
+    model = _WithTopK()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model)
+    x = torch.randn(4, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            wrapped(x).sum().backward()
+    fallback = [w for w in caught if issubclass(w.category, ORTModuleFallbackWarning)]
+    assert len(fallback) == 1 and "TopK" in str(fallback[0].message)
+    assert "TopK" in wrapped.fallback_reason
+    for _ in range(3):
+        reference(x).sum().backward()
+    _assert_same_gradients(model, reference)
+
+
+def test_unsupported_op_raises_when_fallback_is_off():
+    wrapped = ORTModule(_WithTopK(), DebugOptions(fallback=False))
+    with pytest.raises(UnsupportedOpError, match="TopK"):
+        wrapped(torch.randn(4, 6)).sum().backward()
+
+
+def test_save_onnx_writes_every_stage(tmp_path):
+    torch.manual_seed(0)
+    wrapped = ORTModule(MLP(), DebugOptions(save_onnx=True, onnx_prefix="mlp", save_dir=tmp_path, fallback=False))
+    wrapped(torch.randn(3, 12)).sum().backward()
+    with torch.no_grad():
+        wrapped(torch.randn(3, 12))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted(f"mlp_training_{s}.onnx" for s in ("exported", "optimized", "forward", "backward",
+                                                                "inference"))
+    import onnx
+
+    for name in names:
+        onnx.checker.check_model(onnx.load(str(tmp_path / name)))

@@ -323,7 +323,7 @@ def test_unsupported_op_raises_when_fallback_is_off():
 
 def test_save_onnx_writes_every_stage(tmp_path):
     torch.manual_seed(0)
-    wrapped = ORTModule(MLP(), DebugOptions(save_onnx=True, onnx_prefix="mlp", save_dir=tmp_path, fallback=False))
+    wrapped = ORTModule(MLP(), DebugOptions(save_onnx=True, onnx_prefix="mlp", save_path=tmp_path, fallback=False))
     wrapped(torch.randn(3, 12)).sum().backward()
     with torch.no_grad():
         wrapped(torch.randn(3, 12))
@@ -334,3 +334,16 @@ def test_save_onnx_writes_every_stage(tmp_path):
 
     for name in names:
         onnx.checker.check_model(onnx.load(str(tmp_path / name)))
+
+
+def test_copies_keep_debug_options():
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    wrapped = ORTModule(MLP(), DebugOptions(fallback=False, onnx_prefix="p", session_options=options))
+    clone = copy.deepcopy(wrapped)
+    assert clone._debug.session_options is options and clone._debug.onnx_prefix == "p"
+    restored = pickle.loads(pickle.dumps(wrapped))
+    assert restored._debug.session_options is None and restored._debug.fallback is False
+    restored(torch.randn(2, 12)).sum().backward()

@@ -3,6 +3,6 @@
 Importing this package needs PyTorch (``pip install torch``); ``import onnxtrain`` does not.
 """
 
-from onnxtrain.torch.ortmodule import DebugOptions, ORTModule, ORTModuleFallbackWarning
+from onnxtrain.torch.ortmodule import DebugOptions, LogLevel, ORTModule, ORTModuleFallbackWarning
 
-__all__ = ["ORTModule", "DebugOptions", "ORTModuleFallbackWarning"]
+__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import onnxruntime as ort
 import torch
 
+from onnxtrain.errors import ModelError
 from onnxtrain.ir import io
 from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, ForwardBackward
 from onnxtrain.runtime.device import Device, providers_for
@@ -40,7 +41,11 @@ class SessionRunner:
 
     def __init__(self, model, device: Device, session_options: ort.SessionOptions | None, what: str):
         self.device = device
-        self.session = create_session(io.serialize(model), providers_for(device), session_options, what=what)
+        try:
+            providers = providers_for(device)
+        except ValueError as exc:  # e.g. CUDA tensors with the CPU-only onnxruntime package
+            raise ModelError(f"cannot run the {what} on {device}: {exc}") from exc
+        self.session = create_session(io.serialize(model), providers, session_options, what=what)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
 
@@ -50,6 +55,10 @@ class SessionRunner:
             binding.bind_ortvalue_input(name, _to_ort(tensor))
         for name in self.output_names:
             binding.bind_output(name, self.device.type, self.device.id)
+        if self.device.type == "cuda":
+            # ORT's CUDA provider runs on its own stream: let torch's queued work on the
+            # inputs finish first
+            torch.cuda.current_stream(self.device.id).synchronize()
         if self.device.type != "cpu":
             binding.synchronize_inputs()
         self.session.run_with_iobinding(binding)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
+import enum
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -22,30 +24,68 @@ class ORTModuleFallbackWarning(UserWarning):
     """ORTModule could not run a module through ONNX Runtime and runs it in PyTorch instead."""
 
 
+class LogLevel(enum.IntEnum):
+    """Upstream's ORTModule log levels; they set onnxruntime's log severity for our sessions."""
+
+    VERBOSE = 0
+    INFO = 1
+    WARNING = 2
+    ERROR = 3
+    FATAL = 4
+
+
+# Where save_onnx writes when no save_path is given (upstream's variable; default: the cwd).
+SAVE_PATH_ENV = "ORTMODULE_SAVE_ONNX_PATH"
+
+
 @dataclass
 class DebugOptions:
     """Debugging switches of :class:`ORTModule` (upstream's ``DebugOptions``, plus ``fallback``).
 
     Args:
-        save_onnx: write the graphs of every export to ``save_dir``: the exporter's graph
-            (``<prefix>_<mode>_exported.onnx``), the graph after our passes (``_optimized``),
-            and the ``_forward``/``_backward`` (training) or ``_inference`` graphs that run.
+        log_level: onnxruntime's log severity for our sessions (default: errors only,
+            since failures reach the caller as exceptions anyway).
+        save_onnx: write the graphs of every export to ``save_path``: the exporter's graph
+            (``<prefix>_<mode>_exported.onnx``, mode ``training`` or ``inference``), the
+            graph after our passes (``_optimized``), and the ``_forward``/``_backward``
+            (gradient) or ``_inference`` (forward-only) graphs that run.
         onnx_prefix: file name prefix for ``save_onnx``.
-        save_dir: folder for ``save_onnx`` (created if missing).
+        save_path: folder for ``save_onnx`` (created if missing); default
+            ``$ORTMODULE_SAVE_ONNX_PATH`` or the current directory, as upstream.
         fallback: if export or gradient building fails, warn once with the reason and run
             the original module in PyTorch from then on. ``False`` raises the error instead
             (e.g. an ``UnsupportedOpError`` listing the ops without a gradient rule).
-        session_options: ``onnxruntime.SessionOptions`` for every session (threads, ...).
+        session_options: ``onnxruntime.SessionOptions`` for every session (threads, ...);
+            overrides ``log_level``.
 
     Example:
         >>> model = ORTModule(net, DebugOptions(save_onnx=True, onnx_prefix="net", fallback=False))
     """
 
+    log_level: LogLevel = LogLevel.ERROR
     save_onnx: bool = False
     onnx_prefix: str = "ortmodule"
-    save_dir: str | os.PathLike = "."
+    save_path: str | os.PathLike | None = None
     fallback: bool = True
     session_options: ort.SessionOptions | None = field(default=None, repr=False)
+
+    def __deepcopy__(self, memo):
+        # a SessionOptions cannot be copied: copies share it (sessions only read it)
+        return dataclasses.replace(self, save_path=copy.deepcopy(self.save_path, memo))
+
+    def __getstate__(self):
+        # nor pickled: an unpickled DebugOptions has session_options=None
+        return {**self.__dict__, "session_options": None}
+
+    def resolved_session_options(self) -> ort.SessionOptions:
+        if self.session_options is not None:
+            return self.session_options
+        options = ort.SessionOptions()
+        options.log_severity_level = int(self.log_level)
+        return options
+
+    def resolved_save_path(self) -> Path:
+        return Path(self.save_path if self.save_path is not None else os.environ.get(SAVE_PATH_ENV, "."))
 
 
 @dataclass
@@ -194,14 +234,14 @@ class ORTModule(torch.nn.Module):
     def _save(self, model, stage: str) -> None:
         if not self._debug.save_onnx or model is None:
             return
-        folder = Path(self._debug.save_dir)
+        folder = self._debug.resolved_save_path()
         folder.mkdir(parents=True, exist_ok=True)
         io.save_model(model, folder / f"{self._debug.onnx_prefix}_{self._mode()}_{stage}.onnx")
 
     def _inference_runner(self, variant: _Variant, inputs) -> SessionRunner:
         if variant.inference is None:
             variant.inference = SessionRunner(variant.graph.model, device_of(inputs),
-                                              self._debug.session_options, "inference graph")
+                                              self._debug.resolved_session_options(), "inference graph")
             self._save(variant.graph.model, "inference")
         return variant.inference
 
@@ -213,6 +253,6 @@ class ORTModule(torch.nn.Module):
             graphs = build_forward_backward(model, names)
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")
-            programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.session_options)
+            programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options())
             variant.training[wrt] = programs
         return programs

@@ -93,11 +93,13 @@ def _ancestors(nodes: Sequence[ir.Node], targets: Sequence[ir.Value]) -> set[ir.
     return result
 
 
-def build_forward_backward(model: ir.Model, wrt: Sequence[str]) -> ForwardBackward:
+def build_forward_backward(model: ir.Model, wrt: Sequence[str],
+                           no_grad_outputs: Sequence[int] = ()) -> ForwardBackward:
     """Build the gradient graph of ``model`` w.r.t. the graph inputs named ``wrt`` and cut it.
 
     Every floating-point output that depends on a ``wrt`` input receives an output gradient
-    (the vector of the vector-Jacobian product). ``model`` is consumed.
+    (the vector of the vector-Jacobian product), except the outputs indexed in
+    ``no_grad_outputs`` (e.g. updated running statistics). ``model`` is consumed.
     """
     graph = model.graph
     inputs = {v.name: v for v in graph.inputs}
@@ -110,7 +112,8 @@ def build_forward_backward(model: ir.Model, wrt: Sequence[str]) -> ForwardBackwa
     model_outputs = list(graph.outputs)
 
     active = active_values(list(graph), wrt_values)
-    differentiable = [i for i, o in enumerate(model_outputs) if o in active and is_float(o)]
+    differentiable = [i for i, o in enumerate(model_outputs)
+                      if o in active and is_float(o) and i not in no_grad_outputs]
     b = GraphBuilder(graph, scope="")
     seeds = [b.input(names.grad_name(model_outputs[i].name), model_outputs[i].dtype,
                      model_outputs[i].shape) for i in differentiable]

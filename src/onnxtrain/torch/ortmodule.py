@@ -250,7 +250,9 @@ class ORTModule(torch.nn.Module):
         if programs is None:
             model = io.load_model(variant.graph.model)
             names = [model.graph.inputs[i].name for i in wrt]
-            graphs = build_forward_backward(model, names)
+            graph = variant.graph
+            buffer_outputs = range(graph.num_user_outputs, graph.num_user_outputs + len(graph.buffer_updates))
+            graphs = build_forward_backward(model, names, no_grad_outputs=buffer_outputs)
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")
             programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options())

@@ -1,0 +1,93 @@
+"""The forward/backward cut of a gradient graph, without PyTorch: run both halves in
+onnxruntime and compare the vector-Jacobian products with finite differences."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from onnxtrain.ir import io
+from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, build_forward_backward
+
+
+def _model() -> onnx.ModelProto:
+    """y = tanh(x @ W + b); outputs y, y again, x unchanged, and n = the row count (int)."""
+    nodes = [
+        helper.make_node("MatMul", ["x", "W"], ["xw"]),
+        helper.make_node("Add", ["xw", "b"], ["h"]),
+        helper.make_node("Tanh", ["h"], ["y"]),
+        helper.make_node("Shape", ["x"], ["n"], end=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+         helper.make_tensor_value_info("W", TensorProto.FLOAT, [3, 4]),
+         helper.make_tensor_value_info("b", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+         helper.make_tensor_value_info("n", TensorProto.INT64, [1])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _session(model):
+    return ort.InferenceSession(io.serialize(model), providers=["CPUExecutionProvider"])
+
+
+def _forward(x, W, b):
+    return np.tanh(x @ W + b)
+
+
+def test_forward_and_backward_halves_compute_the_vjp():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 3)).astype(np.float32)
+    W = rng.standard_normal((3, 4)).astype(np.float32)
+    b = rng.standard_normal(4).astype(np.float32)
+    graphs = build_forward_backward(io.load_model(_model()), ["x", "W", "b"])
+    assert graphs.num_model_outputs == 4
+    assert graphs.differentiable_outputs == [0, 1, 2]  # not the integer shape
+
+    forward = _session(graphs.forward)
+    outputs = forward.run(None, {"x": x, "W": W, "b": b})
+    np.testing.assert_allclose(outputs[0], _forward(x, W, b), rtol=1e-6)
+    np.testing.assert_array_equal(outputs[2], x)
+    np.testing.assert_array_equal(outputs[3], [5])
+    # the backward graph reads y (an output) and x/W: nothing else needs to be saved
+    assert graphs.saved == []
+
+    seeds = [rng.standard_normal(o.shape).astype(np.float32) for o in outputs[:3]]
+    feeds = {}
+    inputs = [x, W, b]
+    for value, (source, index) in zip(graphs.backward.graph.inputs, graphs.backward_inputs):
+        feeds[value.name] = {FROM_OUTPUT_GRAD: lambda i: seeds[i], FROM_FORWARD_OUTPUT: lambda i: outputs[i],
+                             FROM_INPUT: lambda i: inputs[i]}[source](index)
+    grads = _session(graphs.backward).run(None, feeds)
+
+    # reference: central differences of <seeds, outputs> in float64
+    def objective(x_, W_, b_):
+        y = _forward(x_, W_, b_)
+        return float((seeds[0] * y).sum() + (seeds[1] * y).sum() + (seeds[2] * x_).sum())
+
+    args = [a.astype(np.float64) for a in inputs]
+    for k, grad in enumerate(grads):
+        numeric = np.zeros_like(args[k])
+        for i in np.ndindex(args[k].shape):
+            plus = [a.copy() for a in args]
+            minus = [a.copy() for a in args]
+            plus[k][i] += 1e-6
+            minus[k][i] -= 1e-6
+            numeric[i] = (objective(*plus) - objective(*minus)) / 2e-6
+        np.testing.assert_allclose(grad, numeric, rtol=1e-4, atol=1e-4)
+
+
+def test_no_grad_outputs_get_no_seed_and_frozen_inputs_no_gradient():
+    graphs = build_forward_backward(io.load_model(_model()), ["W"], no_grad_outputs=[1])
+    assert graphs.differentiable_outputs == [0]  # output 2 (x) does not depend on W
+    assert [o.name for o in graphs.backward.graph.outputs] == ["W_grad"]
+    sources = {source for source, _ in graphs.backward_inputs}
+    assert sources <= {FROM_OUTPUT_GRAD, FROM_FORWARD_OUTPUT, FROM_INPUT}
+    inputs_read = {graphs.forward.graph.inputs[i].name for s, i in graphs.backward_inputs if s == FROM_INPUT}
+    assert inputs_read == {"x"}  # dW = x^T (g * (1 - y^2)): b and W are not needed

@@ -7,7 +7,8 @@ interpreters (``tests/ortmodule/_ddp_worker.py``) joined through a file store in
 folder. One launch of the ranks trains with every optimizer (SGD with momentum, then Adam,
 restarting from the initial weights), so the export is paid once per rank.
 
-The last two tests pin (as strict xfails) known bugs in how DDP sees ORTModule's names.
+The last two tests check that a parent (DDP) sees ORTModule's parameters under the names
+state_dict() writes, for loading and for DDP's ignore list.
 """
 
 from __future__ import annotations
@@ -165,16 +166,6 @@ def _ddp_of_ortmodule():
     return torch.nn.parallel.DistributedDataParallel(ORTModule(net, DebugOptions(fallback=False)))
 
 
-# Known ORTModule bugs (a fix makes these XPASS: drop the marks then). Under a parent, ORTModule's
-# state_dict() writes "<prefix>.<name>", but nn.Module.load_state_dict and named_modules walk
-# _modules and use "<prefix>._original_module.<name>".
-_KEYS_BUG = ("ORTModule under a parent: load_state_dict expects '<prefix>._original_module.<name>' keys, "
-             "state_dict writes '<prefix>.<name>'")
-_NAMES_BUG = ("ORTModule under a parent: named_parameters gives '<prefix>._original_module.<name>', state_dict "
-              "'<prefix>.<name>' (DDP's params_and_buffers_to_ignore misses them)")
-
-
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=_KEYS_BUG)
 def test_ddp_state_dict_round_trip(single_rank_group):
     ddp = _ddp_of_ortmodule()
     state = {k: v + 1 for k, v in ddp.state_dict().items()}  # "module.0.weight", ...
@@ -183,7 +174,6 @@ def test_ddp_state_dict_round_trip(single_rank_group):
         assert torch.equal(value, state[key]), key
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_NAMES_BUG)
 def test_ddp_parameter_names_are_the_state_dict_keys(single_rank_group):
     ddp = _ddp_of_ortmodule()
     assert [name for name, _ in ddp.named_parameters()] == list(ddp.state_dict())

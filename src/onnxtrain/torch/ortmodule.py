@@ -97,6 +97,15 @@ class _Variant:
     training: dict[tuple, TrainingPrograms] = field(default_factory=dict)
 
 
+def _load_keys_into_wrapped_module(module, state_dict, prefix, *_):
+    """Load-state-dict pre-hook: ``<prefix><name>`` (what ``ORTModule.state_dict`` writes under
+    a parent) becomes ``<prefix>_original_module.<name>`` (where ``nn.Module.load_state_dict``
+    looks, walking ``_modules``)."""
+    inner = prefix + "_original_module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
 class ORTModule(torch.nn.Module):
     """Wrap a ``torch.nn.Module`` so that its forward and backward run in ONNX Runtime.
 
@@ -136,6 +145,8 @@ class ORTModule(torch.nn.Module):
         self._variants: dict[CallSchema, list[_Variant]] = {}
         self._fallback_reason: str | None = None
         self.export_count = 0
+        # a parent's load_state_dict walks _modules: route its keys into the wrapped module
+        self._register_load_state_dict_pre_hook(_load_keys_into_wrapped_module, with_module=True)
 
     # -- the wrapped module ------------------------------------------------------
     @property
@@ -154,6 +165,18 @@ class ORTModule(torch.nn.Module):
 
     def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        # the wrapped module sits at this module's own prefix, so that a parent (DDP, a
+        # Sequential) names parameters as state_dict() does: "module.net.0.weight", not
+        # "module._original_module.net.0.weight" (DDP's params_and_buffers_to_ignore)
+        if memo is None:
+            memo = set()
+        if self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+        yield from self._original_module.named_modules(memo, prefix, remove_duplicate)
 
     def state_dict(self, *args, **kwargs):
         return self._original_module.state_dict(*args, **kwargs)

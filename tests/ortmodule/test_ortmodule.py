@@ -347,3 +347,20 @@ def test_copies_keep_debug_options():
     restored = pickle.loads(pickle.dumps(wrapped))
     assert restored._debug.session_options is None and restored._debug.fallback is False
     restored(torch.randn(2, 12)).sum().backward()
+
+
+def test_embedding_padding_row_gets_no_gradient():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4, padding_idx=2), torch.nn.Linear(4, 3))
+    with torch.no_grad():
+        model[0].weight[2] = 1.0  # a non-zero padding row: its value flows forward, not back
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT)
+    ids = torch.tensor([[2, 1, 2], [3, 2, 5]])
+    out, ref_out = wrapped(ids), reference(ids)
+    _assert_close(out, ref_out, "output")
+    out.square().sum().backward()
+    ref_out.square().sum().backward()
+    assert torch.count_nonzero(model[0].weight.grad[2]) == 0
+    assert torch.count_nonzero(model[0].weight.grad[1]) > 0
+    _assert_same_gradients(model, reference)

@@ -30,6 +30,14 @@ FROM_OUTPUT_GRAD = "output_grad"      # the gradient of forward output i
 FROM_FORWARD_OUTPUT = "forward_output"  # forward output i (a model output or a saved value)
 FROM_INPUT = "input"                  # forward input i, as the caller passed it
 
+# Ops that only move or relabel data: when such a node reads nothing but forward inputs
+# and constants (a Linear layer's ``Transpose(weight)``), the backward graph recomputes
+# it instead of receiving it as a saved value. That keeps no copy of the weights alive
+# between the two runs, and leaves the forward's Transpose with one consumer, so ORT can
+# fold it into the MatMul.
+_RECOMPUTED_OPS = frozenset({"Constant", "Identity", "Transpose", "Reshape", "Unsqueeze",
+                             "Squeeze", "Flatten", "Cast"})
+
 
 @dataclass
 class ForwardBackward:
@@ -144,9 +152,10 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
     forward_nodes = _ancestors(nodes, model_outputs)
     if forward_nodes & after_seed:
         raise AssertionError("a model output depends on an output gradient")
-    backward_nodes = _ancestors(nodes, grad_outputs) - forward_nodes
+    recomputed = _recomputable(nodes, forward_nodes, set(forward_inputs))
+    backward_nodes = _ancestors(nodes, grad_outputs) - (forward_nodes - recomputed)
 
-    forward_values = {o for n in forward_nodes for o in n.outputs}
+    forward_values = {o for n in forward_nodes - recomputed for o in n.outputs}
     crossing: dict[ir.Value, None] = {}  # ordered set
     for node in nodes:
         if node in backward_nodes:
@@ -183,6 +192,19 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
     backward.graph.inputs.extend(kept)
     return ForwardBackward(forward, backward, len(model_outputs), differentiable, backward_inputs, wrt,
                            saved=[v.name for v in saved])
+
+
+def _recomputable(nodes, forward_nodes: set[ir.Node], forward_inputs: set[ir.Value]) -> set[ir.Node]:
+    """Forward nodes of ``_RECOMPUTED_OPS`` that read only forward inputs, initializers and
+    other such nodes' outputs: cheaper to recompute in the backward graph than to save."""
+    result: set[ir.Node] = set()
+    free: set[ir.Value] = set(forward_inputs)
+    for node in nodes:
+        if (node in forward_nodes and node.domain in ("", "ai.onnx") and node.op_type in _RECOMPUTED_OPS
+                and all(i is None or i in free or i.is_initializer() for i in node.inputs)):
+            result.add(node)
+            free.update(node.outputs)
+    return result
 
 
 def _extract(model: ir.Model, input_names: list[str], output_names: list[str], cut: list[str]) -> ir.Model:

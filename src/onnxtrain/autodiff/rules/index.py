@@ -48,6 +48,12 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
     op, b = ctx.op, ctx.b
     axes = b.ints([axis])
     size = op.Gather(x_shape, axes, axis=0)  # D, as [1]
+    if axis == 0 and ctx.opset >= _SCATTER_ADD_OPSET:
+        # an embedding lookup: scatter rows of dy straight into a tensor of x's shape
+        # (no [P, D, Q] view, no Reshape copy of the whole table at the end)
+        index = op.Reshape(_wrap_negative(ctx, indices, size), b.ints([-1, 1]))  # [K, 1]
+        rows = op.Concat(b.ints([-1]), op.Slice(x_shape, b.ints([1]), b.ints([_INT64_MAX])), axis=0)
+        return op.ScatterND(_zeros(ctx, x_shape, dy), index, op.Reshape(dy, rows), reduction="add")
     outer = _prod(ctx, op.Slice(x_shape, b.ints([0]), axes))  # P
     inner = _prod(ctx, op.Slice(op.Slice(x_shape, axes, b.ints([_INT64_MAX])), b.ints([1]), b.ints([_INT64_MAX])))
     index = op.Reshape(_wrap_negative(ctx, indices, size), b.ints([-1]))  # [K]

@@ -42,9 +42,14 @@ def _matmul(ctx):
         elif rb == 1:
             db = op.MatMul(_transpose_last2(op, b, a, ra), b.unsqueeze(dy, [-1]))
             db = b.squeeze(db, [-1])
+        elif rb == 2 and ra is not None and ra > 2:
+            # a [..., M, K] @ b [K, N] (a Linear layer): fold the batch dims into M, one
+            # [K, M'] @ [M', N] product rather than a batched product summed over the batch
+            db = op.MatMul(op.Transpose(op.Flatten(a, axis=ra - 1), perm=[1, 0]), op.Flatten(dy, axis=ra - 1))
         else:
             db = op.MatMul(_transpose_last2(op, b, a, ra), dy)
-        db = sum_to_shape(b, db, bm, _batched_shape(ctx.y, bm) if ra and rb and ra >= 2 and rb >= 2 else None)
+        if not (rb == 2 and ra is not None and ra > 2):
+            db = sum_to_shape(b, db, bm, _batched_shape(ctx.y, bm) if ra and rb and ra >= 2 and rb >= 2 else None)
     return da, db
 
 

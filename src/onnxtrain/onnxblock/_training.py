@@ -145,6 +145,36 @@ def _expose_running_statistics(graph: ir.Graph, frozen: Sequence[str]) -> dict[s
     return updates
 
 
+def _branch(name: str, outputs: list[ir.Value], nodes: list[ir.Node]) -> ir.Graph:
+    return ir.Graph([], outputs, nodes=nodes, name=name)
+
+
+def _accumulate(b: GraphBuilder, reset: ir.Value, params: list[tuple[ir.Value, ir.Value, ir.Value]]) -> None:
+    """Graph outputs ``<p>_grad.accumulation.out`` = grad if ``reset`` else buffer + grad.
+
+    One ``If`` over all parameters: a Where with a scalar condition costs ORT several
+    passes per tensor (measured ~3x an Add), while the taken branch of an If is one
+    copy or one Add per parameter.
+    """
+    fresh, summed = [], []
+    for p, g, buffer in params:
+        copy = ir.node("Identity", [g], name=b.fresh_name("accumulate/fresh"))
+        add = ir.node("Add", [buffer, g], name=b.fresh_name("accumulate/add"))
+        for out in (copy.outputs[0], add.outputs[0]):
+            out.name = f"{out.producer().name}_out"
+            out.type, out.shape = p.type, p.shape
+        fresh.append(copy)
+        summed.append(add)
+    branch_fresh = _branch("fresh_gradients", [n.outputs[0] for n in fresh], fresh)
+    branch_summed = _branch("accumulated_gradients", [n.outputs[0] for n in summed], summed)
+    outputs = b.op.If(reset, then_branch=branch_fresh, else_branch=branch_summed, _outputs=len(params))
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    for (p, _, _), out in zip(params, outputs):
+        out.name = names.accumulation_out_name(p.name)
+        out.type, out.shape = p.type, p.shape
+        b.graph.outputs.append(out)
+
+
 def build_training_and_eval(
     model: ir.Model,
     loss_name: str,
@@ -191,13 +221,8 @@ def build_training_and_eval(
     grads = build_gradients(graph, loss, trainable, builder=b.child("grad"))
     buffers = [b.input(names.accumulation_buffer_name(p.name), p.dtype, p.shape) for p in trainable]
     reset = b.input(names.LAZY_RESET_GRAD, ir.DataType.BOOL, [])
-    acc = b.child("accumulate")
-    for p, buffer in zip(trainable, buffers):
-        g = grads[p]
-        out = acc.op.Where(reset, g, acc.op.Add(buffer, g))
-        out.name = names.accumulation_out_name(p.name)
-        out.type, out.shape = p.type, p.shape
-        graph.outputs.append(out)
+    if trainable:
+        _accumulate(b, reset, [(p, grads[p], buffer) for p, buffer in zip(trainable, buffers)])
     updates = _expose_running_statistics(graph, list(params.frozen))
     if updates:
         model.metadata_props[TRAINING_METADATA_KEY] = _metadata(

@@ -78,7 +78,8 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
     leaves, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [leaves[i] for i in positions]
-    constants = tuple(_freeze(leaf) for i, leaf in enumerate(leaves) if i not in set(positions))
+    tensor_positions = set(positions)
+    constants = tuple(_freeze(leaf) for i, leaf in enumerate(leaves) if i not in tensor_positions)
     schema = CallSchema(
         tree=str(spec),
         constants=constants,

@@ -1,0 +1,376 @@
+"""One benchmark cell: one model trained by one system, in this process, reported as JSON.
+
+Run by the suite as ``python -m bench.cell --model gpt --system ortmodule --out cell.json``
+(one fresh process per cell, so its memory figures are its own). The cell builds the model
+(fixed seed) and its batches, measures the resident set size, then *prepares* the system
+(wrap / compile / export + artifacts + sessions) and runs step 0, then ``--warmup`` more
+steps, then ``--steps`` timed steps. A step is a full training step: forward, loss,
+backward and the AdamW update.
+
+Figures (all in the JSON):
+- ``step_times_s``: each timed step; ``median_step_s`` their median;
+- ``first_step_s``: from "model and data ready" to the end of step 0 (export, artifacts,
+  session creation, compilation included);
+- ``rss_before_mb``: resident set size right before the system is prepared;
+  ``peak_rss_mb``: the process's peak resident set size (``ru_maxrss``) at the end;
+  ``peak_increase_mb``: their difference (what training added at its peak);
+- ``losses``: the loss of every step, ``first_loss`` that of step 0.
+
+A cell that fails reports ``status: "error"`` and the error instead of raising, so the suite
+records it and goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never download
+
+import numpy as np
+
+from bench import memory, models
+
+SYSTEMS = ["eager", "compile", "ortmodule", "ondevice", "upstream"]
+HERE = Path(__file__).resolve().parent
+DEFAULT_UPSTREAM_VENV = HERE / ".venv-upstream"
+UPSTREAM_WORKER = HERE / "upstream_worker.py"
+
+
+# -- PyTorch systems ---------------------------------------------------------------------------
+
+def _torch_batches(spec: models.Spec, batches):
+    import torch
+
+    return [{k: torch.from_numpy(v) for k, v in b.items()} for b in batches]
+
+
+def _torch_loss(spec: models.Spec, model, batch):
+    import torch.nn.functional as F
+
+    if spec.kind == "classifier":
+        return F.cross_entropy(model(batch["x"]), batch["labels"])
+    if spec.kind == "lm":
+        logits = model(batch["idx"])
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+
+
+def _torch_stepper(spec, run_model, params, batches):
+    """A training step of ``run_model`` (eager, compiled or ORTModule) with torch.optim.AdamW."""
+    import torch
+
+    optimizer = torch.optim.AdamW(params, lr=spec.lr)
+    data = _torch_batches(spec, batches)
+
+    def step(i: int) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = _torch_loss(spec, run_model, data[i % len(data)])
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    return step
+
+
+def prepare_eager(spec, model, batches, workdir, info):
+    return _torch_stepper(spec, model, model.parameters(), batches)
+
+
+def prepare_compile(spec, model, batches, workdir, info):
+    import torch
+
+    compiled = torch.compile(model)  # default backend: inductor
+    info["notes"].append("torch.compile(model), default backend (inductor); the optimizer runs eagerly")
+    return _torch_stepper(spec, compiled, model.parameters(), batches)
+
+
+def prepare_ortmodule(spec, model, batches, workdir, info):
+    from onnxtrain.torch import ORTModule
+
+    wrapped = ORTModule(model)  # the user's script is otherwise unchanged
+    step = _torch_stepper(spec, wrapped, wrapped.parameters(), batches)
+
+    def checked(i: int) -> float:
+        loss = step(i)
+        if wrapped.fallback_reason is not None:  # it ran in PyTorch: not an ORTModule measurement
+            raise RuntimeError(f"ORTModule fell back to PyTorch: {wrapped.fallback_reason}")
+        return loss
+
+    return checked
+
+
+# -- onnxtrain on-device training ----------------------------------------------------------------
+
+def _export_dynamo(spec, model, batches):
+    """``torch.onnx.export(dynamo=True, optimize=False)`` of the logits, with a dynamic batch.
+
+    The model is in training mode. onnxtrain's ORTModule translations are used for two aten
+    ops that the exporter translates for inference only: training-mode batch norm (batch
+    statistics, as in PyTorch; the exporter would normalize with the running statistics) and
+    ``embedding`` with a padding index (the padding row gets no gradient, as in PyTorch).
+    """
+    import logging
+    import warnings
+
+    import torch
+
+    from onnxtrain.torch._translations import translation_table
+
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    sample = spec.export_sample(batches[0])
+    batch = torch.export.Dim("batch", min=2, max=4096)
+    dynamic = tuple({0: batch} for _ in spec.input_names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(spec.export_model(model), sample, dynamo=True, input_names=spec.input_names,
+                                    output_names=["output"], dynamic_shapes=dynamic, optimize=False,
+                                    custom_translation_table=translation_table(), verbose=False)
+    return program.model_proto
+
+
+def flat_cross_entropy_block(vocab: int):
+    """onnxblock loss: cross entropy of logits [N, T, V] flattened to [N*T, V] against labels [N, T]."""
+    import onnx_ir
+
+    from onnxtrain import onnxblock
+
+    class FlatCrossEntropy(onnxblock.Block):
+        def __init__(self):
+            super().__init__()
+            self.ce = onnxblock.loss.CrossEntropyLoss()
+
+        def build(self, logits_name):
+            b = self.context.builder
+            logits = self.context.value(logits_name)
+            flat = b.op.Reshape(logits, b.ints([-1, vocab]))
+            labels = b.input("labels", onnx_ir.DataType.INT32, ["batch", "seq"])
+            flat_labels = b.op.Reshape(labels, b.ints([-1]))
+            return self.ce(flat.name, flat_labels.name)
+
+    return FlatCrossEntropy()
+
+
+def _trainable_names(spec, model, onnx_model) -> list[str]:
+    names = [n for n, _ in spec.export_model(model).named_parameters()]
+    initializers = {i.name for i in onnx_model.graph.initializer}
+    missing = [n for n in names if n not in initializers]
+    if missing:
+        raise RuntimeError(f"parameters missing from the exported model's initializers: {missing[:8]}")
+    return names
+
+
+def prepare_ondevice(spec, model, batches, workdir, info):
+    from onnxtrain import artifacts
+    from onnxtrain.api import CheckpointState, Module, Optimizer
+
+    t0 = time.perf_counter()
+    onnx_model = _export_dynamo(spec, model, batches)
+    info["phases_s"]["export"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = Path(workdir) / "artifacts"
+    loss = flat_cross_entropy_block(spec.vocab) if spec.kind == "lm" else artifacts.LossType.CrossEntropyLoss
+    artifacts.generate_artifacts(onnx_model, requires_grad=_trainable_names(spec, model, onnx_model), loss=loss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=out,
+                                 loss_input_names=["output"])
+    del onnx_model
+    info["phases_s"]["artifacts"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = CheckpointState.load_checkpoint(out / "checkpoint")
+    module = Module(out / "training_model.onnx", state, out / "eval_model.onnx")
+    optimizer = Optimizer(out / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(spec.lr)
+    info["phases_s"]["sessions"] = time.perf_counter() - t0
+    info["notes"].append("onnxtrain artifacts (OptimType.AdamW: upstream's AdamW update) + onnxtrain.api")
+    data = [([b[n] for n in spec.input_names], b["labels"].astype(np.int32)) for b in batches]
+
+    def step(i: int) -> float:
+        inputs, labels = data[i % len(data)]
+        loss = module(*inputs, labels)
+        optimizer.step()
+        module.lazy_reset_grad()
+        return float(loss)
+
+    return step
+
+
+# -- upstream onnxruntime-training 1.19.2, in its own virtualenv ----------------------------------
+
+def export_legacy(spec, model, batches, path: Path) -> None:
+    """The TorchScript exporter at opset 14, in training mode, with a dynamic batch."""
+    import warnings
+
+    import torch
+
+    sample = spec.export_sample(batches[0])
+    dynamic_axes = {n: {0: "batch"} for n in spec.input_names}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(spec.export_model(model), sample, str(path), dynamo=False, opset_version=14,
+                          input_names=spec.input_names, output_names=["output"], dynamic_axes=dynamic_axes,
+                          training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+
+
+def upstream_venv(path: str | os.PathLike | None) -> Path | None:
+    """The upstream virtualenv to use: ``path`` if given, else bench/.venv-upstream if it exists."""
+    venv = Path(path) if path else DEFAULT_UPSTREAM_VENV
+    return venv if (venv / "bin" / "python").exists() else None
+
+
+def run_upstream(spec, model, batches, workdir, args, info) -> dict:
+    """Export here, then train in the upstream venv's worker; the figures are the worker's."""
+    import onnx
+
+    venv = upstream_venv(args.upstream_venv)
+    if venv is None:
+        raise RuntimeError("no upstream virtualenv: run bench/setup_upstream.sh or pass --upstream-venv")
+    workdir = Path(workdir)
+    t0 = time.perf_counter()
+    model_path = workdir / "model.onnx"
+    export_legacy(spec, model, batches, model_path)
+    export_s = time.perf_counter() - t0
+    initializers = {i.name for i in onnx.load(str(model_path), load_external_data=False).graph.initializer}
+    params = [n for n, _ in spec.export_model(model).named_parameters()]
+    missing = [n for n in params if n not in initializers]
+    if missing:
+        raise RuntimeError(f"parameters missing from the legacy export's initializers: {missing[:8]}")
+    running = [n for n, _ in spec.export_model(model).named_buffers() if n in initializers and "running_" in n]
+    data_path = workdir / "data.npz"
+    np.savez(data_path, **{f"{i}/{k}": v for i, b in enumerate(batches) for k, v in b.items()})
+    job = {"model_path": str(model_path), "data_path": str(data_path), "n_batches": len(batches),
+           "input_names": spec.input_names, "kind": spec.kind, "vocab": spec.vocab, "lr": spec.lr,
+           "requires_grad": params, "frozen_params": running, "steps": args.steps, "warmup": args.warmup,
+           "artifact_dir": str(workdir / "upstream_artifacts")}
+    job_path = workdir / "job.json"
+    job_path.write_text(json.dumps(job))
+    result_path = workdir / "upstream_result.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    proc = subprocess.run([str(venv / "bin" / "python"), str(UPSTREAM_WORKER), str(job_path), str(result_path)],
+                          capture_output=True, text=True, env=env, timeout=args.timeout)
+    if not result_path.exists():
+        raise RuntimeError(f"upstream worker exited {proc.returncode} without a result: {proc.stderr[-3000:]}")
+    result = json.loads(result_path.read_text())
+    if result.get("status") != "ok":
+        raise RuntimeError(f"upstream: {result.get('error')}")
+    result["phases_s"] = {"export": export_s, **result.get("phases_s", {})}
+    result["first_step_s"] = export_s + result["first_step_s"]
+    result["notes"] = ["exported in the main environment (TorchScript exporter, opset 14, training mode); "
+                       "trained in the upstream virtualenv; memory figures are the worker process's "
+                       "(no torch in it); first_step_s includes the export",
+                       *result.get("notes", [])]
+    return result
+
+
+PREPARE = {"eager": prepare_eager, "compile": prepare_compile, "ortmodule": prepare_ortmodule,
+           "ondevice": prepare_ondevice}
+
+
+# -- the cell ------------------------------------------------------------------------------------
+
+def versions() -> dict:
+    """Package versions from their metadata (importing transformers just for this would be slow)."""
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in ("torch", "onnxruntime", "onnx", "transformers", "onnxtrain", "numpy"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def count_flops(spec, model, batches) -> int:
+    """FLOPs of one eager forward + backward (FlopCounterMode: matmuls, convolutions, attention)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    data = _torch_batches(spec, batches)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        loss = _torch_loss(spec, model, data[0])
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return int(counter.get_total_flops())
+
+
+def run_cell(args) -> dict:
+    spec = models.get(args.model)
+    result: dict = {"model": spec.name, "system": args.system, "status": "ok", "error": None,
+                    "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "pid": os.getpid(),
+                    "notes": [], "phases_s": {}}
+    try:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        result["versions"] = versions()
+        model = spec.build()
+        batches = spec.batches()
+        if args.count_flops:
+            result["flops_per_step"] = count_flops(spec, model, batches)
+            model = spec.build()  # fresh weights (and BatchNorm statistics) for the measurement
+        with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-{args.system}-") as workdir:
+            if args.system == "upstream":
+                result.update(run_upstream(spec, model, batches, workdir, args, result))
+                return result
+            memory.trim()
+            result["rss_before_mb"] = memory.rss_mb()
+            ready = time.perf_counter()
+            step = PREPARE[args.system](spec, model, batches, workdir, result)
+            result["phases_s"]["prepare"] = time.perf_counter() - ready
+            losses = [step(0)]
+            result["first_step_s"] = time.perf_counter() - ready
+            for i in range(1, 1 + args.warmup):
+                losses.append(step(i))
+            times = []
+            for i in range(1 + args.warmup, 1 + args.warmup + args.steps):
+                t0 = time.perf_counter()
+                losses.append(step(i))
+                times.append(time.perf_counter() - t0)
+            result.update(memory.peaks(result["rss_before_mb"]))
+        result["step_times_s"] = times
+        result["median_step_s"] = float(np.median(times)) if times else None
+        result["losses"] = losses
+        result["first_loss"] = losses[0]
+    except Exception as exc:  # noqa: BLE001 - a failed cell is a result, not a crash
+        result["status"] = "error"
+        result["error"] = f"{type(exc).__name__}: {exc}"[:4000]
+        result["traceback"] = traceback.format_exc()[-6000:]
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.cell", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help=f"one of {', '.join(models.SPECS)}")
+    parser.add_argument("--system", required=True, choices=SYSTEMS)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after step 0")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--count-flops", action="store_true", help="also count one eager step's FLOPs")
+    parser.add_argument("--upstream-venv", default=None)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the upstream worker")
+    parser.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    result = run_cell(args)
+    text = json.dumps(result, indent=1, default=str)
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

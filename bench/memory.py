@@ -1,0 +1,39 @@
+"""Resident-set-size figures of the current process (Linux; no third-party dependency)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import os
+import resource
+import sys
+
+
+def rss_mb() -> float:
+    """The current resident set size in MB (MiB)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:  # no /proc: fall back to the peak
+        return peak_rss_mb()
+
+
+def peak_rss_mb() -> float:
+    """The peak resident set size of this process so far in MB (``ru_maxrss``)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+
+
+def trim() -> None:
+    """Collect garbage and give freed heap memory back to the OS, so the next RSS reading is clean."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peaks(rss_before_mb: float) -> dict:
+    peak = peak_rss_mb()
+    return {"peak_rss_mb": peak, "peak_increase_mb": peak - rss_before_mb, "rss_end_mb": rss_mb()}

@@ -1,0 +1,155 @@
+"""RESULTS.md and the speedup plot from a results dict (see :mod:`bench.run`)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from bench import analysis
+
+SYSTEM_LABELS = {"eager": "eager (PyTorch)", "compile": "torch.compile", "ortmodule": "ORTModule",
+                 "ondevice": "on-device (onnxtrain)", "upstream": "upstream ORT-training 1.19.2"}
+
+
+def _f(value, fmt="{:.1f}", none="—"):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return none
+    return fmt.format(value)
+
+
+def _status(entry: dict) -> str:
+    status = entry["status"]
+    if status == analysis.REFERENCE:
+        return "reference"
+    if status == analysis.ERROR:
+        error = (entry.get("error") or "").replace("|", "\\|").replace("\n", " ")
+        return f"ERROR: {error[:160]}"
+    rel = entry.get("max_loss_rel")
+    rel_text = "" if rel is None else f" (rel. diff {rel:.1e})"
+    if status == analysis.FAILED:
+        return f"**FAILED**{rel_text}"
+    return f"{status}{rel_text}"
+
+
+def markdown(results: dict) -> str:
+    meta, summary = results["meta"], results["summary"]
+    settings = meta["settings"]
+    lines = ["# onnxtrain benchmark results", ""]
+    lines += [f"- date: {meta['date']}",
+              f"- command: `{meta['command']}`",
+              f"- machine: {meta['machine']['cpu']}, {meta['machine']['cores']} cores, "
+              f"{meta['machine']['memory_gb']:.0f} GB, {meta['machine']['platform']}",
+              f"- load average before / after the run: {meta['machine']['loadavg_start']} / "
+              f"{meta['machine'].get('loadavg_end')}",
+              "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+              f"- onnxtrain measured: `{meta.get('onnxtrain_path')}` (commit {meta.get('onnxtrain_commit')})",
+              f"- upstream: {meta.get('upstream') or 'not run'}",
+              f"- settings: {settings['rounds']} rounds, {settings['steps']} timed steps after step 0 and "
+              f"{settings['warmup']} warm-up steps, {settings['threads']} threads, systems interleaved "
+              f"(round r runs every system once per model, order reversed on odd rounds)",
+              f"- wall time of the run: {meta.get('wall_s', 0) / 60:.1f} min",
+              f"- peak float32 matmul rate (torch.mm 2048x2048, {settings['threads']} threads, best of "
+              f"{meta['matmul'].get('reps', '?')}): **{_f(meta['matmul'].get('gflops'), '{:.0f}')} GFLOP/s**",
+              ""]
+    lines += ["How to read: *step ms* is the median over rounds of each cell's median full training step "
+              "(forward, loss, backward, AdamW update). *vs eager* is eager's step time / the system's, "
+              "both from this run (> 1 = faster than eager). *first step s* runs from \"model and data "
+              "ready\" to the end of step 0: export, artifacts, sessions and compilation included. "
+              "*peak RSS MB* is the cell process's peak resident set size (`ru_maxrss`); *Δ MB* is that "
+              "peak minus the RSS measured right before the system was prepared (what training added). "
+              "Every cell runs in its own process. *x bound* is the step time / the matmul-bound time "
+              "(the step's FLOPs, counted with `torch.utils.flop_counter.FlopCounterMode` on an eager "
+              "forward + backward, divided by the peak matmul rate). *loss check*: the first-step loss "
+              f"equals eager's within {analysis.LOSS_RTOL:g} relative in every round (same weights, same "
+              "data, dropout 0), else **FAILED**.", "",
+              "The machine is shared with other work (another engineer's test runs), so timings are "
+              "noisy; the interleaved rounds spread the drift over all systems alike.", "",
+              "Systems: *eager* and *torch.compile* (default inductor backend, a fresh inductor cache per "
+              "cell, so the first step is a cold compile) and *ORTModule* train with `torch.optim.AdamW`; "
+              "*on-device* exports with `torch.onnx.export(dynamo=True, optimize=False)` (dynamic batch; "
+              "onnxtrain's ORTModule translations for training-mode batch norm and padded embeddings), "
+              "generates artifacts with `OptimType.AdamW` and trains with `onnxtrain.api`; *upstream* "
+              "exports with the TorchScript exporter (opset 14, training mode) and trains with "
+              "onnxruntime-training 1.19.2's artifacts and `onnxruntime.training.api` in its own "
+              "virtualenv. `OptimType.AdamW` is upstream's (Hugging Face-style) AdamW, so the losses of the "
+              "two on-device systems drift slightly from torch's after step 0 (step 0 is checked).", ""]
+    for model, systems in summary.items():
+        spec = results["models"].get(model, {})
+        first = next(iter(systems.values()))
+        bound = first.get("bound_ms")
+        flops = first.get("flops_per_step")
+        lines += [f"## {model}", "", spec.get("description", ""), "",
+                  f"FLOPs per training step: {_f(flops and flops / 1e9, '{:.2f}')} GFLOP; matmul-bound step: "
+                  f"{_f(bound, '{:.2f}')} ms", "",
+                  "| system | step ms | vs eager | x bound | first step s | peak RSS MB | Δ MB | loss check |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
+        for system, e in systems.items():
+            lines.append(f"| {SYSTEM_LABELS.get(system, system)} | {_f(e.get('median_step_ms'), '{:.2f}')} | "
+                         f"{_f(e.get('ratio_vs_eager'), '{:.2f}x')} | {_f(e.get('x_bound'), '{:.2f}')} | "
+                         f"{_f(e.get('first_step_s'), '{:.2f}')} | {_f(e.get('peak_rss_mb'), '{:.0f}')} | "
+                         f"{_f(e.get('peak_increase_mb'), '{:.0f}')} | {_status(e)} |")
+        k = settings.get("k_losses", 5)
+        lines += ["", f"First {k} losses:", ""]
+        for system, e in systems.items():
+            losses = e.get("losses") or []
+            lines.append(f"- {system}: " + (", ".join(f"{v:.5f}" for v in losses[:k]) or "—"))
+        notes = [f"{system}: {n}" for system, e in systems.items() for n in e.get("notes", [])]
+        if notes:
+            lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+        lines.append("")
+    lines += ["## Targets", "", "Ratios measured in this run.", "",
+              "| target | measured | status | detail |", "|---|---|---|---|"]
+    for t in results["targets"]:
+        lines.append(f"| {t['target']} | {t['measured'] or '—'} | **{t['status']}** | {t['detail']} |")
+    lines += ["", "N/A: not measured in this run (model or system not selected, or the reference system "
+              "errored). A target whose onnxtrain cell errored or failed its loss check is MISSED.", ""]
+    if meta.get("plot"):
+        lines += [f"![speedup vs eager]({meta['plot']})", ""]
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> bool:
+    """Bar chart of the speedup vs eager per model and system; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    summary = results["summary"]
+    models = list(summary)
+    systems = [s for s in SYSTEM_LABELS if s != "eager" and any(s in summary[m] for m in models)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(models) + 2), 4.5))
+    width = 0.8 / max(len(systems), 1)
+    colors = {"compile": "#7f7f7f", "ortmodule": "#1f77b4", "ondevice": "#2ca02c", "upstream": "#ff7f0e"}
+    for i, system in enumerate(systems):
+        xs, heights, hatches = [], [], []
+        for j, model in enumerate(models):
+            e = summary[model].get(system)
+            if not e or e.get("ratio_vs_eager") is None:
+                continue
+            xs.append(j + (i - (len(systems) - 1) / 2) * width)
+            heights.append(e["ratio_vs_eager"])
+            hatches.append("//" if e["status"] == analysis.FAILED else "")
+        # bars start at 1 (as fast as eager): up for speedups, down for slowdowns
+        bars = ax.bar(xs, [h - 1 for h in heights], width, bottom=1, label=SYSTEM_LABELS[system],
+                      color=colors.get(system))
+        for bar, hatch, h in zip(bars, hatches, heights):
+            bar.set_hatch(hatch)
+            ax.annotate(f"{h:.2f}", (bar.get_x() + bar.get_width() / 2, h), ha="center",
+                        va="bottom" if h >= 1 else "top", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")  # speedups and slowdowns alike: 2x and 0.5x are the same distance from 1
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xticks(range(len(models)), models)
+    ax.set_ylabel("speedup vs eager PyTorch (> 1 = faster, log scale)")
+    ax.set_title(f"Training step speedup vs eager ({results['meta']['settings']['threads']} CPU threads; "
+                 f"hatched = loss check FAILED)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

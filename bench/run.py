@@ -1,0 +1,264 @@
+"""The benchmark suite: every model x system cell in its own process, interleaved in rounds.
+
+    python -m bench --quick                  # < 5 minutes: mlp + gpt; eager, ortmodule, ondevice (+ upstream)
+    python -m bench                          # everything (long)
+    python -m bench --models gpt,cnn --systems eager,ortmodule --rounds 3 --out /tmp/b
+
+Writes ``<out>/results.json`` (every cell, the aggregates, the targets), ``<out>/speedup.png``
+and the report ``RESULTS.md`` (``bench/RESULTS.md`` when ``--out`` is the default
+``bench/results``, else ``<out>/RESULTS.md``; ``--report`` overrides).
+
+Round ``r`` runs every selected system once per model (in the systems' order on even rounds,
+reversed on odd ones), so slow drift of a shared machine hits all systems alike; each figure is
+the median over rounds. Before the rounds it measures the peak matmul rate and, per model, the
+FLOPs of one eager training step, each in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench import analysis, models, report
+from bench.cell import SYSTEMS, upstream_venv
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+DEFAULT_OUT = HERE / "results"
+
+QUICK = {"models": ["mlp", "gpt"], "systems": ["eager", "ortmodule", "ondevice", "upstream"], "rounds": 2,
+         "steps": 10, "warmup": 2}
+FULL = {"models": models.MAIN_MODELS, "systems": SYSTEMS, "rounds": 3, "steps": 15, "warmup": 3}
+
+
+def _env(threads: int) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["HF_HUB_OFFLINE"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("OMP_NUM_THREADS", str(threads))
+    return env
+
+
+def run_subprocess_json(cmd: list[str], out_file: Path, timeout: float, env: dict) -> dict:
+    """Run ``cmd`` (which writes JSON to ``out_file``); an error dict if it crashes or times out."""
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"status": "error", "error": f"timed out after {timeout:.0f} s"}
+    if out_file.exists():
+        return json.loads(out_file.read_text())
+    tail = (proc.stderr or proc.stdout or "")[-3000:]
+    return {"status": "error", "error": f"cell process exited {proc.returncode} without a result: {tail}"}
+
+
+def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_index: int = 0,
+             count_flops: bool = False) -> dict:
+    out_file = workdir / f"{model}-{system}-r{round_index}{'-flops' if count_flops else ''}.json"
+    cmd = [sys.executable, "-m", "bench.cell", "--model", model, "--system", system, "--steps",
+           str(0 if count_flops else args.steps), "--warmup", str(0 if count_flops else args.warmup),
+           "--threads", str(args.threads), "--out", str(out_file), "--timeout", str(args.timeout)]
+    if count_flops:
+        cmd.append("--count-flops")
+    if args.upstream_venv:
+        cmd += ["--upstream-venv", str(args.upstream_venv)]
+    if system == "compile":  # a cold compile every time: the first-step latency of a fresh script
+        env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(workdir / f"inductor-{model}-r{round_index}")}
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    cell = run_subprocess_json(cmd, out_file, args.timeout, env)
+    cell.setdefault("model", model)
+    cell.setdefault("system", system)
+    cell.update(round=round_index, wall_s=time.perf_counter() - t0, loadavg_before=round(load, 2))
+    return cell
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "?"
+
+
+def _memory_gb() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return float("nan")
+
+
+def _git(args: list[str], cwd: Path) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10).stdout.strip() \
+            or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _onnxtrain_location(env: dict) -> tuple[str | None, str | None]:
+    code = "import onnxtrain, pathlib; print(pathlib.Path(onnxtrain.__file__).resolve().parent)"
+    try:
+        path = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if not path:
+        return None, None
+    commit = _git(["rev-parse", "--short", "HEAD"], Path(path))
+    dirty = _git(["status", "--porcelain", "--", "."], Path(path))
+    return path, (f"{commit}{' + uncommitted changes' if dirty else ''}" if commit else None)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true",
+                        help=f"quick run (< 5 min): models {','.join(QUICK['models'])}, systems "
+                             f"{','.join(QUICK['systems'])} (upstream only if its venv exists), "
+                             f"{QUICK['rounds']} rounds of {QUICK['steps']} steps")
+    parser.add_argument("--models", help=f"comma-separated, from {', '.join(models.SPECS)}")
+    parser.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--steps", type=int, help="timed steps per cell")
+    parser.add_argument("--warmup", type=int, help="untimed steps after step 0")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--k-losses", type=int, default=5, help="losses of the first K steps in the report")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), help="folder for results.json and speedup.png")
+    parser.add_argument("--report", default=None, help="RESULTS.md path (default: see above)")
+    parser.add_argument("--upstream-venv", default=None,
+                        help="virtualenv with onnxruntime-training 1.19.2 (default: bench/.venv-upstream if it "
+                             "exists; create it with bench/setup_upstream.sh)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
+    parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count and the matmul probe")
+    args = parser.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    args.models = args.models.split(",") if args.models else list(preset["models"])
+    args.systems = args.systems.split(",") if args.systems else list(preset["systems"])
+    for m in args.models:
+        models.get(m)
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown systems {unknown}; known: {SYSTEMS}")
+    for key in ("rounds", "steps", "warmup"):
+        if getattr(args, key) is None:
+            setattr(args, key, preset[key])
+    venv = upstream_venv(args.upstream_venv)
+    if "upstream" in args.systems and venv is None:
+        if args.upstream_venv:
+            parser.error(f"--upstream-venv {args.upstream_venv}: no bin/python there")
+        args.systems.remove("upstream")  # optional: only with its virtualenv
+    args.upstream_venv = str(venv) if venv and "upstream" in args.systems else None
+    return args
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    report_path = Path(args.report) if args.report else (
+        HERE / "RESULTS.md" if out == DEFAULT_OUT.resolve() else out / "RESULTS.md")
+    env = _env(args.threads)
+    start = time.perf_counter()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    loadavg_start = [round(x, 2) for x in os.getloadavg()]
+    print(f"bench: models {args.models}, systems {args.systems}, {args.rounds} rounds x {args.steps} steps",
+          flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
+        workdir = Path(tmp)
+        matmul, flops = {}, {}
+        if not args.no_flops:
+            probe = [sys.executable, "-m", "bench.probe", "--threads", str(args.threads)]
+            try:
+                matmul = json.loads(subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True,
+                                                   timeout=300).stdout)
+            except (ValueError, subprocess.SubprocessError) as exc:
+                matmul = {"error": str(exc)}
+            print(f"  peak matmul: {matmul.get('gflops', float('nan')):.0f} GFLOP/s", flush=True)
+            for model in args.models:
+                cell = run_cell(model, "eager", args, workdir, env, count_flops=True)
+                flops[model] = cell.get("flops_per_step")
+                print(f"  {model}: {flops[model] and flops[model] / 1e9:.2f} GFLOP per step", flush=True)
+
+        cells = []
+        for r in range(args.rounds):
+            for model in args.models:
+                order = args.systems if r % 2 == 0 else list(reversed(args.systems))
+                for system in order:
+                    cell = run_cell(model, system, args, workdir, env, round_index=r)
+                    cells.append(cell)
+                    figure = (f"{cell['median_step_s'] * 1e3:.2f} ms/step, first step {cell['first_step_s']:.1f} s"
+                              if cell["status"] == "ok" else f"ERROR {cell['error'][:200]}")
+                    print(f"  round {r} {model:10s} {system:10s} {figure}  ({cell['wall_s']:.0f} s)", flush=True)
+        if not args.no_flops:  # again at the end: the machine's state may have changed
+            try:
+                again = json.loads(subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True,
+                                                  timeout=300).stdout)
+                matmul["gflops_end"] = again.get("gflops")
+                if again.get("gflops", 0) > matmul.get("gflops", 0):
+                    matmul.update({k: again[k] for k in ("best_s", "gflops")})
+            except (ValueError, subprocess.SubprocessError):
+                pass
+
+    summary = analysis.aggregate(cells)
+    analysis.add_matmul_bound(summary, flops, matmul.get("gflops"))
+    onnxtrain_path, onnxtrain_commit = _onnxtrain_location(env)
+    eager_versions = next((c.get("versions") for c in cells if c.get("versions") and c["system"] != "upstream"), {})
+    upstream_versions = next((c.get("versions") for c in cells if c["system"] == "upstream" and c.get("versions")),
+                             None)
+    results = {
+        "meta": {
+            "date": started.strftime("%Y-%m-%d %H:%M UTC"),
+            "command": "python -m bench " + " ".join(shlex.quote(a) for a in argv),
+            "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "memory_gb": _memory_gb(),
+                        "platform": platform.platform(), "loadavg_start": loadavg_start,
+                        "loadavg_end": [round(x, 2) for x in os.getloadavg()]},
+            "versions": eager_versions,
+            "upstream": (f"onnxruntime-training {upstream_versions.get('onnxruntime')} (onnx "
+                         f"{upstream_versions.get('onnx')}, numpy {upstream_versions.get('numpy')}) in "
+                         f"{args.upstream_venv}") if upstream_versions else None,
+            "onnxtrain_path": onnxtrain_path, "onnxtrain_commit": onnxtrain_commit,
+            "settings": {"models": args.models, "systems": args.systems, "rounds": args.rounds,
+                         "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
+                         "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL},
+            "matmul": matmul, "flops_per_step": flops,
+            "wall_s": time.perf_counter() - start,
+        },
+        "models": {m: {"description": models.get(m).description, "batch": models.get(m).batch}
+                   for m in args.models},
+        "summary": summary,
+        "cells": cells,
+    }
+    results["targets"] = analysis.targets(summary)
+    plot_path = out / "speedup.png"
+    if report.plot(results, plot_path):
+        results["meta"]["plot"] = os.path.relpath(plot_path, report_path.parent)
+    for cell in cells:  # keep results.json small
+        cell.pop("traceback", None)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    report_path.write_text(report.markdown(results))
+    print(f"wrote {out / 'results.json'}, {report_path}" + (f", {plot_path}" if results["meta"].get("plot") else ""))
+    failed = [f"{m}/{s}" for m, ss in summary.items() for s, e in ss.items() if e["status"] == analysis.FAILED]
+    if failed:
+        print(f"loss check FAILED for {', '.join(failed)}", file=sys.stderr)
+    print(f"done in {results['meta']['wall_s'] / 60:.1f} min")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""Upstream onnxruntime-training (1.19.2) on-device training of one exported model: the `upstream` cell.
+
+Runs with the upstream virtualenv's python (bench/setup_upstream.sh), which has
+onnxruntime-training, onnx and numpy but neither torch nor onnxtrain:
+
+    bench/.venv-upstream/bin/python bench/upstream_worker.py job.json result.json
+
+``job.json`` (written by ``bench.cell``) names the ONNX model exported by the TorchScript
+exporter, the batches (``data.npz``), the parameters to train, the loss kind and the step
+counts. The worker measures its resident set size, then generates the artifacts
+(``onnxruntime.training.artifacts.generate_artifacts``, cross entropy, AdamW), loads them
+with ``onnxruntime.training.api`` and trains: step = ``module(*inputs, labels)``,
+``optimizer.step()``, ``module.lazy_reset_grad()``. It writes the same figures as a cell.
+
+``onnxruntime.training``'s package ``__init__`` imports torch (for ORTModule and its fp16
+optimizers), which the on-device part does not use; when torch is missing the worker imports
+``onnxruntime.training.artifacts``/``api``/``onnxblock`` without running that ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import re
+import resource
+import sys
+import time
+import traceback
+import types
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def import_training():
+    """``(artifacts, api, onnxblock)`` of onnxruntime.training, with or without torch installed."""
+    try:
+        from onnxruntime.training import api, artifacts, onnxblock
+
+        return artifacts, api, onnxblock, []
+    except ModuleNotFoundError as exc:
+        if exc.name != "torch":
+            raise
+    import onnxruntime
+
+    for name in [m for m in sys.modules if m.startswith("onnxruntime.training")]:
+        del sys.modules[name]
+    package = types.ModuleType("onnxruntime.training")
+    package.__path__ = [os.path.join(os.path.dirname(onnxruntime.__file__), "training")]
+    sys.modules["onnxruntime.training"] = package
+    from onnxruntime.training import api, artifacts, onnxblock
+
+    return artifacts, api, onnxblock, ["onnxruntime.training imported without its package __init__ (no torch)"]
+
+
+def flat_cross_entropy(onnxblock, vocab: int):
+    """Upstream block: cross entropy of logits [N, T, V] reshaped to [N*T, V], labels [N, T] to [N*T]."""
+    import onnx
+    from onnxruntime.training.onnxblock import _graph_utils
+
+    class FlatCrossEntropy(onnxblock.Block):
+        def __init__(self):
+            super().__init__()
+            self.ce = onnxblock.loss.CrossEntropyLoss()
+
+        def build(self, logits_name):
+            graph = self.base.graph
+            labels = onnx.helper.make_tensor_value_info("labels", onnx.TensorProto.INT64, ["batch", "seq"])
+            graph.input.append(labels)
+            names = {}
+            for key, shape in (("logits", [-1, vocab]), ("labels", [-1])):
+                const = _graph_utils.generate_graph_name(f"flat_{key}_shape")
+                graph.node.append(onnx.helper.make_node(
+                    "Constant", [], [const], value=onnx.helper.make_tensor(const, onnx.TensorProto.INT64,
+                                                                          [len(shape)], shape)))
+                names[key] = _graph_utils.generate_graph_name(f"flat_{key}")
+                source = logits_name if key == "logits" else "labels"
+                graph.node.append(onnx.helper.make_node("Reshape", [source, const], [names[key]]))
+            return self.ce(names["logits"], names["labels"])
+
+    return FlatCrossEntropy()
+
+
+def run(job: dict) -> dict:
+    import numpy as np
+    import onnx
+    import onnxruntime
+
+    result = {"status": "ok", "error": None, "pid": os.getpid(), "phases_s": {},
+              "versions": {"python": sys.version.split()[0], "onnxruntime": onnxruntime.__version__,
+                           "onnx": onnx.__version__, "numpy": np.__version__}}
+    artifacts, api, onnxblock, notes = import_training()
+    result["notes"] = notes
+    data = np.load(job["data_path"])
+    batches = [{k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(f"{i}/")}
+               for i in range(job["n_batches"])]
+    feeds = [([b[n] for n in job["input_names"]], b["labels"].astype(np.int64)) for b in batches]
+    model = onnx.load(job["model_path"])
+    _trim()
+    result["rss_before_mb"] = _rss_mb()
+    ready = time.perf_counter()
+
+    out = job["artifact_dir"]
+    os.makedirs(out, exist_ok=True)  # upstream does not create it
+    loss = flat_cross_entropy(onnxblock, job["vocab"]) if job["kind"] == "lm" else \
+        artifacts.LossType.CrossEntropyLoss
+    artifacts.generate_artifacts(model, requires_grad=job["requires_grad"], frozen_params=job["frozen_params"],
+                                 loss=loss, optimizer=artifacts.OptimType.AdamW, artifact_directory=out)
+    del model
+    result["phases_s"]["artifacts"] = time.perf_counter() - ready
+    t0 = time.perf_counter()
+    state = api.CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
+    try:
+        module = api.Module(os.path.join(out, "training_model.onnx"), state, os.path.join(out, "eval_model.onnx"))
+    except Exception as exc:  # noqa: BLE001 - e.g. its eval model of a training-mode BatchNormalization
+        # does not load; training does not need the eval model: go on without it, and say so
+        reason = re.sub(r"Load model from \S+ failed: ?", "", str(exc).split("FAIL : ")[-1]).strip()[:300]
+        notes.append(f"upstream's eval_model.onnx does not load ({reason}); "
+                     f"the Module was created without it")
+        module = api.Module(os.path.join(out, "training_model.onnx"), state)
+    optimizer = api.Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
+    optimizer.set_learning_rate(job["lr"])
+    result["phases_s"]["sessions"] = time.perf_counter() - t0
+    labels_type = {i.name: i.type for i in onnx.load(os.path.join(out, "training_model.onnx"),
+                                                       load_external_data=False).graph.input}.get("labels")
+    if labels_type is not None and labels_type.tensor_type.elem_type == onnx.TensorProto.INT32:
+        feeds = [(inputs, labels.astype(np.int32)) for inputs, labels in feeds]
+
+    def step(i: int) -> float:
+        inputs, labels = feeds[i % len(feeds)]
+        value = module(*inputs, labels)
+        optimizer.step()
+        module.lazy_reset_grad()
+        return float(value)
+
+    losses = [step(0)]
+    result["first_step_s"] = time.perf_counter() - ready
+    for i in range(1, 1 + job["warmup"]):
+        losses.append(step(i))
+    times = []
+    for i in range(1 + job["warmup"], 1 + job["warmup"] + job["steps"]):
+        t0 = time.perf_counter()
+        losses.append(step(i))
+        times.append(time.perf_counter() - t0)
+    peak = _peak_rss_mb()
+    result.update(step_times_s=times, median_step_s=float(np.median(times)) if times else None, losses=losses,
+                  first_loss=losses[0], peak_rss_mb=peak, peak_increase_mb=peak - result["rss_before_mb"],
+                  rss_end_mb=_rss_mb())
+    return result
+
+
+def main(job_path: str, result_path: str) -> int:
+    with open(job_path) as f:
+        job = json.load(f)
+    try:
+        result = run(job)
+    except Exception as exc:  # noqa: BLE001 - reported to the cell
+        result = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:4000],
+                  "traceback": traceback.format_exc()[-6000:]}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

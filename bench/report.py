@@ -44,6 +44,8 @@ def markdown(results: dict) -> str:
               "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
               f"- onnxtrain measured: `{meta.get('onnxtrain_path')}` (commit {meta.get('onnxtrain_commit')})",
               f"- upstream: {meta.get('upstream') or 'not run'}",
+              *([f"- **partial results: {settings['rounds_done']} of {settings['rounds']} rounds completed**"]
+                if settings.get("rounds_done", settings["rounds"]) < settings["rounds"] else []),
               f"- settings: {settings['rounds']} rounds, {settings['steps']} timed steps after step 0 and "
               f"{settings['warmup']} warm-up steps, {settings['threads']} threads, systems interleaved "
               f"(round r runs every system once per model, order reversed on odd rounds)",

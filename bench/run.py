@@ -119,7 +119,7 @@ def _onnxtrain_location(env: dict) -> tuple[str | None, str | None]:
         return None, None
     if not path:
         return None, None
-    commit = _git(["rev-parse", "--short", "HEAD"], Path(path))
+    commit = _git(["log", "-1", "--format=%h", "--", "."], Path(path))  # the last commit that changed it
     dirty = _git(["status", "--porcelain", "--", "."], Path(path))
     return path, (f"{commit}{' + uncommitted changes' if dirty else ''}" if commit else None)
 
@@ -201,10 +201,14 @@ def main(argv=None) -> int:
                 order = args.systems if r % 2 == 0 else list(reversed(args.systems))
                 for system in order:
                     cell = run_cell(model, system, args, workdir, env, round_index=r)
+                    cell.pop("traceback", None)  # keep results.json small (the error stays)
                     cells.append(cell)
                     figure = (f"{cell['median_step_s'] * 1e3:.2f} ms/step, first step {cell['first_step_s']:.1f} s"
                               if cell["status"] == "ok" else f"ERROR {cell['error'][:200]}")
                     print(f"  round {r} {model:10s} {system:10s} {figure}  ({cell['wall_s']:.0f} s)", flush=True)
+            if r + 1 < args.rounds:  # a run stopped later still leaves the rounds it completed
+                write_outputs(args, argv, cells, r + 1, matmul, flops, env, started, start, loadavg_start, out,
+                              report_path, quiet=True)
         if not args.no_flops:  # again at the end: the machine's state may have changed
             try:
                 again = json.loads(subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -215,6 +219,19 @@ def main(argv=None) -> int:
             except (ValueError, subprocess.SubprocessError):
                 pass
 
+    results = write_outputs(args, argv, cells, args.rounds, matmul, flops, env, started, start, loadavg_start, out,
+                            report_path)
+    summary = results["summary"]
+    failed = [f"{m}/{s}" for m, ss in summary.items() for s, e in ss.items() if e["status"] == analysis.FAILED]
+    if failed:
+        print(f"loss check FAILED for {', '.join(failed)}", file=sys.stderr)
+    print(f"done in {results['meta']['wall_s'] / 60:.1f} min")
+    return 1 if failed else 0
+
+
+def write_outputs(args, argv, cells, rounds_done, matmul, flops, env, started, start, loadavg_start, out: Path,
+                  report_path: Path, quiet: bool = False) -> dict:
+    """Aggregate ``cells`` and write results.json, the plot and RESULTS.md; return the results."""
     summary = analysis.aggregate(cells)
     analysis.add_matmul_bound(summary, flops, matmul.get("gflops"))
     onnxtrain_path, onnxtrain_commit = _onnxtrain_location(env)
@@ -231,11 +248,11 @@ def main(argv=None) -> int:
             "versions": eager_versions,
             "upstream": (f"onnxruntime-training {upstream_versions.get('onnxruntime')} (onnx "
                          f"{upstream_versions.get('onnx')}, numpy {upstream_versions.get('numpy')}) in "
-                         f"{args.upstream_venv}") if upstream_versions else None,
+                         f"{os.path.relpath(args.upstream_venv, ROOT)}") if upstream_versions else None,
             "onnxtrain_path": onnxtrain_path, "onnxtrain_commit": onnxtrain_commit,
             "settings": {"models": args.models, "systems": args.systems, "rounds": args.rounds,
-                         "steps": args.steps, "warmup": args.warmup, "threads": args.threads,
-                         "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL},
+                         "rounds_done": rounds_done, "steps": args.steps, "warmup": args.warmup,
+                         "threads": args.threads, "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL},
             "matmul": matmul, "flops_per_step": flops,
             "wall_s": time.perf_counter() - start,
         },
@@ -248,16 +265,11 @@ def main(argv=None) -> int:
     plot_path = out / "speedup.png"
     if report.plot(results, plot_path):
         results["meta"]["plot"] = os.path.relpath(plot_path, report_path.parent)
-    for cell in cells:  # keep results.json small
-        cell.pop("traceback", None)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     report_path.write_text(report.markdown(results))
-    print(f"wrote {out / 'results.json'}, {report_path}" + (f", {plot_path}" if results["meta"].get("plot") else ""))
-    failed = [f"{m}/{s}" for m, ss in summary.items() for s, e in ss.items() if e["status"] == analysis.FAILED]
-    if failed:
-        print(f"loss check FAILED for {', '.join(failed)}", file=sys.stderr)
-    print(f"done in {results['meta']['wall_s'] / 60:.1f} min")
-    return 1 if failed else 0
+    if not quiet:
+        print(f"wrote {out / 'results.json'}, {report_path}" + (f", {plot_path}" if results["meta"].get("plot") else ""))
+    return results
 
 
 if __name__ == "__main__":

@@ -82,6 +82,9 @@ class DebugOptions:
             return self.session_options
         options = ort.SessionOptions()
         options.log_severity_level = int(self.log_level)
+        # ORT's pool threads spin after each run by default; between the forward and the
+        # backward (and during the optimizer step) PyTorch's own threads need those cores
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         return options
 
     def resolved_save_path(self) -> Path:

@@ -336,6 +336,8 @@ def run_cell(args) -> dict:
                 losses.append(step(i))
                 times.append(time.perf_counter() - t0)
             result.update(memory.peaks(result["rss_before_mb"]))
+        if "onnxtrain" in sys.modules:
+            result["onnxtrain_file"] = sys.modules["onnxtrain"].__file__
         result["step_times_s"] = times
         result["median_step_s"] = float(np.median(times)) if times else None
         result["losses"] = losses

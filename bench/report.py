@@ -42,7 +42,9 @@ def markdown(results: dict) -> str:
               f"- load average before / after the run: {meta['machine']['loadavg_start']} / "
               f"{meta['machine'].get('loadavg_end')}",
               "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
-              f"- onnxtrain measured: `{meta.get('onnxtrain_path')}` (commit {meta.get('onnxtrain_commit')})",
+              f"- onnxtrain measured: `{meta.get('onnxtrain_path')}` (last commit {meta.get('onnxtrain_commit')})"
+              + ("; every cell imports a copy taken at the start of the run" if meta.get("onnxtrain_snapshot")
+                 else ""),
               f"- upstream: {meta.get('upstream') or 'not run'}",
               *([f"- **partial results: {settings['rounds_done']} of {settings['rounds']} rounds completed**"]
                 if settings.get("rounds_done", settings["rounds"]) < settings["rounds"] else []),

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -124,6 +125,18 @@ def _onnxtrain_location(env: dict) -> tuple[str | None, str | None]:
     return path, (f"{commit}{' + uncommitted changes' if dirty else ''}" if commit else None)
 
 
+def snapshot_onnxtrain(env: dict, folder: Path) -> tuple[str | None, str | None]:
+    """Copy the onnxtrain package that ``env`` imports into ``folder`` and put it first on the cells'
+    PYTHONPATH, so every cell of the run measures the same code even if the source tree changes
+    meanwhile. Returns (the original location, its last commit)."""
+    path, commit = _onnxtrain_location(env)
+    if path is None:
+        return None, None
+    shutil.copytree(path, folder / "onnxtrain", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), env["PYTHONPATH"]])
+    return path, commit
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
@@ -144,6 +157,9 @@ def parse_args(argv=None):
                              "exists; create it with bench/setup_upstream.sh)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count and the matmul probe")
+    parser.add_argument("--no-snapshot", action="store_true",
+                        help="import onnxtrain from where it is installed in every cell (default: a copy taken "
+                             "at the start, so edits to the source during the run do not mix versions)")
     args = parser.parse_args(argv)
     preset = QUICK if args.quick else FULL
     args.models = args.models.split(",") if args.models else list(preset["models"])
@@ -181,6 +197,11 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="bench-run-") as tmp:
         workdir = Path(tmp)
+        if args.no_snapshot:
+            onnxtrain_at = _onnxtrain_location(env)
+        else:
+            (workdir / "snapshot").mkdir()
+            onnxtrain_at = snapshot_onnxtrain(env, workdir / "snapshot")
         matmul, flops = {}, {}
         if not args.no_flops:
             probe = [sys.executable, "-m", "bench.probe", "--threads", str(args.threads)]
@@ -207,8 +228,8 @@ def main(argv=None) -> int:
                               if cell["status"] == "ok" else f"ERROR {cell['error'][:200]}")
                     print(f"  round {r} {model:10s} {system:10s} {figure}  ({cell['wall_s']:.0f} s)", flush=True)
             if r + 1 < args.rounds:  # a run stopped later still leaves the rounds it completed
-                write_outputs(args, argv, cells, r + 1, matmul, flops, env, started, start, loadavg_start, out,
-                              report_path, quiet=True)
+                write_outputs(args, argv, cells, r + 1, matmul, flops, onnxtrain_at, started, start, loadavg_start,
+                              out, report_path, quiet=True)
         if not args.no_flops:  # again at the end: the machine's state may have changed
             try:
                 again = json.loads(subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -219,8 +240,8 @@ def main(argv=None) -> int:
             except (ValueError, subprocess.SubprocessError):
                 pass
 
-    results = write_outputs(args, argv, cells, args.rounds, matmul, flops, env, started, start, loadavg_start, out,
-                            report_path)
+    results = write_outputs(args, argv, cells, args.rounds, matmul, flops, onnxtrain_at, started, start,
+                            loadavg_start, out, report_path)
     summary = results["summary"]
     failed = [f"{m}/{s}" for m, ss in summary.items() for s, e in ss.items() if e["status"] == analysis.FAILED]
     if failed:
@@ -229,12 +250,12 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
-def write_outputs(args, argv, cells, rounds_done, matmul, flops, env, started, start, loadavg_start, out: Path,
-                  report_path: Path, quiet: bool = False) -> dict:
+def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, started, start, loadavg_start,
+                  out: Path, report_path: Path, quiet: bool = False) -> dict:
     """Aggregate ``cells`` and write results.json, the plot and RESULTS.md; return the results."""
     summary = analysis.aggregate(cells)
     analysis.add_matmul_bound(summary, flops, matmul.get("gflops"))
-    onnxtrain_path, onnxtrain_commit = _onnxtrain_location(env)
+    onnxtrain_path, onnxtrain_commit = onnxtrain_at
     eager_versions = next((c.get("versions") for c in cells if c.get("versions") and c["system"] != "upstream"), {})
     upstream_versions = next((c.get("versions") for c in cells if c["system"] == "upstream" and c.get("versions")),
                              None)
@@ -250,6 +271,7 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, env, started, s
                          f"{upstream_versions.get('onnx')}, numpy {upstream_versions.get('numpy')}) in "
                          f"{os.path.relpath(args.upstream_venv, ROOT)}") if upstream_versions else None,
             "onnxtrain_path": onnxtrain_path, "onnxtrain_commit": onnxtrain_commit,
+            "onnxtrain_snapshot": not args.no_snapshot,
             "settings": {"models": args.models, "systems": args.systems, "rounds": args.rounds,
                          "rounds_done": rounds_done, "steps": args.steps, "warmup": args.warmup,
                          "threads": args.threads, "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL},

@@ -1,0 +1,10 @@
+"""onnxtrain's benchmark suite: ``python -m bench [--quick]`` (see bench/run.py).
+
+- ``run.py``: the suite (rounds of cells, each in its own process), results.json, RESULTS.md, plot;
+- ``cell.py``: one model x one system in this process (eager, compile, ortmodule, ondevice, upstream);
+- ``upstream_worker.py``: the upstream onnxruntime-training 1.19.2 cell, run by the virtualenv
+  that ``setup_upstream.sh`` creates (bench/.venv-upstream);
+- ``models.py``: models and data (fixed seeds); ``probe.py``: peak matmul rate;
+- ``analysis.py``: medians over rounds, loss check against eager, targets; ``report.py``: the report
+  (``python -m bench.report`` renders it again from results.json).
+"""

@@ -92,6 +92,9 @@ def markdown(results: dict) -> str:
                          f"{_f(e.get('ratio_vs_eager'), '{:.2f}x')} | {_f(e.get('x_bound'), '{:.2f}')} | "
                          f"{_f(e.get('first_step_s'), '{:.2f}')} | {_f(e.get('peak_rss_mb'), '{:.0f}')} | "
                          f"{_f(e.get('peak_increase_mb'), '{:.0f}')} | {_status(e)} |")
+        lines += ["", "Step ms by round (the spread shows the machine's noise): " + "; ".join(
+            f"{system} " + " / ".join(_f(v, "{:.1f}") for v in e.get("step_ms_by_round", []))
+            for system, e in systems.items())]
         k = settings.get("k_losses", 5)
         lines += ["", f"First {k} losses:", ""]
         for system, e in systems.items():
@@ -146,6 +149,9 @@ def plot(results: dict, path: Path) -> bool:
                         va="bottom" if h >= 1 else "top", fontsize=7)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")  # speedups and slowdowns alike: 2x and 0.5x are the same distance from 1
+    low, high = ax.get_ylim()
+    ticks = [t for t in (0.1, 0.2, 0.3, 0.5, 0.7, 1, 1.5, 2, 3, 5, 10, 20, 50, 100) if low <= t <= high]
+    ax.yaxis.set_major_locator(matplotlib.ticker.FixedLocator(ticks))
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xticks(range(len(models)), models)
@@ -157,3 +163,28 @@ def plot(results: dict, path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def main(argv=None) -> int:
+    """``python -m bench.report [results.json] [RESULTS.md]``: render the report and plot again."""
+    import argparse
+    import json
+    import os
+
+    here = Path(__file__).resolve().parent
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
+    parser.add_argument("results", nargs="?", default=str(here / "results" / "results.json"))
+    parser.add_argument("report", nargs="?", default=str(here / "RESULTS.md"))
+    args = parser.parse_args(argv)
+    results_path, report_path = Path(args.results), Path(args.report)
+    results = json.loads(results_path.read_text())
+    plot_path = results_path.parent / "speedup.png"
+    if plot(results, plot_path):
+        results["meta"]["plot"] = os.path.relpath(plot_path, report_path.parent)
+    report_path.write_text(markdown(results))
+    print(f"wrote {report_path}, {plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

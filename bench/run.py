@@ -262,7 +262,7 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, s
     results = {
         "meta": {
             "date": started.strftime("%Y-%m-%d %H:%M UTC"),
-            "command": "python -m bench " + " ".join(shlex.quote(a) for a in argv),
+            "command": " ".join(["python -m bench", *(shlex.quote(a) for a in argv)]),
             "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "memory_gb": _memory_gb(),
                         "platform": platform.platform(), "loadavg_start": loadavg_start,
                         "loadavg_end": [round(x, 2) for x in os.getloadavg()]},

@@ -4,6 +4,7 @@ Runs with the upstream virtualenv's python (bench/setup_upstream.sh), which has
 onnxruntime-training, onnx and numpy but neither torch nor onnxtrain:
 
     bench/.venv-upstream/bin/python bench/upstream_worker.py job.json result.json
+    bench/.venv-upstream/bin/python bench/upstream_worker.py --check   # the venv works
 
 ``job.json`` (written by ``bench.cell``) names the ONNX model exported by the TorchScript
 exporter, the batches (``data.npz``), the parameters to train, the loss kind and the step
@@ -165,6 +166,17 @@ def run(job: dict) -> dict:
     return result
 
 
+def check() -> int:
+    """``--check``: the on-device training API imports; print the versions."""
+    import onnx
+    import onnxruntime
+
+    _, api, _, notes = import_training()
+    print(f"upstream venv ready: onnxruntime {onnxruntime.__version__}, onnx {onnx.__version__}, "
+          f"{api.Module.__module__}" + (f" ({notes[0]})" if notes else ""))
+    return 0
+
+
 def main(job_path: str, result_path: str) -> int:
     with open(job_path) as f:
         job = json.load(f)
@@ -179,4 +191,4 @@ def main(job_path: str, result_path: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(check() if sys.argv[1:] == ["--check"] else main(*sys.argv[1:3]))

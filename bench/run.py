@@ -111,6 +111,12 @@ def _git(args: list[str], cwd: Path) -> str | None:
         return None
 
 
+def _short_path(path: str) -> str:
+    """``path`` relative to the repository when it lies inside it."""
+    full = Path(path).resolve()
+    return str(full.relative_to(ROOT)) if full.is_relative_to(ROOT) else str(full)
+
+
 def _onnxtrain_location(env: dict) -> tuple[str | None, str | None]:
     code = "import onnxtrain, pathlib; print(pathlib.Path(onnxtrain.__file__).resolve().parent)"
     try:
@@ -269,7 +275,7 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, s
             "versions": eager_versions,
             "upstream": (f"onnxruntime-training {upstream_versions.get('onnxruntime')} (onnx "
                          f"{upstream_versions.get('onnx')}, numpy {upstream_versions.get('numpy')}) in "
-                         f"{os.path.relpath(args.upstream_venv, ROOT)}") if upstream_versions else None,
+                         f"{_short_path(args.upstream_venv)}") if upstream_versions else None,
             "onnxtrain_path": onnxtrain_path, "onnxtrain_commit": onnxtrain_commit,
             "onnxtrain_snapshot": not args.no_snapshot,
             "settings": {"models": args.models, "systems": args.systems, "rounds": args.rounds,

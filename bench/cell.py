@@ -123,7 +123,7 @@ def _export_dynamo(spec, model, batches):
 
     import torch
 
-    from onnxtrain.torch._translations import translation_table
+    from onnxtrain.torch import onnx_translation_table as translation_table
 
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     sample = spec.export_sample(batches[0])

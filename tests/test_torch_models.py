@@ -141,3 +141,28 @@ def test_eval_model_of_a_training_mode_export_evaluates(tmp_path):
     eval_loss = module(x, labels.astype(np.int32))
     expected = F.cross_entropy(model.eval()(torch.tensor(x)), torch.tensor(labels)).item()
     np.testing.assert_allclose(float(eval_loss), expected, rtol=1e-5)
+
+
+def test_translation_table_exports_training_batch_norm_for_artifacts(tmp_path):
+    """With onnxtrain.torch.onnx_translation_table, a dynamo export of a training-mode CNN
+    normalizes with batch statistics: the training model's first loss equals torch's."""
+    import warnings
+
+    from onnxtrain.torch import onnx_translation_table
+    from tests.torch_models import CNN
+
+    torch.manual_seed(0)
+    model = CNN().train()
+    x = torch.randn(6, 1, 8, 8)
+    labels = torch.randint(0, 10, (6,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proto = torch.onnx.export(model, (x,), dynamo=True, optimize=False, input_names=["image"],
+                                  custom_translation_table=onnx_translation_table()).model_proto
+    artifacts.generate_artifacts(proto, loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    loss = module(x.numpy(), labels.numpy().astype(np.int32))
+    expected = torch.nn.functional.cross_entropy(model(x), labels).item()
+    np.testing.assert_allclose(float(loss), expected, rtol=1e-5)

@@ -3,6 +3,7 @@
 Importing this package needs PyTorch (``pip install torch``); ``import onnxtrain`` does not.
 """
 
+from onnxtrain.torch._translations import translation_table as onnx_translation_table
 from onnxtrain.torch.ortmodule import DebugOptions, LogLevel, ORTModule, ORTModuleFallbackWarning
 
-__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning"]
+__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "onnx_translation_table"]

@@ -67,7 +67,16 @@ def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool =
 
 
 def translation_table() -> dict:
-    """The ``custom_translation_table`` passed to ``torch.onnx.export``."""
+    """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export``.
+
+    Public as ``onnxtrain.torch.onnx_translation_table``: pass it when exporting a model for
+    artifacts, so training-mode BatchNorm exports with batch statistics and running-stat
+    updates, and padded embeddings carry their padding index.
+
+    Example:
+        >>> torch.onnx.export(model, args, dynamo=True, optimize=False,
+        ...                   custom_translation_table=onnx_translation_table())
+    """
     return {
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,

@@ -137,8 +137,9 @@ def _export_dynamo(spec, model, batches):
     return program.model_proto
 
 
-def flat_cross_entropy_block(vocab: int):
-    """onnxblock loss: cross entropy of logits [N, T, V] flattened to [N*T, V] against labels [N, T]."""
+def flat_cross_entropy_block():
+    """onnxblock loss: cross entropy of logits [N, T, V] flattened to [N*T, V] against labels [N, T]
+    (V is read from the logits' static shape)."""
     import onnx_ir
 
     from onnxtrain import onnxblock
@@ -151,7 +152,7 @@ def flat_cross_entropy_block(vocab: int):
         def build(self, logits_name):
             b = self.context.builder
             logits = self.context.value(logits_name)
-            flat = b.op.Reshape(logits, b.ints([-1, vocab]))
+            flat = b.op.Reshape(logits, b.ints([-1, logits.shape[-1]]))
             labels = b.input("labels", onnx_ir.DataType.INT32, ["batch", "seq"])
             flat_labels = b.op.Reshape(labels, b.ints([-1]))
             return self.ce(flat.name, flat_labels.name)
@@ -177,7 +178,7 @@ def prepare_ondevice(spec, model, batches, workdir, info):
     info["phases_s"]["export"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     out = Path(workdir) / "artifacts"
-    loss = flat_cross_entropy_block(spec.vocab) if spec.kind == "lm" else artifacts.LossType.CrossEntropyLoss
+    loss = flat_cross_entropy_block() if spec.kind == "lm" else artifacts.LossType.CrossEntropyLoss
     artifacts.generate_artifacts(onnx_model, requires_grad=_trainable_names(spec, model, onnx_model), loss=loss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=out,
                                  loss_input_names=["output"])

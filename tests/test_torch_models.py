@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnx_ir
 import pytest
 
+from bench.cell import flat_cross_entropy_block
 from tests.torch_models import examples, export, export_legacy, torch
 
 from onnxtrain import artifacts, onnxblock
@@ -21,23 +21,6 @@ from onnxtrain.api import CheckpointState, Module, Optimizer
 F = torch.nn.functional
 STEPS = 20
 LR = 2e-3
-
-
-class FlatCrossEntropy(onnxblock.Block):
-    """Cross entropy over the last axis of [batch, seq, vocab] logits, labels [batch, seq]."""
-
-    def __init__(self):
-        super().__init__()
-        self.ce = onnxblock.loss.CrossEntropyLoss()
-
-    def build(self, logits_name):
-        b = self.context.builder
-        logits = self.context.value(logits_name)
-        vocab = logits.shape[-1]
-        flat = b.op.Reshape(logits, b.ints([-1, vocab]))
-        labels = b.input("labels", onnx_ir.DataType.INT32, ["batch", "seq"])
-        flat_labels = b.op.Reshape(labels, b.ints([-1]))
-        return self.ce(flat.name, flat_labels.name)
 
 
 def _torch_loss(name, model, inputs, labels):
@@ -89,7 +72,7 @@ def test_gradients_and_adamw_trajectory_match_pytorch(name, exporter, tmp_path):
             bn.register_forward_hook(track)
     artifacts.generate_artifacts(
         onnx_model, requires_grad=param_names, frozen_params=statistics,
-        loss=FlatCrossEntropy() if name == "gpt" else artifacts.LossType.CrossEntropyLoss,
+        loss=flat_cross_entropy_block() if name == "gpt" else artifacts.LossType.CrossEntropyLoss,
         optimizer=onnxblock.optim.AdamW(mode="torch", **hyper), artifact_directory=tmp_path,
     )
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io as _io
 import logging
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -13,6 +12,7 @@ import numpy as np
 import onnx
 
 torch = __import__("pytest").importorskip("torch")
+from bench import models as bench_models  # noqa: E402  (after the torch check)
 nn = torch.nn
 
 
@@ -40,47 +40,9 @@ class CNN(nn.Module):
         return self.head(self.features(x))
 
 
-class CausalSelfAttention(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.qkv = nn.Linear(d, 3 * d)
-        self.proj = nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        mask = torch.tril(torch.ones(t, t, dtype=torch.bool, device=x.device))
-        att = att.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        return self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.attn = CausalSelfAttention(d, heads)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab=40, d=16, heads=2, layers=2, max_len=16):
-        super().__init__()
-        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(max_len, d)
-        self.blocks = nn.Sequential(*[GPTBlock(d, heads) for _ in range(layers)])
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        t = idx.shape[1]
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
-        return self.head(self.ln(self.blocks(x)))
+def GPT(vocab=40, d=16, heads=2, layers=2, max_len=16) -> nn.Module:
+    """The benchmark's GPT-style decoder (bench/models.py: causal mask, tanh GELU), small by default."""
+    return bench_models.modules()["GPT"](vocab, d, heads, layers, max_len)
 
 
 def tiny_bert():

@@ -134,7 +134,7 @@ def build_forward_backward(model: ir.Model, wrt: Sequence[str],
         g = grads[w]
         if g.is_graph_input() or g in model_outputs or g in grad_outputs or g.producer() is None:
             g = b.op.Identity(g)
-        g.name = names.grad_name(w.name) if w.name + names.GRAD_SUFFIX not in inputs else f"{w.name}.gradient"
+        g.name = names.grad_name(w.name) if names.grad_name(w.name) not in inputs else f"{w.name}.gradient"
         g.type, g.shape = w.type, w.shape
         grad_outputs.append(g)
     graph.outputs.extend(grad_outputs)

@@ -66,6 +66,7 @@ class FlatCall:
     positions: list[int]
     spec: pytree.TreeSpec
     schema: CallSchema
+    state: dict[str, torch.Tensor]  # the module's parameters and buffers by qualified name
 
     def rebuild(self, tensors: Sequence[torch.Tensor]):
         leaves = list(self.leaves)
@@ -80,15 +81,16 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
     tensors = [leaves[i] for i in positions]
     tensor_positions = set(positions)
     constants = tuple(_freeze(leaf) for i, leaf in enumerate(leaves) if i not in tensor_positions)
+    state = _named_state(module)
     schema = CallSchema(
         tree=str(spec),
         constants=constants,
         tensors=tuple((i, t.dtype, t.dim(), t.device) for i, t in zip(positions, tensors)),
         training=module.training,
-        parameters=tuple((n, p.dtype, p.device) for n, p in _named_state(module).items()),
+        parameters=tuple((n, p.dtype, p.device) for n, p in state.items()),
     )
     template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return FlatCall(tensors, template, positions, spec, schema)
+    return FlatCall(tensors, template, positions, spec, schema, state)
 
 
 def _named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -192,8 +194,9 @@ def _dim_ranges(exported_program) -> dict[str, tuple[int, int | None]]:
     return ranges
 
 
-def export_call(module: torch.nn.Module, call: FlatCall) -> ExportedGraph:
-    """Export ``module`` called as ``call`` (see the module docstring)."""
+def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False) -> ExportedGraph:
+    """Export ``module`` called as ``call`` (see the module docstring). ``keep_exported`` keeps a
+    copy of the exporter's own graph in ``ExportedGraph.exported`` (for saving it)."""
     buffer_names = list(dict(module.named_buffers()))
     wrapper = _FlatModule(module, call, buffer_names)
     dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors)
@@ -217,14 +220,14 @@ def export_call(module: torch.nn.Module, call: FlatCall) -> ExportedGraph:
             lg.setLevel(level)
 
     model = program.model
-    exported_copy = ir.from_proto(ir.to_proto(model))
+    exported_copy = ir.from_proto(ir.to_proto(model)) if keep_exported else None
     graph = model.graph
     num_user_inputs = len(graph.inputs)
     if num_user_inputs != len(call.tensors):
         raise ExportError(f"the exported graph has {num_user_inputs} inputs for {len(call.tensors)} tensors")
     input_shapes = [tuple(d if isinstance(d, int) else str(d) for d in v.shape) for v in graph.inputs]
 
-    state = _named_state(module)
+    state = call.state
     state_names = []
     for name, value in list(graph.initializers.items()):
         fqn = name[len(_PREFIX):] if name.startswith(_PREFIX) else None

@@ -213,8 +213,7 @@ class ORTModule(torch.nn.Module):
         if self._fallback_reason is not None:
             return module(*args, **kwargs)
         call = flatten_call(module, args, kwargs)
-        state = dict(module.named_parameters(remove_duplicate=False))
-        state.update(module.named_buffers(remove_duplicate=False))
+        state = call.state
         try:  # building: export, gradient graph, sessions; a failure here may fall back
             variant = self._variant(call)
             inputs = [*call.tensors, *(state[n] for n in variant.graph.state_names)]
@@ -246,11 +245,12 @@ class ORTModule(torch.nn.Module):
         for variant in variants:
             if variant.graph.accepts(call.tensors):
                 return variant
-        graph = export_call(self._original_module, call)
+        graph = export_call(self._original_module, call, keep_exported=self._debug.save_onnx)
         self.export_count += 1
         variant = _Variant(graph)
         variants.append(variant)
         self._save(graph.exported, "exported")
+        graph.exported = None  # saved: no need to hold a second copy of the model
         self._save(graph.model, "optimized")
         return variant
 

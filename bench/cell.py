@@ -39,7 +39,7 @@ import numpy as np
 
 from bench import memory, models
 
-SYSTEMS = ["eager", "compile", "ortmodule", "ondevice", "upstream"]
+SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ondevice", "upstream"]
 HERE = Path(__file__).resolve().parent
 DEFAULT_UPSTREAM_VENV = HERE / ".venv-upstream"
 UPSTREAM_WORKER = HERE / "upstream_worker.py"
@@ -64,11 +64,12 @@ def _torch_loss(spec: models.Spec, model, batch):
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
 
 
-def _torch_stepper(spec, run_model, params, batches):
-    """A training step of ``run_model`` (eager, compiled or ORTModule) with torch.optim.AdamW."""
+def _torch_stepper(spec, run_model, params, batches, optimizer=None):
+    """A training step of ``run_model`` (eager, compiled or ORTModule); ``torch.optim.AdamW``
+    (its default single-tensor CPU update) unless another optimizer is given."""
     import torch
 
-    optimizer = torch.optim.AdamW(params, lr=spec.lr)
+    optimizer = optimizer or torch.optim.AdamW(params, lr=spec.lr)
     data = _torch_batches(spec, batches)
 
     def step(i: int) -> float:
@@ -85,6 +86,15 @@ def prepare_eager(spec, model, batches, workdir, info):
     return _torch_stepper(spec, model, model.parameters(), batches)
 
 
+def prepare_eager_fused(spec, model, batches, workdir, info):
+    import torch
+
+    info["notes"].append("eager PyTorch with torch.optim.AdamW(fused=True): the same update as eager's in one "
+                         "kernel per parameter; shows how much of a system's gain is the optimizer's")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, fused=True)
+    return _torch_stepper(spec, model, None, batches, optimizer)
+
+
 def prepare_compile(spec, model, batches, workdir, info):
     import torch
 
@@ -95,9 +105,15 @@ def prepare_compile(spec, model, batches, workdir, info):
 
 def prepare_ortmodule(spec, model, batches, workdir, info):
     from onnxtrain.torch import ORTModule
+    from onnxtrain.torch.optim import AdamWMode, FusedAdam
 
-    wrapped = ORTModule(model)  # the user's script is otherwise unchanged
-    step = _torch_stepper(spec, wrapped, wrapped.parameters(), batches)
+    wrapped = ORTModule(model)  # the user's script is otherwise unchanged, but for the optimizer:
+    # onnxtrain's FusedAdam in torch.optim.AdamW's mode and defaults (same update as eager's)
+    optimizer = FusedAdam(wrapped.parameters(), lr=spec.lr, adam_w_mode=AdamWMode.ADAMW_TORCH, eps=1e-8,
+                          weight_decay=0.01)
+    info["notes"].append("ORTModule + onnxtrain.torch.optim.FusedAdam(adam_w_mode=ADAMW_TORCH, eps=1e-8, "
+                         "weight_decay=0.01): torch.optim.AdamW's update and defaults, multi-tensor")
+    step = _torch_stepper(spec, wrapped, None, batches, optimizer)
 
     def checked(i: int) -> float:
         loss = step(i)
@@ -271,7 +287,7 @@ def run_upstream(spec, model, batches, workdir, args, info) -> dict:
     return result
 
 
-PREPARE = {"eager": prepare_eager, "compile": prepare_compile, "ortmodule": prepare_ortmodule,
+PREPARE = {"eager": prepare_eager, "eager_fused": prepare_eager_fused, "compile": prepare_compile, "ortmodule": prepare_ortmodule,
            "ondevice": prepare_ondevice}
 
 

@@ -20,7 +20,7 @@ torch = pytest.importorskip("torch")
 from bench import analysis, cell, report  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ["eager", "compile", "ortmodule", "ondevice"] + (["upstream"] if cell.upstream_venv(None) else [])
+SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ondevice"] + (["upstream"] if cell.upstream_venv(None) else [])
 STEPS, WARMUP = 3, 1
 FIELDS = {"model", "system", "status", "error", "steps", "warmup", "threads", "first_step_s", "median_step_s",
           "step_times_s", "losses", "first_loss", "rss_before_mb", "peak_rss_mb", "peak_increase_mb", "phases_s",

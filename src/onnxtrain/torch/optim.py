@@ -1,0 +1,208 @@
+"""Optimizers for PyTorch parameters that update every parameter in a few multi-tensor kernels.
+
+:class:`FusedAdam` follows upstream's ``onnxruntime.training.optim.FusedAdam`` (same arguments,
+same defaults, same three update modes) so that migrating is a change of import. Where
+PyTorch ships a fused Adam kernel for the parameters' device and dtype (``torch._fused_adam_``
+/ ``torch._fused_adamw_``: CPU and CUDA), every mode runs through it: one pass over each
+parameter, its gradient and its two moments. Elsewhere the update runs as a handful of
+``torch._foreach_*`` multi-tensor ops.
+
+Every mode is an update of the form ``p <- A * p - B * m / (sqrt(v) + E)`` after the usual
+moment updates, with scalars ``A``, ``B``, ``E`` that depend on the mode and the step; the
+fused kernels compute a fixed form of it (PyTorch's bias-corrected AdamW), so the optimizer
+hands them learning rate, epsilon and weight decay values rescaled to give the mode's
+``A``, ``B`` and ``E`` exactly.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from onnxtrain.errors import OnnxTrainError
+
+_FUSED_DEVICES = frozenset({"cpu", "cuda"})
+_FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+class OptimizerConfigError(OnnxTrainError, ValueError):
+    """An optimizer argument is out of its range, or a parameter cannot be optimized."""
+
+
+class AdamWMode(enum.IntEnum):
+    """How :class:`FusedAdam` applies weight decay (upstream's values and names)."""
+
+    ADAM_L2_REGULARIZATION = 0
+    """``torch.optim.Adam`` with ``weight_decay``: the decay is added to the gradient."""
+    ADAMW_TRANSFORMERS = 1
+    """Hugging Face transformers' ``AdamW``: bias correction folded into the step size, epsilon
+    added to ``sqrt(v)``, decoupled decay applied to the updated parameter."""
+    ADAMW_TORCH = 2
+    """``torch.optim.AdamW``: decoupled decay first, then the bias-corrected Adam update."""
+
+
+@dataclass(frozen=True)
+class _Update:
+    """``p <- A * p - B * m / (sqrt(v) + E)``; ``l2`` is added to the gradient as ``l2 * p``."""
+
+    A: float
+    B: float
+    E: float
+    l2: float
+
+
+def _update_for(mode: AdamWMode, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                step: int, bias_correction: bool) -> _Update:
+    bc1 = 1.0 - beta1 ** step if bias_correction else 1.0
+    bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
+    if mode == AdamWMode.ADAMW_TRANSFORMERS:
+        decay = 1.0 - lr * weight_decay
+        return _Update(A=decay, B=decay * lr * math.sqrt(bc2) / bc1, E=eps, l2=0.0)
+    # torch's Adam / AdamW: lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
+    B, E = lr * math.sqrt(bc2) / bc1, eps * math.sqrt(bc2)
+    if mode == AdamWMode.ADAMW_TORCH:
+        return _Update(A=1.0 - lr * weight_decay, B=B, E=E, l2=0.0)
+    return _Update(A=1.0, B=B, E=E, l2=weight_decay)
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam / AdamW over all parameters at once (upstream's ``FusedAdam``, same defaults).
+
+    Args:
+        params: parameters or parameter groups (dicts), as for any ``torch.optim`` optimizer.
+        lr: learning rate.
+        bias_correction: divide the moments by ``1 - beta ** step``.
+        betas: decay rates of the first and second moments.
+        eps: added to the denominator (where depends on ``adam_w_mode``).
+        adam_w_mode: an :class:`AdamWMode`; the default is transformers' AdamW, as upstream's.
+        weight_decay: L2 coefficient (``ADAM_L2_REGULARIZATION``) or decoupled decay rate.
+        set_grad_none: ``zero_grad()`` sets gradients to ``None`` (else zero-fills them).
+        fused: ``None`` uses PyTorch's fused kernel where it exists for the parameters' device
+            and dtype (CPU, CUDA) and multi-tensor ``foreach`` ops elsewhere; ``False`` always
+            uses the ``foreach`` ops; ``True`` requires the fused kernel.
+
+    The step count is kept per parameter group (``param_groups[i]["step"]``), as upstream's;
+    each parameter's state holds ``exp_avg`` and ``exp_avg_sq``.
+
+    Example:
+        >>> optimizer = FusedAdam(model.parameters(), lr=1e-4, weight_decay=0.01)
+        >>> loss = model(x).sum(); loss.backward(); optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
+                 adam_w_mode: AdamWMode = AdamWMode.ADAMW_TRANSFORMERS, weight_decay: float = 0.0,
+                 set_grad_none: bool = True, *, fused: bool | None = None):
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        try:
+            mode = AdamWMode(adam_w_mode)
+        except ValueError as exc:
+            raise OptimizerConfigError(
+                f"FusedAdam adam_w_mode must be one of {[m.name for m in AdamWMode]}, got {adam_w_mode!r}") from exc
+        if fused and not hasattr(torch, "_fused_adamw_"):
+            raise OptimizerConfigError("FusedAdam(fused=True): this PyTorch has no fused Adam kernel")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.adam_w_mode = mode
+        self.set_grad_none = set_grad_none
+        self.fused = fused
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none or set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update every parameter that has a gradient; returns ``closure()``'s loss if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            if not with_grad:
+                continue
+            for p in with_grad:
+                if p.grad.is_sparse:
+                    raise OptimizerConfigError("FusedAdam does not support sparse gradients "
+                                               f"(parameter of shape {tuple(p.shape)}); use torch.optim.SparseAdam")
+                if not p.is_floating_point():
+                    raise OptimizerConfigError(f"FusedAdam updates floating-point parameters, got {p.dtype}")
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            update = _update_for(self.adam_w_mode, group["lr"], beta1, beta2, group["eps"],
+                                 group["weight_decay"], group["step"], group["bias_correction"])
+            by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+            for p in with_grad:
+                by_kind[(p.device, p.dtype)].append(p)
+            for (device, dtype), params in by_kind.items():
+                moments = [self._moments(p) for p in params]
+                tensors = (params, [p.grad for p in params], [m for m, _ in moments], [v for _, v in moments])
+                if self._use_fused(device, dtype):
+                    _fused_update(*tensors, update, beta1, beta2, device)
+                else:
+                    _foreach_update(*tensors, update, beta1, beta2)
+        return loss
+
+    def _moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state["exp_avg"], state["exp_avg_sq"]
+
+    def _use_fused(self, device: torch.device, dtype: torch.dtype) -> bool:
+        available = hasattr(torch, "_fused_adamw_") and device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES
+        if self.fused and not available:
+            raise OptimizerConfigError(f"FusedAdam(fused=True): no fused kernel for {dtype} parameters on {device}")
+        return available if self.fused is None else bool(self.fused)
+
+
+def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
+    problems = []
+    if not (isinstance(lr, (int, float)) and lr >= 0):
+        problems.append(f"lr must be a number >= 0, got {lr!r}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        problems.append(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not eps >= 0:
+        problems.append(f"eps must be >= 0, got {eps!r}")
+    if not weight_decay >= 0:
+        problems.append(f"weight_decay must be >= 0, got {weight_decay!r}")
+    if problems:
+        raise OptimizerConfigError("FusedAdam: " + "; ".join(problems))
+
+
+def _fused_update(params, grads, exp_avgs, exp_avg_sqs, update: _Update, beta1, beta2, device) -> None:
+    """PyTorch's fused kernel computes ``(1 - lr*wd) p - lr/c1 * m / (sqrt(v)/sqrt(c2) + eps)``
+    with ``c = 1 - beta**step``; choose its lr, eps and wd (and step 1's corrections) to give
+    ``A``, ``B`` and ``E``."""
+    c1, c2 = 1.0 - beta1, 1.0 - beta2  # the kernel's corrections at step 1
+    root_c2 = math.sqrt(c2)
+    lr = update.B * c1 / root_c2
+    eps = update.E / root_c2
+    step = torch.ones((), dtype=torch.float32, device=device)
+    steps = [step] * len(params)  # read, not written, by the kernel
+    if update.l2:
+        torch._fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=beta1,
+                           beta2=beta2, weight_decay=update.l2, eps=eps, maximize=False)
+    else:
+        decay = (1.0 - update.A) / lr if lr > 0 else 0.0
+        torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=beta1,
+                            beta2=beta2, weight_decay=decay, eps=eps, maximize=False)
+
+
+def _foreach_update(params, grads, exp_avgs, exp_avg_sqs, update: _Update, beta1, beta2) -> None:
+    if update.l2:
+        grads = torch._foreach_add(grads, params, alpha=update.l2)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    denominators = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_add_(denominators, update.E)
+    if update.A != 1.0:
+        torch._foreach_mul_(params, update.A)
+    torch._foreach_addcdiv_(params, exp_avgs, denominators, -update.B)

@@ -214,3 +214,11 @@ class GraphBuilder:
         if x.dtype == dtype:
             return x
         return self.op.Cast(x, to=int(dtype))
+
+    def keep_where(self, condition: ir.Value, x: ir.Value) -> ir.Value:
+        """``x`` where ``condition`` holds, else 0, as ``x * Cast(condition)``.
+
+        ONNX Runtime's CPU ``Where`` runs several times slower than ``Cast`` + ``Mul``; the one
+        difference is that an inf or NaN in ``x`` at a masked-out position gives NaN, not 0.
+        """
+        return self.op.Mul(x, self.cast_to(condition, x.dtype))

@@ -45,6 +45,11 @@ ROWS: list[Case] = [
          opsets=(13, 23), id="Conv-same-lower"),
     Case("Conv", [U(2, 2, 7, 6), U(3, 2, 3, 2)], attrs={"auto_pad": "VALID", "strides": [2, 3]},
          opsets=(13, 23), id="Conv-valid"),
+    # kernels of more than 25 taps take the correlation-as-Conv path instead of patches
+    Case("Conv", [U(2, 2, 8, 7), U(2, 2, 6, 5)], attrs={"strides": [1, 2], "pads": [1, 0, 0, 1]},
+         opsets=(13, 23), id="Conv-large-kernel"),
+    Case("Conv", [U(2, 2, 5, 6), U(3, 2, 2, 2)], attrs={"strides": [2, 2]}, opsets=(13, 23),
+         id="Conv-stride-skips-last-row"),
 ]
 ROWS += [
     # -- ConvTranspose ----------------------------------------------------------------

@@ -38,6 +38,17 @@ def _spatial_rank(ctx) -> int:
     return rank - 2
 
 
+def _static_kernel(ctx, r: int) -> list[int] | None:
+    """The kernel's spatial sizes, from ``kernel_shape`` or the weight's static shape; None if unknown."""
+    kernel = ctx.attr("kernel_shape")
+    if kernel:
+        return [int(k) for k in kernel]
+    shape = ctx.inputs[1].shape
+    if shape is None or len(shape) != r + 2 or not all(isinstance(d, int) for d in shape[2:]):
+        return None
+    return [int(d) for d in shape[2:]]
+
+
 def _ints_attr(ctx, name: str, r: int, default: int) -> list[int]:
     value = ctx.attr(name)
     return [int(v) for v in value] if value else [default] * r
@@ -116,6 +127,38 @@ def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, d
     return op.Transpose(out, perm=[1, 0, *spatial])
 
 
+_MAX_PATCH_TAPS = 25  # kernels up to 5x5: the patch tensor holds that many copies of the input
+
+
+def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], strides, dilations) -> ir.Value:
+    """The ungrouped Conv weight gradient as one batched product with the input's patches.
+
+    ``out[o, c, s] = sum_{n, t} kern[n, o, t] * data[n, c, t * stride + s * dilation]``: one
+    strided Slice of ``data`` per kernel tap, stacked to ``patches[n, c * K + tap, t]``, then
+    ``sum_n kern[n] @ patches[n]^T``. ONNX Runtime runs this several times faster than the
+    correlation as a Conv (whose "kernel" would be the whole output plane).
+    """
+    op = b.op
+    r = len(kernel)
+    spatial = list(range(2, 2 + r))
+    out_size = _tail(b, kern)
+    span = op.Add(op.Mul(op.Sub(out_size, b.ints([1] * r)), b.ints(strides)), b.ints([1] * r))
+    plane = op.ReduceProd(out_size, keepdims=1)
+    tap_shape = op.Concat(b.ints([0, 0, 1]), plane, axis=0)
+    taps = []
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        start = b.ints([o * d for o, d in zip(offset, dilations)])
+        tap = op.Slice(data, start, op.Add(start, span), b.ints(spatial), b.ints(strides))
+        taps.append(op.Reshape(tap, tap_shape))
+    patches = op.Concat(*taps, axis=2) if len(taps) > 1 else taps[0]  # (N, C, K, T)
+    patches = op.Reshape(patches, op.Concat(b.ints([0, -1]), plane, axis=0))  # (N, C*K, T)
+    flat_kern = op.Reshape(kern, b.ints([0, 0, -1]))  # (N, O, T)
+    per_sample = op.MatMul(flat_kern, op.Transpose(patches, perm=[0, 2, 1]))  # (N, O, C*K)
+    summed = b.reduce_sum(per_sample, [0], keepdims=False)
+    return op.Reshape(summed, op.Concat(op.Slice(op.Shape(summed), b.ints([0]), b.ints([1])), b.ints([-1]),
+                                        b.ints(kernel), axis=0))
+
+
 def _bias_grad(ctx, r: int) -> ir.Value:
     return ctx.b.reduce_sum(ctx.dy, [0, *range(2, 2 + r)], keepdims=False)
 
@@ -133,9 +176,13 @@ def _conv(ctx):
         full = op.ConvTranspose(dy, w, strides=strides, dilations=dilations, group=group)
         dx = _fit(b, full, x, begin)
     if ctx.needs(1):
-        # strides and dilations swap roles; windows may reach past the kernel: crop to it
-        dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)
-        dw = op.Slice(dw, b.ints([0] * r), _tail(b, w), b.ints(list(range(2, 2 + r))))
+        kernel = _static_kernel(ctx, r)
+        if group == 1 and kernel is not None and int(np.prod(kernel)) <= _MAX_PATCH_TAPS:
+            dw = _correlate_by_patches(b, _pad(b, x, begin, end), dy, kernel, strides, dilations)
+        else:
+            # strides and dilations swap roles; windows may reach past the kernel: crop to it
+            dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)
+            dw = op.Slice(dw, b.ints([0] * r), _tail(b, w), b.ints(list(range(2, 2 + r))))
     if ctx.needs(2):
         db = _bias_grad(ctx, r)
     return (dx, dw, db)[: len(ctx.inputs)]

@@ -217,8 +217,7 @@ def _where_positive(ctx, then, otherwise, threshold=0.0):
 @grad("Relu")
 def _relu(ctx):
     op = ctx.op
-    positive = op.Greater(ctx.y, ctx.like(ctx.y, 0.0))
-    return (op.Where(positive, ctx.dy, ctx.like(ctx.dy, 0.0)),)
+    return (ctx.b.keep_where(op.Greater(ctx.y, ctx.like(ctx.y, 0.0)), ctx.dy),)
 
 
 @grad("LeakyRelu")

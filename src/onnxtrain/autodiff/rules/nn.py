@@ -205,7 +205,7 @@ def _dropout(ctx):
     mask = ctx.forward_output(1, ir.DataType.BOOL, "mask")
     ratio = inputs[1] if len(inputs) > 1 and inputs[1] is not None else b.like(dy, 0.5)
     keep = op.Sub(b.like(dy, 1.0), b.cast_to(ratio, dy.dtype))
-    dx = op.Div(op.Where(mask, dy, b.like(dy, 0.0)), keep)
+    dx = op.Div(b.keep_where(mask, dy), keep)  # dy * mask / keep, as torch computes it
     if training_const is None:  # training_mode known only at run time
         dx = op.Where(training, dx, dy)
     return (dx,)

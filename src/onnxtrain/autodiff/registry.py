@@ -13,11 +13,28 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.ir.builder import GraphBuilder
 
 RuleFn = Callable[["GradContext"], Sequence["ir.Value | None"]]
+
+
+_CONSTANT_SCALAR_ATTRS = {"value_int": np.int64, "value_ints": np.int64, "value_float": np.float32,
+                          "value_floats": np.float32}
+
+
+def constant_node_value(node: ir.Node):
+    """The numpy value of a ``Constant`` node (any of its numeric forms), or None (e.g. sparse)."""
+    attr = node.attributes.get("value")
+    if attr is not None:
+        return attr.value.numpy()
+    for name, dtype in _CONSTANT_SCALAR_ATTRS.items():
+        attr = node.attributes.get(name)
+        if attr is not None:
+            return np.array(attr.value, dtype=dtype)
+    return None
 
 
 @dataclass
@@ -100,9 +117,9 @@ class GradContext:
         if v.const_value is not None:
             return v.const_value.numpy()
         producer = v.producer()
-        if producer is not None and producer.op_type == "Constant" and "value" in producer.attributes:
-            return producer.attributes["value"].value.numpy()
-        return None
+        if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
+            return None
+        return constant_node_value(producer)
 
     def like(self, x: ir.Value, value: float) -> ir.Value:
         return self.b.like(x, value)

@@ -23,6 +23,7 @@ records it and goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -321,6 +322,8 @@ def count_flops(spec, model, batches) -> int:
 
 def run_cell(args) -> dict:
     spec = models.get(args.model)
+    if args.batch:
+        spec = dataclasses.replace(spec, batch=args.batch)
     result: dict = {"model": spec.name, "system": args.system, "status": "ok", "error": None,
                     "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "pid": os.getpid(),
                     "notes": [], "phases_s": {}}
@@ -374,6 +377,7 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after step 0")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--count-flops", action="store_true", help="also count one eager step's FLOPs")
+    parser.add_argument("--batch", type=int, default=None, help="override the model's batch size")
     parser.add_argument("--upstream-venv", default=None)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the upstream worker")
     parser.add_argument("--out", default=None, help="write the JSON here (default: stdout)")

@@ -11,6 +11,25 @@ SYSTEM_LABELS = {"eager": "eager (PyTorch)", "eager_fused": "eager + fused AdamW
                  "ondevice": "on-device (onnxtrain)", "upstream": "upstream ORT-training 1.19.2"}
 
 
+def _capacity_section(capacity: dict | None) -> list[str]:
+    """Markdown for the memory-cap search (bench/capacity.py), or nothing if it did not run."""
+    if not capacity:
+        return []
+    lines = [f"## Largest {capacity['model']} batch within {capacity['cap_mb']:.0f} MB", "",
+             "Each batch size ran in its own process (one warm-up and one timed step); a batch fits when its "
+             "peak RSS (the whole process) stays within the cap. Doubling from the model's batch, then two "
+             "bisection steps.", "",
+             "| system | largest batch | peak RSS MB at it | tried (batch: peak MB) |", "|---|---:|---:|---|"]
+    for system, found in capacity["systems"].items():
+        tried = ", ".join(f"{t['batch']}: {_f(t['peak_rss_mb'], '{:.0f}')}" + ("" if t["status"] == "ok" else " error")
+                          for t in found["tried"])
+        largest = found["largest_batch"]
+        shown = "none" if largest is None else (f"≥ {largest}" if found.get("capped_by_search") else str(largest))
+        lines.append(f"| {SYSTEM_LABELS.get(system, system)} | {shown} | {_f(found['peak_rss_mb'], '{:.0f}')} | "
+                     f"{tried} |")
+    return lines + [""]
+
+
 def _f(value, fmt="{:.1f}", none="—"):
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return none
@@ -107,6 +126,7 @@ def markdown(results: dict) -> str:
         if notes:
             lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
         lines.append("")
+    lines += _capacity_section(results.get("capacity"))
     lines += ["## Targets", "", "Ratios measured in this run.", "",
               "| target | measured | status | detail |", "|---|---|---|---|"]
     for t in results["targets"]:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import analysis, models, report
+from bench import analysis, capacity, models, report
 from bench.cell import SYSTEMS, upstream_venv
 
 HERE = Path(__file__).resolve().parent
@@ -37,8 +37,10 @@ ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results"
 
 QUICK = {"models": ["mlp", "gpt"], "systems": ["eager", "ortmodule", "ondevice", "upstream"], "rounds": 2,
-         "steps": 10, "warmup": 2}
-FULL = {"models": models.MAIN_MODELS, "systems": SYSTEMS, "rounds": 3, "steps": 15, "warmup": 3}
+         "steps": 10, "warmup": 2, "memory_cap_mb": 0}
+FULL = {"models": models.MAIN_MODELS, "systems": SYSTEMS, "rounds": 3, "steps": 15, "warmup": 3,
+        "memory_cap_mb": 2048}
+CAPACITY_SYSTEMS = ["eager", "ortmodule"]
 
 
 def _env(threads: int) -> dict:
@@ -62,14 +64,19 @@ def run_subprocess_json(cmd: list[str], out_file: Path, timeout: float, env: dic
     return {"status": "error", "error": f"cell process exited {proc.returncode} without a result: {tail}"}
 
 
-def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_index: int = 0,
-             count_flops: bool = False) -> dict:
+def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_index: int | str = 0,
+             count_flops: bool = False, batch: int | None = None, steps: int | None = None,
+             warmup: int | None = None) -> dict:
     out_file = workdir / f"{model}-{system}-r{round_index}{'-flops' if count_flops else ''}.json"
-    cmd = [sys.executable, "-m", "bench.cell", "--model", model, "--system", system, "--steps",
-           str(0 if count_flops else args.steps), "--warmup", str(0 if count_flops else args.warmup),
-           "--threads", str(args.threads), "--out", str(out_file), "--timeout", str(args.timeout)]
+    steps = 0 if count_flops else (args.steps if steps is None else steps)
+    warmup = 0 if count_flops else (args.warmup if warmup is None else warmup)
+    cmd = [sys.executable, "-m", "bench.cell", "--model", model, "--system", system, "--steps", str(steps),
+           "--warmup", str(warmup), "--threads", str(args.threads), "--out", str(out_file),
+           "--timeout", str(args.timeout)]
     if count_flops:
         cmd.append("--count-flops")
+    if batch:
+        cmd += ["--batch", str(batch)]
     if args.upstream_venv:
         cmd += ["--upstream-venv", str(args.upstream_venv)]
     if system == "compile":  # a cold compile every time: the first-step latency of a fresh script
@@ -81,6 +88,24 @@ def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_inde
     cell.setdefault("system", system)
     cell.update(round=round_index, wall_s=time.perf_counter() - t0, loadavg_before=round(load, 2))
     return cell
+
+
+def capacity_search(args, workdir: Path, env: dict) -> dict:
+    """The largest batch of ``args.capacity_model`` within ``args.memory_cap_mb`` for each capacity system."""
+    model = args.capacity_model
+    result = {"model": model, "cap_mb": args.memory_cap_mb, "systems": {}}
+    for system in args.capacity_systems:
+        def run(batch: int, system=system) -> dict:
+            cell = run_cell(model, system, args, workdir, env, round_index=f"cap{batch}", batch=batch, steps=1,
+                            warmup=1)
+            figure = f"peak RSS {cell.get('peak_rss_mb', float('nan')):.0f} MB" if cell["status"] == "ok" else \
+                f"ERROR {str(cell.get('error'))[:200]}"
+            print(f"  memory cap {args.memory_cap_mb:.0f} MB: {model} {system:10s} batch {batch:5d} {figure}",
+                  flush=True)
+            return cell
+
+        result["systems"][system] = capacity.largest_batch(run, models.get(model).batch, args.memory_cap_mb)
+    return result
 
 
 def _cpu_name() -> str:
@@ -163,6 +188,13 @@ def parse_args(argv=None):
                              "exists; create it with bench/setup_upstream.sh)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count and the matmul probe")
+    parser.add_argument("--memory-cap-mb", type=float, default=None,
+                        help="after the rounds, search the largest batch of --capacity-model whose cell's peak RSS "
+                             f"stays within this many MB (0: skip; default {FULL['memory_cap_mb']}, "
+                             "0 with --quick)")
+    parser.add_argument("--capacity-model", default="gpt", help="model of the memory-cap search")
+    parser.add_argument("--capacity-systems", default=",".join(CAPACITY_SYSTEMS),
+                        help="systems of the memory-cap search")
     parser.add_argument("--no-snapshot", action="store_true",
                         help="import onnxtrain from where it is installed in every cell (default: a copy taken "
                              "at the start, so edits to the source during the run do not mix versions)")
@@ -175,7 +207,12 @@ def parse_args(argv=None):
     unknown = [s for s in args.systems if s not in SYSTEMS]
     if unknown:
         parser.error(f"unknown systems {unknown}; known: {SYSTEMS}")
-    for key in ("rounds", "steps", "warmup"):
+    args.capacity_systems = args.capacity_systems.split(",")
+    models.get(args.capacity_model)
+    unknown = [s for s in args.capacity_systems if s not in SYSTEMS or s == "upstream"]
+    if unknown:
+        parser.error(f"--capacity-systems: unknown or unsupported {unknown}")
+    for key in ("rounds", "steps", "warmup", "memory_cap_mb"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     venv = upstream_venv(args.upstream_venv)
@@ -236,6 +273,7 @@ def main(argv=None) -> int:
             if r + 1 < args.rounds:  # a run stopped later still leaves the rounds it completed
                 write_outputs(args, argv, cells, r + 1, matmul, flops, onnxtrain_at, started, start, loadavg_start,
                               out, report_path, quiet=True)
+        capacity_result = capacity_search(args, workdir, env) if args.memory_cap_mb else None
         if not args.no_flops:  # again at the end: the machine's state may have changed
             try:
                 again = json.loads(subprocess.run(probe, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -247,7 +285,7 @@ def main(argv=None) -> int:
                 pass
 
     results = write_outputs(args, argv, cells, args.rounds, matmul, flops, onnxtrain_at, started, start,
-                            loadavg_start, out, report_path)
+                            loadavg_start, out, report_path, capacity_result=capacity_result)
     summary = results["summary"]
     failed = [f"{m}/{s}" for m, ss in summary.items() for s, e in ss.items() if e["status"] == analysis.FAILED]
     if failed:
@@ -257,7 +295,7 @@ def main(argv=None) -> int:
 
 
 def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, started, start, loadavg_start,
-                  out: Path, report_path: Path, quiet: bool = False) -> dict:
+                  out: Path, report_path: Path, quiet: bool = False, capacity_result: dict | None = None) -> dict:
     """Aggregate ``cells`` and write results.json, the plot and RESULTS.md; return the results."""
     summary = analysis.aggregate(cells)
     analysis.add_matmul_bound(summary, flops, matmul.get("gflops"))
@@ -280,13 +318,15 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, s
             "onnxtrain_snapshot": not args.no_snapshot,
             "settings": {"models": args.models, "systems": args.systems, "rounds": args.rounds,
                          "rounds_done": rounds_done, "steps": args.steps, "warmup": args.warmup,
-                         "threads": args.threads, "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL},
+                         "threads": args.threads, "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL,
+                         "memory_cap_mb": args.memory_cap_mb},
             "matmul": matmul, "flops_per_step": flops,
             "wall_s": time.perf_counter() - start,
         },
         "models": {m: {"description": models.get(m).description, "batch": models.get(m).batch}
                    for m in args.models},
         "summary": summary,
+        "capacity": capacity_result,
         "cells": cells,
     }
     results["targets"] = analysis.targets(summary)

@@ -119,16 +119,20 @@ def test_quick_preset_and_options():
 
     args = run.parse_args(["--quick", "--upstream-venv", ""])
     assert args.models == ["mlp", "gpt"] and {"eager", "ortmodule", "ondevice"} <= set(args.systems)
-    assert args.rounds <= 2
+    assert args.rounds <= 2 and args.memory_cap_mb == 0  # no memory-cap search in a quick run
     args = run.parse_args(["--models", "tiny,tiny-gpt", "--systems", "eager,compile", "--rounds", "3"])
     assert args.models == ["tiny", "tiny-gpt"] and args.systems == ["eager", "compile"] and args.rounds == 3
+    assert args.memory_cap_mb == run.FULL["memory_cap_mb"] and args.capacity_systems == ["eager", "ortmodule"]
+    with pytest.raises(SystemExit):
+        run.parse_args(["--capacity-systems", "upstream"])
 
 
 @pytest.mark.slow
 def test_suite_end_to_end(tmp_path):
     """``python -m bench`` on the tiny model: results.json, RESULTS.md and the plot."""
     proc = subprocess.run([sys.executable, "-m", "bench", "--models", "tiny", "--systems", "eager,ortmodule,ondevice",
-                           "--rounds", "2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path)],
+                           "--rounds", "2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
+                           "--memory-cap-mb", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
@@ -138,3 +142,32 @@ def test_suite_end_to_end(tmp_path):
     assert "## tiny" in text and "## Targets" in text
     pytest.importorskip("matplotlib")
     assert (tmp_path / "speedup.png").stat().st_size > 1000
+
+
+def test_capacity_search_finds_the_largest_fitting_batch():
+    from bench import capacity
+
+    need = lambda batch: 100 + 10 * batch  # MB a batch needs
+    runs = []
+
+    def run(batch):
+        runs.append(batch)
+        return {"status": "ok", "peak_rss_mb": need(batch)}
+
+    found = capacity.largest_batch(run, start=4, cap_mb=700)  # batches up to 60 fit
+    assert runs == [4, 8, 16, 32, 64, 48, 56]  # doubling until 64 is over the cap, then two bisection steps
+    assert found["largest_batch"] == 56 and found["peak_rss_mb"] == need(56)
+    below = capacity.largest_batch(lambda b: {"status": "ok", "peak_rss_mb": need(b)}, start=64, cap_mb=300)
+    assert below["largest_batch"] == 20  # 64, 32 over the cap; 16 fits; bisection: 24 over, 20 fits (300 MB)
+    errored = capacity.largest_batch(lambda b: {"status": "error", "error": "boom"}, start=8, cap_mb=1e9)
+    assert errored["largest_batch"] is None and errored["tried"][0]["error"] == "boom"
+    roomy = capacity.largest_batch(lambda b: {"status": "ok", "peak_rss_mb": 1.0}, start=2, cap_mb=10)
+    assert roomy["largest_batch"] == 2 * 2 ** capacity.MAX_DOUBLINGS and roomy["capped_by_search"]
+
+
+def test_capacity_section_in_the_report():
+    capacity = {"model": "gpt", "cap_mb": 2048, "systems": {
+        "eager": {"largest_batch": 96, "peak_rss_mb": 1900.0, "capped_by_search": False,
+                  "tried": [{"batch": 64, "peak_rss_mb": 1500.0, "status": "ok", "fits": True}]}}}
+    text = "\n".join(report._capacity_section(capacity))
+    assert "Largest gpt batch within 2048 MB" in text and "| eager (PyTorch) | 96 | 1900 |" in text

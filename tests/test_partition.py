@@ -91,3 +91,40 @@ def test_no_grad_outputs_get_no_seed_and_frozen_inputs_no_gradient():
     assert sources <= {FROM_OUTPUT_GRAD, FROM_FORWARD_OUTPUT, FROM_INPUT}
     inputs_read = {graphs.forward.graph.inputs[i].name for s, i in graphs.backward_inputs if s == FROM_INPUT}
     assert inputs_read == {"x"}  # dW = x^T (g * (1 - y^2)): b and W are not needed
+
+
+def test_cheap_ops_whose_inputs_are_saved_anyway_are_recomputed_not_saved():
+    """y = gelu(x @ W1) @ W2: the GELU gradient saves h = x @ W1, so the backward graph
+    recomputes g = gelu(h) for W2's gradient instead of keeping g alive between the runs."""
+    from math import erf
+
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"]), helper.make_node("Gelu", ["h"], ["g"]),
+             helper.make_node("MatMul", ["g", "W2"], ["y"])]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3]),
+         helper.make_tensor_value_info("W1", TensorProto.FLOAT, [3, 4]),
+         helper.make_tensor_value_info("W2", TensorProto.FLOAT, [4, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    graphs = build_forward_backward(io.load_model(model), ["W1", "W2"])
+    assert graphs.saved == ["h"]
+    assert "Gelu" in [n.op_type for n in graphs.backward.graph]
+
+    rng = np.random.default_rng(1)
+    inputs = [rng.standard_normal(s).astype(np.float32) for s in [(5, 3), (3, 4), (4, 2)]]
+    outputs = _session(graphs.forward).run(None, dict(zip(["x", "W1", "W2"], inputs)))
+    seed = rng.standard_normal(outputs[0].shape).astype(np.float32)
+    feeds = {value.name: {FROM_OUTPUT_GRAD: lambda i: seed, FROM_FORWARD_OUTPUT: lambda i: outputs[i],
+                          FROM_INPUT: lambda i: inputs[i]}[source](index)
+             for value, (source, index) in zip(graphs.backward.graph.inputs, graphs.backward_inputs)}
+    d_w1, d_w2 = _session(graphs.backward).run(None, feeds)
+
+    x, w1, w2 = (a.astype(np.float64) for a in inputs)
+    h = x @ w1
+    cdf = 0.5 * (1 + np.vectorize(erf)(h / np.sqrt(2)))
+    g = h * cdf
+    dg = seed @ w2.T
+    dh = dg * (cdf + h * np.exp(-h * h / 2) / np.sqrt(2 * np.pi))
+    np.testing.assert_allclose(d_w2, g.T @ seed, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(d_w1, x.T @ dh, rtol=1e-4, atol=1e-5)

@@ -38,6 +38,18 @@ FROM_INPUT = "input"                  # forward input i, as the caller passed it
 _RECOMPUTED_OPS = frozenset({"Constant", "Identity", "Transpose", "Reshape", "Unsqueeze",
                              "Squeeze", "Flatten", "Cast"})
 
+# Cheap deterministic ops (one pass over their inputs) that the backward graph recomputes
+# instead of receiving their output as a saved value, when every input they read is at hand
+# in the backward anyway (saved for another node, a forward input, a constant, or itself
+# recomputed): the saved activations shrink by that output and nothing else is kept alive.
+# E.g. an attention's IsNaN mask and transposed heads, a GELU's output (its input is saved
+# for its own gradient).
+_MEMORY_RECOMPUTED_OPS = _RECOMPUTED_OPS | frozenset({
+    "Gelu", "Relu", "LeakyRelu", "Sigmoid", "Tanh", "Neg", "Abs", "Sqrt", "Reciprocal", "Exp", "Erf",
+    "IsNaN", "IsInf", "Not", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or",
+    "Where", "Add", "Sub", "Mul", "Div", "Expand", "Slice", "Concat", "Split", "Shape", "Size",
+})
+
 
 @dataclass
 class ForwardBackward:
@@ -153,15 +165,14 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
     if forward_nodes & after_seed:
         raise AssertionError("a model output depends on an output gradient")
     recomputed = _recomputable(nodes, forward_nodes, set(forward_inputs))
-    backward_nodes = _ancestors(nodes, grad_outputs) - (forward_nodes - recomputed)
-
+    crossing = _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs)
+    while True:  # recompute cheap nodes whose inputs cross anyway, until nothing changes
+        more = _memory_recomputable(nodes, forward_nodes, recomputed, crossing, forward_inputs, model_outputs)
+        if not more:
+            break
+        recomputed |= more
+        crossing = _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs)
     forward_values = {o for n in forward_nodes - recomputed for o in n.outputs}
-    crossing: dict[ir.Value, None] = {}  # ordered set
-    for node in nodes:
-        if node in backward_nodes:
-            crossing.update((i, None) for i in node.inputs
-                            if i is not None and (i in forward_values or i in forward_inputs))
-    crossing.update((g, None) for g in grad_outputs if g in forward_values or g in forward_inputs)
 
     saved = [v for v in crossing if v in forward_values and v not in model_outputs]
     forward_outputs = model_outputs + saved
@@ -192,6 +203,34 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
     backward.graph.inputs.extend(kept)
     return ForwardBackward(forward, backward, len(model_outputs), differentiable, backward_inputs, wrt,
                            saved=[v.name for v in saved])
+
+
+def _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs) -> dict[ir.Value, None]:
+    """Forward values (and forward inputs) that the backward graph reads, in node order."""
+    backward_nodes = _ancestors(nodes, grad_outputs) - (forward_nodes - recomputed)
+    forward_values = {o for n in forward_nodes - recomputed for o in n.outputs}
+    inputs = set(forward_inputs)
+    crossing: dict[ir.Value, None] = {}  # ordered set
+    for node in nodes:
+        if node in backward_nodes:
+            crossing.update((i, None) for i in node.inputs if i is not None and (i in forward_values or i in inputs))
+    crossing.update((g, None) for g in grad_outputs if g in forward_values or g in inputs)
+    return crossing
+
+
+def _memory_recomputable(nodes, forward_nodes, recomputed, crossing, forward_inputs, model_outputs) -> set[ir.Node]:
+    """Saved values' producers (of ``_MEMORY_RECOMPUTED_OPS``) whose inputs all cross anyway."""
+    at_hand = set(crossing) | set(forward_inputs) | {o for n in recomputed for o in n.outputs}
+    outputs = set(model_outputs)
+    result: set[ir.Node] = set()
+    for node in nodes:
+        if (node in forward_nodes and node not in recomputed and node.domain in ("", "ai.onnx")
+                and node.op_type in _MEMORY_RECOMPUTED_OPS
+                and any(o in crossing and o not in outputs for o in node.outputs)
+                and all(i is None or i in at_hand or i.is_initializer() for i in node.inputs)):
+            result.add(node)
+            at_hand.update(node.outputs)
+    return result
 
 
 def _recomputable(nodes, forward_nodes: set[ir.Node], forward_inputs: set[ir.Value]) -> set[ir.Node]:

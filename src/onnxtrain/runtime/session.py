@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -68,3 +69,16 @@ def create_session(model: str | os.PathLike | bytes, providers: list,
     except Exception as exc:  # ORT raises several pybind exception types
         label = model if isinstance(model, str) else "<bytes>"
         raise ModelError(f"onnxruntime could not load the {what} {label!r}: {exc}") from exc
+
+
+@functools.cache
+def register_shared_cpu_arena() -> None:
+    """Register one CPU arena allocator in ONNX Runtime's process-wide environment.
+
+    Sessions created with ``session.use_env_allocators=1`` then draw from this one arena
+    instead of one arena each, so memory a forward session frees at the end of its run is
+    reused by the backward session's run (and by other models' sessions). ORT keeps the
+    registration for the life of the process; it is done once.
+    """
+    memory = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+    ort.create_and_register_allocator(memory, ort.OrtArenaCfg(0, -1, -1, -1))

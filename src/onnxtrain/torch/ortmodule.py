@@ -16,6 +16,7 @@ import torch
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.ir import io
 from onnxtrain.passes.partition import build_forward_backward
+from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
 
@@ -85,6 +86,12 @@ class DebugOptions:
         # ORT's pool threads spin after each run by default; between the forward and the
         # backward (and during the optimizer step) PyTorch's own threads need those cores
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        # the forward and backward sessions share one CPU arena: what one run frees, the other
+        # reuses (with an arena each, both keep their peak). A per-session preallocated block
+        # (memory pattern) would only add to that peak.
+        register_shared_cpu_arena()
+        options.add_session_config_entry("session.use_env_allocators", "1")
+        options.enable_mem_pattern = False
         return options
 
     def resolved_save_path(self) -> Path:

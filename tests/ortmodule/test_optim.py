@@ -186,3 +186,14 @@ def test_sparse_gradient_is_refused_and_nothing_changes():
         optimizer.step()
     assert torch.equal(embedding.weight.detach(), before[0]) and torch.equal(dense.detach(), before[1])
     assert "step" not in optimizer.param_groups[0]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_transformers_decay_of_exactly_one_zeroes_the_parameter(fused):
+    # lr * weight_decay == 1: the update is (p - step) * 0; the fused kernel cannot express it
+    params = _params()
+    optimizer = FusedAdam(params, lr=0.5, weight_decay=2.0, fused=fused)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert all(torch.equal(p.detach(), torch.zeros_like(p)) for p in params)

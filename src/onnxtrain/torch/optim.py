@@ -142,7 +142,10 @@ class FusedAdam(torch.optim.Optimizer):
             for (device, dtype), params in by_kind.items():
                 moments = [self._moments(p) for p in params]
                 tensors = (params, [p.grad for p in params], [m for m, _ in moments], [v for _, v in moments])
-                if self._use_fused(device, dtype):
+                # the fused kernel scales the decay by its learning rate: with a zero step size
+                # (B = 0) it cannot shrink p (A != 1; only when lr * weight_decay == 1 exactly)
+                expressible = update.B != 0 or update.A == 1.0
+                if self._use_fused(device, dtype) and expressible:
                     _fused_update(*tensors, update, beta1, beta2, device)
                 else:
                     _foreach_update(*tensors, update, beta1, beta2)
@@ -190,7 +193,7 @@ def _fused_update(params, grads, exp_avgs, exp_avg_sqs, update: _Update, beta1, 
         torch._fused_adam_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=beta1,
                            beta2=beta2, weight_decay=update.l2, eps=eps, maximize=False)
     else:
-        decay = (1.0 - update.A) / lr if lr > 0 else 0.0
+        decay = (1.0 - update.A) / lr if lr else 0.0
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=decay, eps=eps, maximize=False)
 

@@ -364,3 +364,26 @@ def test_embedding_padding_row_gets_no_gradient():
     assert torch.count_nonzero(model[0].weight.grad[2]) == 0
     assert torch.count_nonzero(model[0].weight.grad[1]) > 0
     _assert_same_gradients(model, reference)
+
+
+def test_parameters_changed_in_place_reassigned_or_replaced_between_calls_are_seen():
+    # the bridge reuses a parameter's OrtValue while it is the same tensor with the same storage
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    model = ORTModule(net)
+    x = torch.randn(2, 4)
+
+    def check():
+        out = model(x)
+        out.sum().backward()
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, net.weight, net.bias))
+
+    check()
+    with torch.no_grad():
+        net.weight.add_(1.0)  # in place: same storage
+    check()
+    net.weight.data = torch.randn(3, 4)  # same Parameter, new storage
+    check()
+    net.weight = torch.nn.Parameter(torch.randn(3, 4))  # a new Parameter
+    check()
+    assert net.weight.grad is not None and model.export_count == 1

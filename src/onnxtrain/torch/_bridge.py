@@ -48,11 +48,27 @@ class SessionRunner:
         self.session = create_session(io.serialize(model), providers, session_options, what=what)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        # per input position: (parameter, data_ptr, shape, OrtValue) of the last call.
+        # Parameters come back as the same tensors with the same storage every step
+        # (optimizers update them in place): their OrtValues are reused instead of rebuilt
+        # through DLPack. Only parameters: caching activations would keep them alive.
+        self._last: list[tuple | None] = [None] * len(self.input_names)
+
+    def _ort_value(self, position: int, tensor: torch.Tensor) -> ort.OrtValue:
+        if not isinstance(tensor, torch.nn.Parameter):
+            return _to_ort(tensor)
+        last = self._last[position]
+        if (last is not None and last[0] is tensor and last[1] == tensor.data_ptr() and last[2] == tensor.shape
+                and tensor.is_contiguous()):
+            return last[3]
+        value = _to_ort(tensor)
+        self._last[position] = (tensor, tensor.data_ptr(), tensor.shape, value)
+        return value
 
     def run(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         binding = self.session.io_binding()
-        for name, tensor in zip(self.input_names, inputs):
-            binding.bind_ortvalue_input(name, _to_ort(tensor))
+        for position, (name, tensor) in enumerate(zip(self.input_names, inputs)):
+            binding.bind_ortvalue_input(name, self._ort_value(position, tensor))
         for name in self.output_names:
             binding.bind_output(name, self.device.type, self.device.id)
         if self.device.type == "cuda":

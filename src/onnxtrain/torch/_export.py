@@ -94,9 +94,20 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
 
 
 def _named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    state = dict(module.named_parameters(remove_duplicate=False))
-    state.update(module.named_buffers(remove_duplicate=False))
-    return state
+    """Parameters then buffers by qualified name, as ``named_parameters`` + ``named_buffers``
+    (duplicates kept) give them, in one walk over the submodules (this runs on every call)."""
+    parameters: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        dot = prefix + "." if prefix else ""
+        for name, p in sub._parameters.items():
+            if p is not None:
+                parameters[dot + name] = p
+        for name, b in sub._buffers.items():
+            if b is not None:
+                buffers[dot + name] = b
+    parameters.update(buffers)
+    return parameters
 
 
 class _Recorder(list):

@@ -35,11 +35,13 @@ def batch_norm_functional(input, weight, bias, running_mean, running_var,
         axes = op.Constant(value_ints=[0, *range(2, rank)])
         mean = op.ReduceMean(input, axes, keepdims=1)
         centered = op.Sub(input, mean)
-        var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=1)
+        # ReduceSumSquare reads `centered` once (Mul + ReduceMean would write a copy first)
+        count = op.CastLike(op.Div(op.Size(input), op.Shape(input, start=1, end=2)), input)
+        var = op.Div(op.ReduceSumSquare(centered, axes, keepdims=1), count)
     rstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(op.Constant(value_float=eps), var))))
-    out = op.Mul(centered, rstd)
-    if weight is not None:
-        out = op.Mul(out, op.Reshape(weight, per_channel))
+    # scale per channel first: one full-size Mul instead of two
+    scale = rstd if weight is None else op.Mul(rstd, op.Reshape(weight, per_channel))
+    out = op.Mul(centered, scale)
     if bias is not None:
         out = op.Add(out, op.Reshape(bias, per_channel))
     save_mean, save_rstd = op.Reshape(mean, flat), op.Reshape(rstd, flat)

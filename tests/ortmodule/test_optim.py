@@ -175,11 +175,14 @@ def test_bad_hyperparameters_are_named(kwargs, words):
     assert isinstance(info.value, OnnxTrainError)
 
 
-def test_sparse_gradient_is_refused_and_nothing_changes():
+@pytest.mark.parametrize("grouped", [False, True])
+def test_sparse_gradient_is_refused_and_nothing_changes(grouped):
     embedding = torch.nn.Embedding(10, 3, sparse=True)
     dense = torch.nn.Parameter(torch.ones(2))
     before = [embedding.weight.detach().clone(), dense.detach().clone()]
-    optimizer = FusedAdam([dense, embedding.weight])
+    # grouped: the dense parameter's group comes first and must not be updated either
+    optimizer = FusedAdam([{"params": [dense]}, {"params": [embedding.weight]}] if grouped
+                          else [dense, embedding.weight])
     embedding(torch.tensor([1, 2])).sum().backward()
     dense.grad = torch.ones(2)
     with pytest.raises(OptimizerConfigError, match="sparse"):

@@ -121,17 +121,11 @@ class FusedAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_groups()  # before any update: a refused step leaves every parameter as it was
         for group in self.param_groups:
-            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
             with_grad = [p for p in group["params"] if p.grad is not None]
             if not with_grad:
                 continue
-            for p in with_grad:
-                if p.grad.is_sparse:
-                    raise OptimizerConfigError("FusedAdam does not support sparse gradients "
-                                               f"(parameter of shape {tuple(p.shape)}); use torch.optim.SparseAdam")
-                if not p.is_floating_point():
-                    raise OptimizerConfigError(f"FusedAdam updates floating-point parameters, got {p.dtype}")
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
             update = _update_for(self.adam_w_mode, group["lr"], beta1, beta2, group["eps"],
@@ -150,6 +144,18 @@ class FusedAdam(torch.optim.Optimizer):
                 else:
                     _foreach_update(*tensors, update, beta1, beta2)
         return loss
+
+    def _check_groups(self) -> None:
+        for group in self.param_groups:
+            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise OptimizerConfigError("FusedAdam does not support sparse gradients "
+                                               f"(parameter of shape {tuple(p.shape)}); use torch.optim.SparseAdam")
+                if not p.is_floating_point():
+                    raise OptimizerConfigError(f"FusedAdam updates floating-point parameters, got {p.dtype}")
 
     def _moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         state = self.state[p]

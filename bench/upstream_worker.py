@@ -20,33 +20,16 @@ optimizers), which the on-device part does not use; when torch is missing the wo
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import os
 import re
-import resource
 import sys
 import time
 import traceback
 import types
 
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-
-
-def _trim() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory  # noqa: E402  (bench/memory.py: standard library only, so the upstream venv can import it)
 
 
 def import_training():
@@ -113,8 +96,8 @@ def run(job: dict) -> dict:
                for i in range(job["n_batches"])]
     feeds = [([b[n] for n in job["input_names"]], b["labels"].astype(np.int64)) for b in batches]
     model = onnx.load(job["model_path"])
-    _trim()
-    result["rss_before_mb"] = _rss_mb()
+    memory.trim()
+    result["rss_before_mb"] = memory.rss_mb()
     ready = time.perf_counter()
 
     out = job["artifact_dir"]
@@ -159,10 +142,8 @@ def run(job: dict) -> dict:
         t0 = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - t0)
-    peak = _peak_rss_mb()
     result.update(step_times_s=times, median_step_s=float(np.median(times)) if times else None, losses=losses,
-                  first_loss=losses[0], peak_rss_mb=peak, peak_increase_mb=peak - result["rss_before_mb"],
-                  rss_end_mb=_rss_mb())
+                  first_loss=losses[0], **memory.peaks(result["rss_before_mb"]))
     return result
 
 

@@ -23,14 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from onnxtrain.errors import OnnxTrainError
+from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
 _FUSED_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-
-class OptimizerConfigError(OnnxTrainError, ValueError):
-    """An optimizer argument is out of its range, or a parameter cannot be optimized."""
 
 
 class AdamWMode(enum.IntEnum):

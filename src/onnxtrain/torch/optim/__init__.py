@@ -1,0 +1,10 @@
+"""Optimizers for PyTorch parameters (upstream's ``onnxruntime.training.optim`` names).
+
+- :class:`FusedAdam` with :class:`AdamWMode`: Adam / AdamW over all parameters in a few
+  multi-tensor kernels.
+"""
+
+from onnxtrain.torch.optim.errors import OptimizerConfigError
+from onnxtrain.torch.optim.fused_adam import AdamWMode, FusedAdam
+
+__all__ = ["AdamWMode", "FusedAdam", "OptimizerConfigError"]

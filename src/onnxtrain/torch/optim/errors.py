@@ -1,0 +1,7 @@
+"""Errors of the optimizers in :mod:`onnxtrain.torch.optim`."""
+
+from onnxtrain.errors import OnnxTrainError
+
+
+class OptimizerConfigError(OnnxTrainError, ValueError):
+    """An optimizer argument is out of its range, or a parameter cannot be optimized."""

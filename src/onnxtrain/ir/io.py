@@ -100,6 +100,34 @@ def infer_shapes(model: ir.Model) -> ir.Model:
     return ir.from_proto(proto)
 
 
+def infer_concrete_shapes(model: ir.Model, input_shapes) -> dict[str, tuple[ir.DataType, list[int]]]:
+    """Dtypes and concrete shapes ONNX shape inference derives for ``model``'s values when its
+    inputs have ``input_shapes`` (name -> shape); values it cannot derive are left out.
+    ``model`` is not changed."""
+    proto = to_proto(model)
+    graph = proto.graph
+    for value in graph.input:
+        if value.name in input_shapes:
+            dims = value.type.tensor_type.shape.dim
+            del dims[:]
+            for size in input_shapes[value.name]:
+                dims.add().dim_value = int(size)
+    del graph.value_info[:]
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
+    except Exception:
+        return {}
+    found = {}
+    for value in [*proto.graph.value_info, *proto.graph.output]:
+        tensor = value.type.tensor_type
+        if not tensor.HasField("shape") or not tensor.elem_type:
+            continue
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if all(d is not None for d in dims):
+            found[value.name] = (ir.DataType(tensor.elem_type), dims)
+    return found
+
+
 def check_model(model: ir.Model) -> None:
     """Run the ONNX checker (full, with shape inference); raise ModelError on failure."""
     try:

@@ -15,7 +15,9 @@ activation next to ``y``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import enum
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
@@ -23,7 +25,7 @@ import onnx_ir as ir
 from onnxtrain import names
 from onnxtrain.autodiff.builder import active_values, build_gradients, is_float
 from onnxtrain.ir.builder import GraphBuilder
-from onnxtrain.passes import pipeline
+from onnxtrain.passes import memory, pipeline, recompute
 
 # Where a backward-graph input comes from.
 FROM_OUTPUT_GRAD = "output_grad"      # the gradient of forward output i
@@ -51,6 +53,92 @@ _MEMORY_RECOMPUTED_OPS = _RECOMPUTED_OPS | frozenset({
 })
 
 
+class MemoryOptLevel(enum.IntEnum):
+    """How much the backward graph recomputes to save memory (upstream's
+    ``ORTMODULE_MEMORY_OPT_LEVEL`` values)."""
+
+    NONE = 0
+    """Save what the backward reads, except copies and cheap ops of values at hand anyway."""
+    TRANSFORMER_LAYERWISE_RECOMPUTE = 1
+    """Recompute every deterministic op except compute-heavy ones (MatMul, Gemm, Conv, ...)
+    wherever that saves bytes: in a transformer layer, only the inputs and outputs of its
+    matrix products stay saved."""
+    AGGRESSIVE = 2
+    """Recompute every deterministic op wherever that saves bytes: the least saved memory,
+    the forward run about twice."""
+
+
+# Upstream's environment variable for the level (read when options do not set one).
+MEMORY_OPT_LEVEL_ENV = "ORTMODULE_MEMORY_OPT_LEVEL"
+
+
+@dataclass(frozen=True)
+class MemoryOptions:
+    """What the forward saves for the backward.
+
+    Args:
+        level: a :class:`MemoryOptLevel`; ``None`` reads ``$ORTMODULE_MEMORY_OPT_LEVEL``
+            (default 0).
+        budget: bytes the saved activations may take; the recompute that costs the least
+            run time within it is chosen (a min cut weighted by bytes and recompute cost).
+            Overrides ``level``.
+    """
+
+    level: int | None = None
+    budget: int | None = None
+
+    def resolved_level(self) -> MemoryOptLevel:
+        level = self.level if self.level is not None else os.environ.get(MEMORY_OPT_LEVEL_ENV, "0")
+        try:
+            return MemoryOptLevel(int(level))
+        except ValueError as exc:
+            source = "memory level" if self.level is not None else f"${MEMORY_OPT_LEVEL_ENV}"
+            raise ValueError(f"{source} must be one of {[int(m) for m in MemoryOptLevel]}, got {level!r}") from exc
+
+    @property
+    def active(self) -> bool:
+        return self.budget is not None or self.resolved_level() != MemoryOptLevel.NONE
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What crosses from the forward to the backward, for one binding of the input shapes.
+
+    Attributes:
+        saved: ``(value name, bytes, producing op)`` of each saved activation, largest first.
+        recomputed: ``(node name, op type)`` of the forward nodes the backward reruns.
+        saved_bytes: total bytes of ``saved``.
+        unplanned_saved_bytes: what the saved activations take without memory options.
+        level, budget: the options the plan was made with.
+        input_shapes: the shapes the sizes were computed for.
+    """
+
+    saved: list[tuple[str, int, str]]
+    recomputed: list[tuple[str, str]]
+    saved_bytes: int
+    unplanned_saved_bytes: int
+    level: int
+    budget: int | None
+    input_shapes: dict[str, tuple[int, ...]]
+
+    def explain(self, limit: int = 20) -> str:
+        mb = lambda n: f"{n / 2**20:.1f} MB"  # noqa: E731
+        shapes = ", ".join(f"{k}{list(v)}" for k, v in self.input_shapes.items())
+        lines = [f"saved activations: {mb(self.saved_bytes)} (without recompute: {mb(self.unplanned_saved_bytes)}); "
+                 f"memory level {self.level}, budget {mb(self.budget) if self.budget is not None else 'none'}; "
+                 f"sizes for inputs {shapes}",
+                 f"saved ({len(self.saved)}):"]
+        lines += [f"  {name}  {mb(size)}  from {op}" for name, size, op in self.saved[:limit]]
+        if len(self.saved) > limit:
+            lines.append(f"  ... {len(self.saved) - limit} more")
+        ops: dict[str, int] = {}
+        for _, op in self.recomputed:
+            ops[op] = ops.get(op, 0) + 1
+        lines.append(f"recomputed in the backward ({len(self.recomputed)} nodes): "
+                     + (", ".join(f"{op} x{k}" for op, k in sorted(ops.items(), key=lambda i: -i[1])) or "none"))
+        return "\n".join(lines)
+
+
 @dataclass
 class ForwardBackward:
     """The two graphs and the wiring between them.
@@ -76,6 +164,28 @@ class ForwardBackward:
     backward_inputs: list[tuple[str, int]]
     wrt: list[str]
     saved: list[str] = field(default_factory=list)
+    memory: MemoryReport | None = None
+    reverse_node_list_for_ort: bool = False
+
+    def backward_for_session(self) -> ir.Model:
+        """The backward model to hand to ONNX Runtime.
+
+        With memory options, the backward graph's nodes are listed in a just-in-time order
+        (recomputed forward values right before the gradient that reads them).
+        ONNX Runtime's default execution order is a depth-first walk from the graph's leaves
+        that visits a node's highest-indexed producer first, so it follows that order when
+        the node list is reversed: this returns such a copy (not topologically sorted, which
+        ONNX Runtime accepts; the debug files keep the sorted graph).
+        """
+        if not self.reverse_node_list_for_ort:
+            return self.backward
+        copy = ir.from_proto(ir.to_proto(self.backward))
+        nodes = list(copy.graph)
+        for node in nodes:
+            copy.graph.remove(node)
+        for node in reversed(nodes):
+            copy.graph.append(node)
+        return copy
 
 
 def _distinct_outputs(graph: ir.Graph) -> None:
@@ -113,13 +223,18 @@ def _ancestors(nodes: Sequence[ir.Node], targets: Sequence[ir.Value]) -> set[ir.
     return result
 
 
-def build_forward_backward(model: ir.Model, wrt: Sequence[str],
-                           no_grad_outputs: Sequence[int] = ()) -> ForwardBackward:
+def build_forward_backward(model: ir.Model, wrt: Sequence[str], no_grad_outputs: Sequence[int] = (),
+                           memory_options: MemoryOptions | None = None,
+                           input_shapes: Mapping[str, Sequence[int]] | None = None) -> ForwardBackward:
     """Build the gradient graph of ``model`` w.r.t. the graph inputs named ``wrt`` and cut it.
 
     Every floating-point output that depends on a ``wrt`` input receives an output gradient
     (the vector of the vector-Jacobian product), except the outputs indexed in
     ``no_grad_outputs`` (e.g. updated running statistics). ``model`` is consumed.
+
+    With ``input_shapes`` (input name -> concrete shape of a typical call) the result
+    carries a :class:`MemoryReport`; with active ``memory_options`` (which need the shapes)
+    the saved activations are chosen by a min cut under the options' level or budget.
     """
     graph = model.graph
     inputs = {v.name: v for v in graph.inputs}
@@ -154,27 +269,60 @@ def build_forward_backward(model: ir.Model, wrt: Sequence[str],
 
     model_outputs = list(graph.outputs[: len(model_outputs)])
     grad_outputs = list(graph.outputs[len(model_outputs):])
-    return _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outputs, list(wrt))
+    options = memory_options or MemoryOptions()
+    if options.active and input_shapes is None:
+        raise ValueError("memory options need the input shapes of a call (input_shapes) to size the activations")
+    sizes = memory.value_sizes(model, input_shapes) if input_shapes is not None else None
+    return _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outputs, list(wrt),
+                options, sizes, input_shapes)
 
 
-def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outputs, wrt) -> ForwardBackward:
+def _may_recompute(level: MemoryOptLevel, boundaries: set[ir.Node]):
+    def allowed(node: ir.Node) -> bool:
+        if node in boundaries:
+            return False
+        if node.op_type in recompute.NEVER_RECOMPUTED or node.domain not in ("", "ai.onnx", "com.microsoft"):
+            return False
+        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+            return False
+        return level == MemoryOptLevel.AGGRESSIVE or node.op_type not in recompute.COMPUTE_HEAVY
+    return allowed
+
+
+def _planned_recompute(nodes, forward_nodes, forward_inputs, model_outputs, grad_outputs, options, sizes):
+    """Forward nodes the backward reruns, chosen by a min cut under the options."""
+    needed = _crossing(nodes, forward_nodes, set(), forward_inputs, grad_outputs)
+    free = set(forward_inputs) | set(model_outputs) | {i for n in nodes for i in n.inputs
+                                                       if i is not None and i.is_initializer()}
+    ordered = [n for n in nodes if n in forward_nodes]
+    boundaries = recompute.layer_boundaries(ordered)
+    if options.budget is not None:
+        plan = recompute.cut_within_budget(ordered, needed, free, sizes,
+                                           _may_recompute(MemoryOptLevel.AGGRESSIVE, boundaries), options.budget)
+    else:
+        plan = recompute.cut(ordered, needed, free, sizes, _may_recompute(options.resolved_level(), boundaries),
+                             recompute.MINIMAL_MEMORY_WEIGHT)
+    return set(plan.recomputed)
+
+
+def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outputs, wrt,
+         options: MemoryOptions, sizes: memory.ValueSizes | None, input_shapes) -> ForwardBackward:
     graph = model.graph
     nodes = list(graph)
     after_seed = _descendants(nodes, set(seeds))
     forward_nodes = _ancestors(nodes, model_outputs)
     if forward_nodes & after_seed:
         raise AssertionError("a model output depends on an output gradient")
-    recomputed = _recomputable(nodes, forward_nodes, set(forward_inputs))
-    crossing = _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs)
-    while True:  # recompute cheap nodes whose inputs cross anyway, until nothing changes
-        more = _memory_recomputable(nodes, forward_nodes, recomputed, crossing, forward_inputs, model_outputs)
-        if not more:
-            break
-        recomputed |= more
-        crossing = _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs)
-    forward_values = {o for n in forward_nodes - recomputed for o in n.outputs}
-
-    saved = [v for v in crossing if v in forward_values and v not in model_outputs]
+    recomputed, crossing = _with_cheap_recompute(
+        nodes, forward_nodes, _recomputable(nodes, forward_nodes, set(forward_inputs)), forward_inputs,
+        model_outputs, grad_outputs)
+    unplanned_saved_bytes = None if sizes is None else sum(
+        sizes.of(v) for v in _saved(forward_nodes, recomputed, crossing, model_outputs))
+    if options.active:
+        planned = _planned_recompute(nodes, forward_nodes, forward_inputs, model_outputs, grad_outputs, options, sizes)
+        recomputed, crossing = _with_cheap_recompute(nodes, forward_nodes, recomputed | planned, forward_inputs,
+                                                     model_outputs, grad_outputs)
+    saved = _saved(forward_nodes, recomputed, crossing, model_outputs)
     forward_outputs = model_outputs + saved
     seed_index = {s: differentiable[k] for k, s in enumerate(seeds)}
     input_index = {v: k for k, v in enumerate(forward_inputs)}
@@ -201,8 +349,50 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
     kept = [backward.graph.inputs[i] for i in used]
     backward.graph.inputs.clear()
     backward.graph.inputs.extend(kept)
+    if options.active:
+        _schedule_just_in_time(backward, backward_inputs)
+    report = None
+    if sizes is not None:
+        level = options.resolved_level()
+        report = MemoryReport(
+            saved=sorted(((v.name, sizes.of(v), v.producer().op_type) for v in saved), key=lambda s: -s[1]),
+            recomputed=[(n.name, n.op_type) for n in nodes if n in recomputed and n in _ancestors(nodes, grad_outputs)],
+            saved_bytes=sum(sizes.of(v) for v in saved), unplanned_saved_bytes=unplanned_saved_bytes,
+            level=int(level), budget=options.budget,
+            input_shapes={k: tuple(int(d) for d in v) for k, v in input_shapes.items()
+                          if k not in wrt and k in {i.name for i in forward_inputs}})
     return ForwardBackward(forward, backward, len(model_outputs), differentiable, backward_inputs, wrt,
-                           saved=[v.name for v in saved])
+                           saved=[v.name for v in saved], memory=report, reverse_node_list_for_ort=options.active)
+
+
+def _schedule_just_in_time(backward: ir.Model, backward_inputs: list[tuple[str, int]]) -> None:
+    """List the backward graph's nodes so that recomputed forward values come right before the
+    gradient nodes that read them (see :func:`memory.just_in_time_order`): computed all at
+    the start, they would all be alive at once and the recompute would save nothing."""
+    graph = backward.graph
+    seeds = {v for v, (source, _) in zip(graph.inputs, backward_inputs) if source == FROM_OUTPUT_GRAD}
+    order = memory.just_in_time_order(graph, _descendants(list(graph), seeds))
+    for node in order:
+        graph.remove(node)
+    for node in order:
+        graph.append(node)
+
+
+def _with_cheap_recompute(nodes, forward_nodes, recomputed, forward_inputs, model_outputs, grad_outputs):
+    """Add the cheap nodes whose inputs cross anyway (until nothing changes); the crossing values."""
+    recomputed = set(recomputed)
+    crossing = _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs)
+    while more := _memory_recomputable(nodes, forward_nodes, recomputed, crossing, forward_inputs, model_outputs):
+        recomputed |= more
+        crossing = _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs)
+    return recomputed, crossing
+
+
+def _saved(forward_nodes, recomputed, crossing, model_outputs) -> list[ir.Value]:
+    """Crossing values the forward computes and returns beside the model outputs."""
+    forward_values = {o for n in forward_nodes - recomputed for o in n.outputs}
+    outputs = set(model_outputs)
+    return [v for v in crossing if v in forward_values and v not in outputs]
 
 
 def _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs) -> dict[ir.Value, None]:

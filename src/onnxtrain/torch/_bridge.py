@@ -99,7 +99,7 @@ class TrainingPrograms:
         num = graphs.num_model_outputs
         non_diff = [i for i in range(num) if i not in graphs.differentiable_outputs]
         return cls(graphs, SessionRunner(graphs.forward, device, session_options, "forward graph"),
-                   SessionRunner(graphs.backward, device, session_options, "backward graph"),
+                   SessionRunner(graphs.backward_for_session(), device, session_options, "backward graph"),
                    wrt_positions, non_diff)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.ir import io
-from onnxtrain.passes.partition import build_forward_backward
+from onnxtrain.passes.partition import MemoryOptions, MemoryReport, build_forward_backward
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
@@ -23,6 +23,10 @@ from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flat
 
 class ORTModuleFallbackWarning(UserWarning):
     """ORTModule could not run a module through ONNX Runtime and runs it in PyTorch instead."""
+
+
+class MemoryOptionsError(OnnxTrainError, ValueError):
+    """ORTModule's memory options are out of range."""
 
 
 class LogLevel(enum.IntEnum):
@@ -105,6 +109,7 @@ class _Variant:
     graph: ExportedGraph
     inference: SessionRunner | None = None
     training: dict[tuple, TrainingPrograms] = field(default_factory=dict)
+    memory: dict[tuple, MemoryReport] = field(default_factory=dict)
 
 
 def _load_keys_into_wrapped_module(module, state_dict, prefix, *_):
@@ -139,6 +144,14 @@ class ORTModule(torch.nn.Module):
     Parameter names, ``state_dict()`` keys and ``load_state_dict()`` are those of the
     wrapped module, so checkpoints move freely between the two.
 
+    Memory: what the forward saves for the backward is chosen when the gradient graph is
+    built, for the input shapes of that first training call. ``memory_opt_level`` (upstream's
+    levels, default ``$ORTMODULE_MEMORY_OPT_LEVEL`` or 0: see
+    :class:`~onnxtrain.passes.partition.MemoryOptLevel`) or ``memory_budget`` (bytes the saved
+    activations may take: the least recompute within it is chosen by a min cut) make the
+    backward graph recompute forward values instead; :meth:`explain_memory` reports what is
+    saved and what is recomputed.
+
     Example:
         >>> model = ORTModule(torch.nn.Sequential(torch.nn.Linear(4, 2)))
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -146,12 +159,21 @@ class ORTModule(torch.nn.Module):
         >>> loss.backward(); optimizer.step()
     """
 
-    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None):
+    def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, *,
+                 memory_opt_level: int | None = None, memory_budget: int | None = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
+        if memory_budget is not None and not (isinstance(memory_budget, int) and memory_budget >= 0):
+            raise MemoryOptionsError(f"ORTModule memory_budget must be a number of bytes >= 0, got {memory_budget!r}")
         super().__init__()
         self._original_module = module
         self._debug = debug_options or DebugOptions()
+        self._memory_options = MemoryOptions(memory_opt_level, memory_budget)
+        try:
+            self._memory_options.resolved_level()
+        except ValueError as exc:
+            raise MemoryOptionsError(f"ORTModule: {exc}") from None
+        self._last_memory_report: MemoryReport | None = None
         self._variants: dict[CallSchema, list[_Variant]] = {}
         self._fallback_reason: str | None = None
         self.export_count = 0
@@ -208,6 +230,19 @@ class ORTModule(torch.nn.Module):
         for key, value in self.__getstate__().items():
             clone.__dict__[key] = copy.deepcopy(value, memo)
         return clone
+
+    def explain_memory(self) -> str:
+        """What the forward saves for the backward (largest first) and which forward nodes the
+        backward recomputes, with their sizes for the shapes of the call that built the
+        gradient graph. Raises ``RuntimeError`` before the first training call."""
+        if self._last_memory_report is None:
+            raise RuntimeError("ORTModule.explain_memory: no gradient graph yet; call the module in training first")
+        return self._last_memory_report.explain()
+
+    @property
+    def memory_report(self) -> MemoryReport | None:
+        """The :class:`~onnxtrain.passes.partition.MemoryReport` of the latest gradient graph built."""
+        return self._last_memory_report
 
     @property
     def fallback_reason(self) -> str | None:
@@ -285,9 +320,13 @@ class ORTModule(torch.nn.Module):
             names = [model.graph.inputs[i].name for i in wrt]
             graph = variant.graph
             buffer_outputs = range(graph.num_user_outputs, graph.num_user_outputs + len(graph.buffer_updates))
-            graphs = build_forward_backward(model, names, no_grad_outputs=buffer_outputs)
+            shapes = {v.name: tuple(t.shape) for v, t in zip(model.graph.inputs, inputs)}
+            graphs = build_forward_backward(model, names, no_grad_outputs=buffer_outputs,
+                                            memory_options=self._memory_options, input_shapes=shapes)
+            variant.memory[wrt] = graphs.memory
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")
             programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options())
             variant.training[wrt] = programs
+        self._last_memory_report = variant.memory.get(wrt)
         return programs

@@ -1,0 +1,240 @@
+"""How many bytes a graph's values take, and the peak of what is alive while it runs.
+
+Used by the recompute planner (which values are worth saving) and reported to users
+(:func:`onnxtrain.torch.estimate_memory`). Sizes are concrete: symbolic dims are bound
+from the shapes of the inputs of one call. The run order is the one ONNX Runtime uses by
+default (a reverse depth-first walk from the graph's leaf nodes, inputs visited from
+the highest node index down, nodes emitted after their inputs), and a value lives from
+the node that produces it until its last consumer has run; graph outputs live to the end.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+from onnxtrain.ir import io
+
+
+@dataclass(frozen=True)
+class ValueSizes:
+    """Bytes of each value of a graph (by name) for one binding of its symbolic dims.
+
+    Attributes:
+        bytes: value name -> size in bytes.
+        guessed: names whose shape could not be derived; their size is the largest of
+            their producer's inputs (a guess, counted so a report can say how many).
+    """
+
+    bytes: dict[str, int]
+    guessed: frozenset[str]
+
+    def of(self, value: ir.Value | None) -> int:
+        return 0 if value is None else self.bytes.get(value.name, 0)
+
+
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Div: operator.truediv}
+_CALLS = {"floor": math.floor, "ceiling": math.ceil, "ceil": math.ceil, "Max": max, "Min": min,
+          "max": max, "min": min, "FloorDiv": operator.floordiv, "Mod": operator.mod}
+
+
+def _evaluate(expression: str, symbols: Mapping[str, int]) -> int | None:
+    """The value of a dim expression the exporter writes (``s0*s1``, ``2*s0 + 1``, ``floor(s0/2)``)."""
+    def walk(node):
+        if isinstance(node, ast.Expression):
+            return walk(node.body)
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.Name):
+            return symbols[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+            return _BINARY[type(node.op)](walk(node.left), walk(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _CALLS:
+            return _CALLS[node.func.id](*(walk(a) for a in node.args))
+        raise KeyError(expression)
+
+    try:
+        result = walk(ast.parse(expression, mode="eval"))
+    except (KeyError, SyntaxError, ZeroDivisionError, TypeError, ValueError):
+        return None
+    return int(result) if result == int(result) else None
+
+
+def _concrete(shape: ir.Shape | None, symbols: Mapping[str, int]) -> list[int] | None:
+    if shape is None:
+        return None
+    dims = []
+    for dim in shape:
+        if isinstance(dim, int):
+            dims.append(dim)
+        elif isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+            value = symbols.get(dim.value)
+            value = _evaluate(dim.value, symbols) if value is None else value
+            if value is None:
+                return None
+            dims.append(value)
+        else:
+            return None
+    return dims
+
+
+def _bytes(dtype: ir.DataType | None, dims: Sequence[int]) -> int:
+    itemsize = dtype.itemsize if dtype is not None else 4
+    return math.ceil(math.prod(dims) * itemsize)
+
+
+def value_sizes(model: ir.Model, input_shapes: Mapping[str, Sequence[int]]) -> ValueSizes:
+    """Sizes of every value of ``model``'s graph when its inputs have ``input_shapes``.
+
+    Symbolic dims of the graph inputs are bound from ``input_shapes`` (input name ->
+    concrete shape) and the exporter's dim expressions evaluated with them; values
+    without a usable shape get one from ONNX shape inference on a concrete copy, and
+    failing that the size of their largest input.
+    """
+    graph = model.graph
+    symbols: dict[str, int] = {}
+    for value in graph.inputs:
+        concrete = input_shapes.get(value.name)
+        if concrete is None or value.shape is None or len(value.shape) != len(concrete):
+            continue
+        for dim, size in zip(value.shape, concrete):
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+                symbols.setdefault(dim.value, int(size))
+
+    sizes: dict[str, int] = {}
+    unknown: list[ir.Value] = []
+    values = [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)]
+    for value in values:
+        if value.name in sizes:
+            continue
+        dims = list(input_shapes[value.name]) if value.name in input_shapes else _concrete(value.shape, symbols)
+        if value.is_initializer() and value.const_value is not None:
+            dims = list(value.const_value.shape)
+        if dims is None:
+            unknown.append(value)
+        else:
+            sizes[value.name] = _bytes(value.dtype, dims)
+    guessed: set[str] = set()
+    if unknown:
+        inferred = io.infer_concrete_shapes(model, input_shapes)
+        for value in unknown:
+            found = inferred.get(value.name)
+            if found is not None:
+                dtype, dims = found
+                sizes[value.name] = _bytes(dtype, dims)
+        for node in graph:  # in order: a guess may use an earlier guess
+            for out in node.outputs:
+                if out.name not in sizes:
+                    sizes[out.name] = max((sizes.get(i.name, 0) for i in node.inputs if i is not None), default=0)
+                    guessed.add(out.name)
+    return ValueSizes(sizes, frozenset(guessed))
+
+
+def execution_order(graph: ir.Graph) -> list[ir.Node]:
+    """The order ONNX Runtime runs ``graph``'s nodes in by default (``ExecutionOrder.DEFAULT``).
+
+    A reverse depth-first walk from the leaf nodes (nodes no other node reads from); a
+    node's producers are pushed by ascending index, so the highest-indexed one is walked
+    first; a node is emitted once all its producers are. (ONNX Runtime's own graph
+    optimizations add and fuse nodes, so this is the order before them.)
+    """
+    nodes = list(graph)
+    index = {node: i for i, node in enumerate(nodes)}
+    consumed: set[ir.Node] = set()
+    producers: dict[ir.Node, list[ir.Node]] = {}
+    for node in nodes:
+        found = {i.producer() for i in node.inputs if i is not None and i.producer() in index}
+        producers[node] = sorted(found, key=index.__getitem__)
+        consumed.update(found)
+    stack: list[tuple[ir.Node, bool]] = [(node, False) for node in nodes if node not in consumed]
+    visited: set[ir.Node] = set()
+    order: list[ir.Node] = []
+    while stack:
+        node, leaving = stack.pop()
+        if leaving:
+            order.append(node)
+            continue
+        if node in visited:
+            continue
+        visited.add(node)
+        stack.append((node, True))
+        stack.extend((p, False) for p in producers[node] if p not in visited)
+    return order
+
+
+def just_in_time_order(graph: ir.Graph, driving: set[ir.Node]) -> list[ir.Node]:
+    """A topological order that runs the ``driving`` nodes in their graph order and every
+    other node as late as possible: right before the first driving node that needs it.
+
+    For a backward graph whose driving nodes are the gradient nodes, this recomputes a
+    layer's forward values just before that layer's gradient, so they are alive during
+    that layer only.
+    """
+    emitted: set[ir.Node] = set()
+    order: list[ir.Node] = []
+    for target in graph:
+        if target not in driving or target in emitted:
+            continue
+        stack: list[tuple[ir.Node, bool]] = [(target, False)]
+        while stack:
+            node, leaving = stack.pop()
+            if leaving:
+                if node not in emitted:
+                    emitted.add(node)
+                    order.append(node)
+                continue
+            if node in emitted:
+                continue
+            stack.append((node, True))
+            producers = [i.producer() for i in node.inputs if i is not None and i.producer() is not None]
+            stack.extend((p, False) for p in reversed(producers) if p not in emitted)
+    order.extend(n for n in graph if n not in emitted)  # nodes no driving node needs (dead ends)
+    return order
+
+
+@dataclass(frozen=True)
+class LivePeak:
+    """The largest total size of values alive at once during one run of a graph.
+
+    Attributes:
+        bytes: that total (graph inputs excluded: the caller owns them).
+        node: the node running at the peak (its outputs allocated, its inputs alive).
+        at_end: bytes alive when the run ends (the graph outputs).
+    """
+
+    bytes: int
+    node: str | None
+    at_end: int
+
+
+def live_peak(graph: ir.Graph, sizes: ValueSizes, order: Sequence[ir.Node] | None = None) -> LivePeak:
+    """Simulate a run of ``graph`` in ``order`` (default: :func:`execution_order`) and
+    return the peak of the bytes of the values it holds at once."""
+    order = execution_order(graph) if order is None else order
+    position = {node: k for k, node in enumerate(order)}
+    outputs = set(graph.outputs)
+    last_use: dict[ir.Value, int] = {}
+    for node in order:
+        for value in node.inputs:
+            if value is not None and value.producer() in position:
+                last_use[value] = max(last_use.get(value, -1), position[node])
+    live = peak = 0
+    peak_node = None
+    for k, node in enumerate(order):
+        live += sum(sizes.of(o) for o in node.outputs)
+        if live > peak:
+            peak, peak_node = live, node.name
+        for value in {*node.inputs, *node.outputs}:  # freed after their last reader (or unread)
+            if value is None or value in outputs or value.producer() not in position:
+                continue
+            if last_use.get(value, -1) <= k:
+                live -= sizes.of(value)
+    return LivePeak(peak, peak_node, live)

@@ -1,0 +1,155 @@
+"""Memory planning without PyTorch: value sizes, the live-set simulation, the min cut, and
+forward/backward graphs cut under memory options still computing the same gradients."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from onnxtrain.ir import io
+from onnxtrain.passes import memory, recompute
+from onnxtrain.passes.partition import (FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, MemoryOptions,
+                                        build_forward_backward)
+
+BATCH, WIDTH, LAYERS = 8, 6, 3
+
+
+def _mlp() -> onnx.ModelProto:
+    """LAYERS blocks of h = LayerNorm(x); x = x + W2 @ tanh(W1 @ h) (symbolic batch), loss-free."""
+    nodes, inputs = [], [helper.make_tensor_value_info("x0", TensorProto.FLOAT, ["batch", WIDTH])]
+    for k in range(LAYERS):
+        x = f"x{k}"
+        nodes += [
+            helper.make_node("LayerNormalization", [x, f"g{k}", f"c{k}"], [f"n{k}"], axis=-1),
+            helper.make_node("MatMul", [f"n{k}", f"W1_{k}"], [f"a{k}"]),
+            helper.make_node("Tanh", [f"a{k}"], [f"t{k}"]),
+            helper.make_node("Mul", [f"t{k}", f"t{k}"], [f"s{k}"]),
+            helper.make_node("MatMul", [f"s{k}", f"W2_{k}"], [f"m{k}"]),
+            helper.make_node("Add", [x, f"m{k}"], [f"x{k + 1}"]),
+        ]
+        inputs += [helper.make_tensor_value_info(f"g{k}", TensorProto.FLOAT, [WIDTH]),
+                   helper.make_tensor_value_info(f"c{k}", TensorProto.FLOAT, [WIDTH]),
+                   helper.make_tensor_value_info(f"W1_{k}", TensorProto.FLOAT, [WIDTH, 4 * WIDTH]),
+                   helper.make_tensor_value_info(f"W2_{k}", TensorProto.FLOAT, [4 * WIDTH, WIDTH])]
+    out = helper.make_tensor_value_info(f"x{LAYERS}", TensorProto.FLOAT, ["batch", WIDTH])
+    return helper.make_model(helper.make_graph(nodes, "mlp", inputs, [out]),
+                             opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _values(model: onnx.ModelProto, seed=0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in model.graph.input:
+        shape = [d.dim_value or BATCH for d in value.type.tensor_type.shape.dim]
+        feeds[value.name] = rng.standard_normal(shape).astype(np.float32) * 0.5
+    return feeds
+
+
+def _gradients(options: MemoryOptions | None):
+    proto = _mlp()
+    feeds = _values(proto)
+    wrt = [n for n in feeds if n != "x0"]
+    shapes = {n: v.shape for n, v in feeds.items()}
+    graphs = build_forward_backward(io.load_model(proto), wrt, memory_options=options, input_shapes=shapes)
+    forward = ort.InferenceSession(io.serialize(graphs.forward), providers=["CPUExecutionProvider"])
+    backward = ort.InferenceSession(io.serialize(graphs.backward_for_session()), providers=["CPUExecutionProvider"])
+    outputs = forward.run(None, feeds)
+    seed = np.random.default_rng(1).standard_normal(outputs[0].shape).astype(np.float32)
+    names = [v.name for v in graphs.forward.graph.inputs]
+    sources = {FROM_OUTPUT_GRAD: lambda i: seed, FROM_FORWARD_OUTPUT: lambda i: outputs[i],
+               FROM_INPUT: lambda i: feeds[names[i]]}
+    backward_feeds = {v.name: sources[src](i) for v, (src, i) in zip(graphs.backward.graph.inputs, graphs.backward_inputs)}
+    return dict(zip(wrt, backward.run(None, backward_feeds))), graphs
+
+
+@pytest.mark.parametrize("options", [MemoryOptions(level=1), MemoryOptions(level=2), MemoryOptions(budget=0),
+                                     MemoryOptions(budget=BATCH * 4 * WIDTH * 4 * 3)],
+                         ids=["level1", "level2", "budget0", "budget-some"])
+def test_recompute_keeps_gradients_and_saves_less(options):
+    expected, plain = _gradients(None)
+    got, planned = _gradients(options)
+    for name in expected:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    report = planned.memory
+    assert plain.memory.saved_bytes == plain.memory.unplanned_saved_bytes > 0
+    assert report.saved_bytes < plain.memory.saved_bytes
+    assert report.recomputed, "nothing recomputed"
+    if options.budget is not None and options.budget > 0:
+        assert report.saved_bytes <= options.budget
+    # layer inputs (read by LayerNormalization) are never recomputed
+    assert not {name for name, _ in report.recomputed} & {f"node_Add_{k}" for k in range(LAYERS)}
+    assert "saved activations" in report.explain()
+
+
+def test_level_one_never_recomputes_matmuls_and_level_two_does():
+    _, level1 = _gradients(MemoryOptions(level=1))
+    _, level2 = _gradients(MemoryOptions(level=2))
+    assert "MatMul" not in {op for _, op in level1.memory.recomputed}
+    assert "MatMul" in {op for _, op in level2.memory.recomputed}
+    assert level2.memory.saved_bytes < level1.memory.saved_bytes
+
+
+def test_environment_variable_sets_the_level(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "2")
+    _, graphs = _gradients(MemoryOptions())
+    assert graphs.memory.level == 2 and graphs.memory.recomputed
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "7")
+    with pytest.raises(ValueError, match="ORTMODULE_MEMORY_OPT_LEVEL"):
+        _gradients(MemoryOptions())
+
+
+def test_options_need_input_shapes():
+    with pytest.raises(ValueError, match="input_shapes"):
+        build_forward_backward(io.load_model(_mlp()), ["W1_0"], memory_options=MemoryOptions(level=2))
+
+
+def test_value_sizes_bind_symbolic_dims_and_infer_missing_shapes():
+    model = io.load_model(_mlp())
+    for node in model.graph:  # forget every intermediate shape: inference must find them again
+        for out in node.outputs:
+            out.shape = None
+    sizes = memory.value_sizes(model, {"x0": (5, WIDTH)})
+    assert sizes.bytes["a0"] == 5 * 4 * WIDTH * 4
+    assert sizes.bytes["x3"] == 5 * WIDTH * 4
+    assert not sizes.guessed
+
+
+def test_live_peak_counts_values_until_their_last_reader():
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([10]))
+    a = ir.node("Neg", [x], num_outputs=1)
+    b = ir.node("Neg", [a.outputs[0]], num_outputs=1)
+    c = ir.node("Add", [a.outputs[0], b.outputs[0]], num_outputs=1)
+    graph = ir.Graph([x], c.outputs, nodes=[a, b, c])
+    sizes = memory.ValueSizes({v.name: 40 for v in [x, *a.outputs, *b.outputs, *c.outputs]}, frozenset())
+    peak = memory.live_peak(graph, sizes)
+    assert peak.bytes == 120 and peak.at_end == 40  # a, b and c alive while c runs
+
+
+def test_min_cut_saves_the_cheaper_side():
+    """A chain x -> e -> r (small) -> g (big) whose g the backward reads: depending on the
+    weight of recompute time against bytes, save g, or save r and recompute g, or recompute
+    everything from x (at hand for free)."""
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([100]))
+    expand = ir.node("Tanh", [x], num_outputs=1)
+    reduce = ir.node("ReduceSum", [expand.outputs[0]], num_outputs=1)
+    grow = ir.node("Exp", [reduce.outputs[0]], num_outputs=1)
+    nodes = [expand, reduce, grow]
+    names = {expand.outputs[0]: 400, reduce.outputs[0]: 4, grow.outputs[0]: 4000}
+    for v, n in zip(names, ["e", "r", "g"]):
+        v.name = n
+    sizes = memory.ValueSizes({"x": 400, "e": 400, "r": 4, "g": 4000}, frozenset())
+    needed = [grow.outputs[0]]
+    allow = lambda node: True  # noqa: E731
+    # costs are traffic: e 800, r 404, g 4004 byte-equivalents
+    middle = recompute.cut(nodes, needed, {x}, sizes, allow, weight=0.5)
+    assert middle.recomputed == {grow} and middle.saved_bytes == 4
+    everything = recompute.cut(nodes, needed, {x}, sizes, allow, weight=1e-3)
+    assert everything.recomputed == set(nodes) and everything.saved_bytes == 0
+    expensive = recompute.cut(nodes, needed, {x}, sizes, allow, weight=1e3)
+    assert expensive.recomputed == frozenset() and expensive.saved_bytes == 4000
+    fits = recompute.cut_within_budget(nodes, needed, {x}, sizes, allow, budget=100)
+    assert fits.saved_bytes <= 100

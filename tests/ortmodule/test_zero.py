@@ -202,6 +202,22 @@ def test_zero_reduce_gradients_replaces_ddp_averaging(ranks, reference):
 
 
 @needs_gloo
+def test_zero_failures_are_reported_on_every_rank(ranks):
+    for rank, result in enumerate(ranks):
+        failures = result["failures"]
+        assert "same parameters" in failures["mismatch"] and "rank 1: 1 parameters, 2 elements" in failures["mismatch"]
+        assert failures["owned"] == [rank]
+        kind, message = failures["step_error"]
+        if rank == 1:  # where the step was refused: FusedAdam's own error, its parameter untouched
+            assert kind == "OptimizerConfigError" and "lr must be" in message
+            assert all(torch.equal(p, torch.ones(4)) for p in failures["params"])
+        else:  # the other rank updated its own parameter and exchanged nothing
+            assert kind == "ZeroStepError" and "rank(s) [1] of 2" in message
+            assert not torch.equal(failures["params"][0], torch.ones(4))
+            assert torch.equal(failures["params"][1], torch.ones(4))
+
+
+@needs_gloo
 def test_deepspeed_zero_stage1_around_ortmodule_matches_eager_deepspeed(ranks, reference):
     for result in ranks:
         ds = result["deepspeed"]

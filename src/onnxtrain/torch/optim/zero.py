@@ -19,6 +19,7 @@ into the plain optimizer.
 from __future__ import annotations
 
 import os
+import zlib
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -176,12 +177,16 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if dist.is_available() and dist.is_initialized():
             self.world_size = dist.get_world_size(process_group)
             self.rank = dist.get_rank(process_group)
+            if self.rank < 0:
+                raise OptimizerConfigError("ZeroOptimizer: this process is not a member of process_group")
             group = process_group if process_group is not None else dist.group.WORLD
             sources = [dist.get_global_rank(group, r) for r in range(self.world_size)]
         else:
             self.world_size, self.rank, sources = 1, 0, [0]
         self.reduce_gradients = reduce_gradients
         self._params = [p for group in self.param_groups for p in group["params"]]
+        if self.world_size > 1:
+            self._check_same_parameters_everywhere()
         self.partition = partition_parameters(self._params, self.world_size)
         owned = set(self.partition.owned(self.rank))
         self._local_positions = sorted(owned)  # the local optimizer's parameter order
@@ -189,6 +194,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)  # its filled-in defaults
         self._buckets = _buckets(self._params, self.partition, sources, bucket_bytes)
+
+    def _check_same_parameters_everywhere(self) -> None:
+        """Every rank must partition the same list, or the exchange would mix tensors up."""
+        shapes = ";".join(f"{tuple(p.shape)}{p.dtype}" for p in self._params)
+        mine = torch.tensor([len(self._params), sum(p.numel() for p in self._params),
+                             zlib.crc32(shapes.encode())], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self.process_group)
+        if any(not torch.equal(other, mine) for other in everyone):
+            rows = ", ".join(f"rank {r}: {t[0].item()} parameters, {t[1].item()} elements"
+                             for r, t in enumerate(everyone))
+            raise OptimizerConfigError("ZeroOptimizer needs the same parameters (count, shapes, dtypes, order) on "
+                                       f"every rank; got {rows}")
 
     def _local_groups(self, groups: Sequence[dict], owned: set[int]) -> list[dict]:
         """``groups`` (exposed or from a state dict) cut down to this rank's parameters."""

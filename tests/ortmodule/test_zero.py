@@ -254,6 +254,15 @@ def test_consolidate_names_missing_and_mismatched_shards(setup, ranks, tmp_path)
     with pytest.raises(CheckpointError, match="cannot read"):
         consolidate_state_dict(tmp_path)
 
+    # in-memory shards (each rank's state_dict()) merge like the files
+    in_memory = consolidate_state_dict([torch.load(p, weights_only=True) for p in reversed(shards)])
+    from_files = consolidate_state_dict(workdir / "ckpt2")
+    assert in_memory["param_groups"] == from_files["param_groups"]
+    assert sorted(in_memory["state"]) == sorted(from_files["state"]) == list(range(8))
+    for index, state in from_files["state"].items():
+        for key, value in state.items():
+            assert torch.equal(in_memory["state"][index][key], value), (index, key)
+
 
 @needs_gloo
 def test_loading_another_ranks_shard_asks_for_consolidation(setup, ranks):

@@ -109,9 +109,8 @@ def _load_all(shards) -> list[tuple[str, dict]]:
     loaded = []
     for item in shards:
         if isinstance(item, dict):
-            label = f"shard of rank {item.get(META_KEY, {}).get('rank', '?')}"
-            _check_is_shard(item, label)
-            loaded.append((label, item))
+            _check_is_shard(item, "a state dict given to consolidate_state_dict")
+            loaded.append((f"the shard of rank {item[META_KEY]['rank']}", item))
         else:
             loaded.append((str(item), load_shard(item)))
     if not loaded:

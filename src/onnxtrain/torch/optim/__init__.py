@@ -2,9 +2,15 @@
 
 - :class:`FusedAdam` with :class:`AdamWMode`: Adam / AdamW over all parameters in a few
   multi-tensor kernels.
+- :class:`LAMB`: LAMB (Adam moments, per-tensor trust ratio, global gradient clipping) in
+  multi-tensor kernels.
+- :class:`FP16_Optimizer`: fp32 master weights and (dynamic) loss scaling around any optimizer
+  of fp16/bf16 parameters.
 """
 
-from onnxtrain.torch.optim.errors import OptimizerConfigError
+from onnxtrain.torch.optim.errors import OptimizerConfigError, ScalerStateError
+from onnxtrain.torch.optim.fp16_optimizer import FP16_Optimizer
 from onnxtrain.torch.optim.fused_adam import AdamWMode, FusedAdam
+from onnxtrain.torch.optim.lamb import LAMB
 
-__all__ = ["AdamWMode", "FusedAdam", "OptimizerConfigError"]
+__all__ = ["AdamWMode", "FP16_Optimizer", "FusedAdam", "LAMB", "OptimizerConfigError", "ScalerStateError"]

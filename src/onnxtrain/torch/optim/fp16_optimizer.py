@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from onnxtrain.torch.amp import GradScaler
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 _LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
@@ -96,6 +95,7 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
             raise OptimizerConfigError(f"FP16_Optimizer: parameters on several device types {sorted(devices)}; "
                                        "expected one")
         device = devices.pop() if devices else "cpu"
+        from onnxtrain.torch.amp import GradScaler  # not at the top: amp imports this package's errors
         scaler_args = {} if self.dynamic_loss_scale else {"init_scale": self.static_loss_scale}
         scaler_args.update(dynamic_loss_args or {})
         self.scaler = GradScaler(device, **scaler_args)

@@ -136,17 +136,19 @@ class LAMB(torch.optim.Optimizer):
         grads = torch._foreach_div(grads, clip) if clip is not None else list(grads)
         if wd and not self.adam_w_mode:
             grads = torch._foreach_add(grads, params, alpha=wd)
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=beta3)
+        if beta3 == 1.0 - beta1:
+            torch._foreach_lerp_(exp_avgs, grads, beta3)  # beta1 m + (1 - beta1) g in one pass
+        else:
+            torch._foreach_mul_(exp_avgs, beta1)
+            torch._foreach_add_(exp_avgs, grads, alpha=beta3)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
 
-        # u = (m / c1) / (sqrt(v) / sqrt(c2) + eps)
+        # u = (m / c1) / (sqrt(v / c2) + eps) = (sqrt(c2) / c1) * m / (sqrt(v) + eps * sqrt(c2))
         denominators = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denominators, math.sqrt(c2))
-        torch._foreach_add_(denominators, group["eps"])
+        torch._foreach_add_(denominators, group["eps"] * math.sqrt(c2))
         updates = torch._foreach_div(exp_avgs, denominators)
-        torch._foreach_div_(updates, c1)
+        torch._foreach_mul_(updates, math.sqrt(c2) / c1)
         if wd and self.adam_w_mode:
             torch._foreach_add_(updates, params, alpha=wd)
 

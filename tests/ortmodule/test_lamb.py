@@ -220,3 +220,12 @@ def test_sparse_gradient_is_refused_before_any_update():
     with pytest.raises(OptimizerConfigError, match="sparse"):
         optimizer.step()
     assert torch.equal(dense.detach(), before) and "step" not in optimizer.param_groups[0]
+
+
+def test_fp16_parameters_with_norms_beyond_fp16_range():
+    # ||g|| = 300 * sqrt(1e5) ~ 9.5e4 > 65504: the norms must not overflow to inf
+    p = torch.nn.Parameter(torch.full((100_000,), 2.0, dtype=torch.float16))
+    p.grad = torch.full((100_000,), 300.0, dtype=torch.float16)
+    LAMB([p], lr=0.01, max_grad_norm=1.0).step()
+    # u is uniform, so lr * r * u = lr * ||p|| / ||u|| * u = lr * p: p = 2 - 0.01 * 2 (and finite)
+    torch.testing.assert_close(p.detach().float(), torch.full((100_000,), 1.98), rtol=1e-3, atol=0)

@@ -104,14 +104,15 @@ class LAMB(torch.optim.Optimizer):
         return loss
 
     def _clip_divisors(self, grads: list[torch.Tensor]) -> dict[torch.device, torch.Tensor] | None:
-        """``max(1, ||G|| / max_grad_norm)`` on each device, from the norm of all gradients (fp32)."""
+        """``max(1, ||G|| / max_grad_norm)`` on each device; norms accumulate in fp32 (an fp16 norm
+        overflows at 65504)."""
         if self.max_grad_norm is None:
             return None
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             by_device[g.device].append(g)
         first = grads[0].device
-        squares = [torch.stack(torch._foreach_norm(gs)).float().square().sum().to(first)
+        squares = [torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).square().sum().to(first)
                    for gs in by_device.values()]
         total = torch.stack(squares).sum().sqrt()
         divisor = torch.clamp(total / self.max_grad_norm, min=1.0)
@@ -153,8 +154,8 @@ class LAMB(torch.optim.Optimizer):
             torch._foreach_add_(updates, params, alpha=wd)
 
         if self.use_nvlamb or wd != 0:
-            p_norms = torch.stack(torch._foreach_norm(params))
-            u_norms = torch.stack(torch._foreach_norm(updates))
+            p_norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
+            u_norms = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
             ratios = (p_norms / u_norms).clamp(group["ratio_min"], group["ratio_max"])
             ratios = torch.where((p_norms > 0) & (u_norms > 0), ratios, torch.ones_like(ratios))
             torch._foreach_mul_(updates, list(ratios.unbind()))

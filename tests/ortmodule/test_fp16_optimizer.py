@@ -39,7 +39,7 @@ def _train_step(model, optimizer, step, dtype, inject_inf=False):
     optimizer.zero_grad()
     optimizer.backward(_loss(model, step, dtype))
     if inject_inf:
-        model[0].weight.grad.view(-1)[7] = math.inf
+        next(model.parameters()).grad.view(-1)[7] = math.inf
     optimizer.step()
 
 
@@ -195,3 +195,24 @@ def test_wrapping_something_else_or_a_stepped_optimizer_is_refused():
     stepped.step()
     with pytest.raises(OptimizerConfigError, match="state"):
         FP16_Optimizer(stepped)
+
+
+def test_an_ortmodule_fp16_model_trains_and_skips_like_the_fp32_reference():
+    from onnxtrain.torch import DebugOptions, ORTModule
+
+    half = _model()
+    reference = copy.deepcopy(half).float()
+    wrapped = ORTModule(half, DebugOptions(fallback=False))  # fp16 forward and backward in ONNX Runtime
+    ref_optimizer = INNER["FusedAdam"](reference.parameters())
+    optimizer = FP16_Optimizer(INNER["FusedAdam"](wrapped.parameters()), dynamic_loss_scale=True)
+    for step in range(10):
+        _train_step(wrapped, optimizer, step, torch.float16, inject_inf=step == 3)
+        assert optimizer.overflow == (step == 3)
+        if step != 3:  # the skipped step is skipped in the reference too
+            ref_optimizer.zero_grad()
+            _loss(reference, step, torch.float32).backward()
+            ref_optimizer.step()
+    assert optimizer.loss_scale == 2.0 ** 15
+    masters = [p for g in optimizer.param_groups for p in g["params"]]
+    for m, r in zip(masters, reference.parameters()):
+        torch.testing.assert_close(m.detach(), r.detach(), rtol=0, atol=FP16_TOL)

@@ -216,3 +216,24 @@ def test_an_ortmodule_fp16_model_trains_and_skips_like_the_fp32_reference():
     masters = [p for g in optimizer.param_groups for p in g["params"]]
     for m, r in zip(masters, reference.parameters()):
         torch.testing.assert_close(m.detach(), r.detach(), rtol=0, atol=FP16_TOL)
+
+
+def test_a_failing_wrapped_step_leaves_the_model_alone_and_the_next_step_runs():
+    class FailsOnce(torch.optim.SGD):
+        failed = False
+
+        def step(self, closure=None):
+            if not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise RuntimeError("boom")
+            return super().step(closure)
+
+    model = _model()
+    optimizer = FP16_Optimizer(FailsOnce(model.parameters(), lr=0.1), dynamic_loss_scale=True)
+    params = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="boom"):
+        _train_step(model, optimizer, 0, torch.float16)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    _train_step(model, optimizer, 1, torch.float16)
+    assert not optimizer.overflow and optimizer.loss_scale == 2.0 ** 16
+    assert not all(torch.equal(a, b) for a, b in zip(params, model.parameters()))

@@ -15,9 +15,9 @@ uses it for its own loss scaling.
 from __future__ import annotations
 
 import enum
+import warnings
 from collections import abc, defaultdict
 from dataclasses import dataclass, field
-import warnings
 
 import torch
 

@@ -133,7 +133,12 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
         self.overflow = self.scaler.found_inf(self.optimizer)
         if not self.overflow and self.clip_grad > 0:
             self.clip_master_grads(self.clip_grad)
-        self.scaler.step(self.optimizer)  # calls the wrapped optimizer only without overflow
+        try:
+            self.scaler.step(self.optimizer)  # calls the wrapped optimizer only without overflow
+        except BaseException:
+            # the wrapped step failed: end the iteration (same scale) so that the next one can run
+            self.scaler.update(self.scaler.get_scale())
+            raise
         if not self.overflow and pairs:
             torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])  # rounds to fp16/bf16
         if self.dynamic_loss_scale:

@@ -1,6 +1,7 @@
 """FusedAdam: each mode against its own reference, on the fused kernel and on foreach ops."""
 
 import copy
+import io
 import math
 
 import pytest
@@ -129,25 +130,33 @@ def test_zero_grad_follows_set_grad_none():
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)
 
 
-def test_state_dict_round_trip_continues_identically():
-    a, b = _params(), _params()
-    first = FusedAdam(a, lr=0.02, weight_decay=0.01)
-    for t in range(1, 4):
-        for p, g in zip(a, _grads(t, a)):
-            p.grad = g
-        first.step()
-    with torch.no_grad():
-        for p, q in zip(a, b):
-            q.copy_(p)
-    second = FusedAdam(b, lr=0.02, weight_decay=0.01)
-    second.load_state_dict(copy.deepcopy(first.state_dict()))
-    assert second.param_groups[0]["step"] == 3
-    for t in range(4, 7):
-        for p, q, g in zip(a, b, _grads(t, a)):
-            p.grad, q.grad = g.clone(), g.clone()
-        first.step()
-        second.step()
-    for p, q in zip(a, b):
+def _save_load(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("mode", list(AdamWMode))
+def test_resume_from_saved_state_dict_is_bit_identical(mode, fused):
+    groups = lambda ps: [{"params": ps[:2], "lr": 0.02}, {"params": ps[2:], "lr": 0.005, "weight_decay": 0.1}]
+    kwargs = dict(weight_decay=0.01, adam_w_mode=mode, fused=fused)
+    uninterrupted, interrupted = _params(), _params()
+    first = FusedAdam(groups(uninterrupted), **kwargs)
+    second = FusedAdam(groups(interrupted), **kwargs)
+    for t in range(1, 9):
+        for ps, optimizer in ((uninterrupted, first), (interrupted, second)):
+            for p, g in zip(ps, _grads(t, ps)):
+                p.grad = g
+            optimizer.step()
+        if t == 4:  # checkpoint to bytes; continue in a fresh optimizer over fresh parameter objects
+            saved = _save_load({"params": [p.detach() for p in interrupted], "optim": second.state_dict()})
+            interrupted = [torch.nn.Parameter(p.clone()) for p in saved["params"]]
+            second = FusedAdam(groups(interrupted), **kwargs)
+            second.load_state_dict(saved["optim"])
+            assert [g["step"] for g in second.param_groups] == [4, 4]
+    for p, q in zip(uninterrupted, interrupted):
         assert torch.equal(p, q)
 
 
@@ -200,3 +209,57 @@ def test_transformers_decay_of_exactly_one_zeroes_the_parameter(fused):
         p.grad = torch.ones_like(p)
     optimizer.step()
     assert all(torch.equal(p.detach(), torch.zeros_like(p)) for p in params)
+
+
+# -- 50 float32 steps, two parameter groups with weight decay ----------------------------------
+LONG_STEPS = 50
+LONG_RTOL = 1e-6  # relative to each tensor's largest magnitude
+LONG_GROUPS = [([0, 1], 0.01, 0.05), ([2], 0.003, 0.2)]  # (indices, lr, weight_decay)
+
+
+def _long_groups(params):
+    return [{"params": [params[i] for i in idx], "lr": lr, "weight_decay": wd} for idx, lr, wd in LONG_GROUPS]
+
+
+def _assert_tracks(actual, expected, what):
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        scale = e.detach().abs().max().item()
+        torch.testing.assert_close(a.detach(), e.detach(), rtol=LONG_RTOL, atol=LONG_RTOL * scale,
+                                   msg=lambda m: f"{what}, tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("mode", list(AdamWMode))
+def test_each_mode_tracks_its_reference_over_50_float32_steps(mode, fused):
+    params = _params()
+    reference = [p.detach().clone() for p in params]
+    betas, eps = (0.9, 0.99), 1e-8
+    optimizer = FusedAdam(_long_groups(params), betas=betas, eps=eps, adam_w_mode=mode, fused=fused)
+    states = [{} for _ in LONG_GROUPS]
+    for t in range(1, LONG_STEPS + 1):
+        grads = _grads(t, params)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer.step()
+        for (idx, lr, wd), state in zip(LONG_GROUPS, states):
+            sub = [reference[i] for i in idx]
+            _reference_step(mode, sub, [grads[i] for i in idx], state, t, lr, betas, eps, wd, True)
+            for i, r in zip(idx, sub):
+                reference[i] = r
+    _assert_tracks(params, reference, f"{mode.name} vs its reference")
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("torch_fused", [True, False])
+@pytest.mark.parametrize("mode, torch_cls", [(AdamWMode.ADAMW_TORCH, torch.optim.AdamW),
+                                             (AdamWMode.ADAM_L2_REGULARIZATION, torch.optim.Adam)])
+def test_torch_modes_track_torch_over_50_float32_steps(mode, torch_cls, torch_fused, fused):
+    ours, theirs = _params(), _params()
+    optimizer = FusedAdam(_long_groups(ours), eps=1e-8, adam_w_mode=mode, fused=fused)
+    expected = torch_cls(_long_groups(theirs), eps=1e-8, **({"fused": True} if torch_fused else {"foreach": True}))
+    for t in range(1, LONG_STEPS + 1):
+        for a, b, g in zip(ours, theirs, _grads(t, ours)):
+            a.grad, b.grad = g.clone(), g.clone()
+        optimizer.step()
+        expected.step()
+    _assert_tracks(ours, theirs, f"{mode.name} vs {torch_cls.__name__}")

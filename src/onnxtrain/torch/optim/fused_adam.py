@@ -8,10 +8,16 @@ parameter, its gradient and its two moments. Elsewhere the update runs as a hand
 ``torch._foreach_*`` multi-tensor ops.
 
 Every mode is an update of the form ``p <- A * p - B * m / (sqrt(v) + E)`` after the usual
-moment updates, with scalars ``A``, ``B``, ``E`` that depend on the mode and the step; the
-fused kernels compute a fixed form of it (PyTorch's bias-corrected AdamW), so the optimizer
-hands them learning rate, epsilon and weight decay values rescaled to give the mode's
-``A``, ``B`` and ``E`` exactly.
+moment updates, with scalars ``A``, ``B``, ``E`` that depend on the mode and the step, and, in
+transformers' mode, a decay of the updated parameter ``p <- p - D * p`` after it; the fused
+kernels compute a fixed form of the first part (PyTorch's bias-corrected AdamW), so the
+optimizer hands them learning rate, epsilon and weight decay values rescaled to give the
+mode's ``A``, ``B`` and ``E`` exactly.
+
+Transformers' decay is applied as ``p - D * p`` (as transformers does), not folded into
+``A = 1 - D``: in float32 ``1 - D`` is only known to ~6e-8 absolute, which for a typical
+``D = lr * wd = 1e-6`` is a few percent of the decay itself, a bias that adds up over steps
+(``torch.optim.AdamW`` multiplies by ``1 - lr * wd``; ``ADAMW_TORCH`` does the same, to match it).
 """
 
 from __future__ import annotations
@@ -43,12 +49,14 @@ class AdamWMode(enum.IntEnum):
 
 @dataclass(frozen=True)
 class _Update:
-    """``p <- A * p - B * m / (sqrt(v) + E)``; ``l2`` is added to the gradient as ``l2 * p``."""
+    """``p <- A * p - B * m / (sqrt(v) + E)``, then ``p <- p - D * p``; ``l2`` is added to the
+    gradient as ``l2 * p``."""
 
     A: float
     B: float
     E: float
     l2: float
+    D: float = 0.0
 
 
 def _update_for(mode: AdamWMode, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -56,8 +64,7 @@ def _update_for(mode: AdamWMode, lr: float, beta1: float, beta2: float, eps: flo
     bc1 = 1.0 - beta1 ** step if bias_correction else 1.0
     bc2 = 1.0 - beta2 ** step if bias_correction else 1.0
     if mode == AdamWMode.ADAMW_TRANSFORMERS:
-        decay = 1.0 - lr * weight_decay
-        return _Update(A=decay, B=decay * lr * math.sqrt(bc2) / bc1, E=eps, l2=0.0)
+        return _Update(A=1.0, B=lr * math.sqrt(bc2) / bc1, E=eps, l2=0.0, D=lr * weight_decay)
     # torch's Adam / AdamW: lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)
     B, E = lr * math.sqrt(bc2) / bc1, eps * math.sqrt(bc2)
     if mode == AdamWMode.ADAMW_TORCH:
@@ -133,7 +140,7 @@ class FusedAdam(torch.optim.Optimizer):
                 moments = [self._moments(p) for p in params]
                 tensors = (params, [p.grad for p in params], [m for m, _ in moments], [v for _, v in moments])
                 # the fused kernel scales the decay by its learning rate: with a zero step size
-                # (B = 0) it cannot shrink p (A != 1; only when lr * weight_decay == 1 exactly)
+                # (B = 0, lr = 0) it cannot shrink p (A != 1 only in ADAMW_TORCH mode)
                 expressible = update.B != 0 or update.A == 1.0
                 if self._use_fused(device, dtype) and expressible:
                     _fused_update(*tensors, update, beta1, beta2, device)
@@ -198,6 +205,8 @@ def _fused_update(params, grads, exp_avgs, exp_avg_sqs, update: _Update, beta1, 
         decay = (1.0 - update.A) / lr if lr else 0.0
         torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, amsgrad=False, lr=lr, beta1=beta1,
                             beta2=beta2, weight_decay=decay, eps=eps, maximize=False)
+    if update.D:
+        torch._foreach_add_(params, params, alpha=-update.D)
 
 
 def _foreach_update(params, grads, exp_avgs, exp_avg_sqs, update: _Update, beta1, beta2) -> None:
@@ -211,3 +220,5 @@ def _foreach_update(params, grads, exp_avgs, exp_avg_sqs, update: _Update, beta1
     if update.A != 1.0:
         torch._foreach_mul_(params, update.A)
     torch._foreach_addcdiv_(params, exp_avgs, denominators, -update.B)
+    if update.D:
+        torch._foreach_add_(params, params, alpha=-update.D)

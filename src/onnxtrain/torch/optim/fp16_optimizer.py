@@ -1,0 +1,197 @@
+"""Mixed-precision training of fp16/bf16 parameters: fp32 master weights and loss scaling.
+
+:class:`FP16_Optimizer` wraps any PyTorch optimizer built over half-precision parameters. The
+optimizer is re-pointed at fp32 copies of those parameters (the *masters*) and only ever sees
+fp32 values; the model keeps its fp16/bf16 parameters for the forward and backward. A step:
+
+1. copy the model's gradients into the masters' (fp32) gradients;
+2. unscale them and check them for inf/NaN in one multi-tensor kernel per device and dtype
+   (:class:`onnxtrain.torch.amp.GradScaler`, the one implementation of the scaling logic);
+3. on overflow: skip. Parameters, masters and the optimizer's state (moments, step counts) are
+   untouched, the dynamic scale backs off;
+4. else: optionally clip the masters' gradient norm, step the wrapped optimizer on the masters,
+   copy the masters back into the model's parameters (rounding to their dtype).
+
+Upstream's ``onnxruntime.training.optim.FP16_Optimizer`` patches the FP16_Optimizer of DeepSpeed,
+apex or Megatron-LM (it needs one of them installed); this one is self-contained and takes the
+wrapped optimizer itself, with apex's / Megatron's argument names (``static_loss_scale``,
+``dynamic_loss_scale``, ``dynamic_loss_args``) and DeepSpeed's ``clip_grad``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from onnxtrain.torch.optim.errors import OptimizerConfigError
+
+_LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
+_SCALER_ARGS = frozenset({"init_scale", "growth_factor", "backoff_factor", "growth_interval"})
+
+
+class FP16_Optimizer:  # noqa: N801 (upstream's name)
+    """fp32 master weights and loss scaling around any optimizer of fp16/bf16 parameters.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` (``torch.optim.AdamW``, ``SGD``, :class:`FusedAdam`,
+            :class:`LAMB`, ...) built over the model's parameters and not stepped yet. Its
+            fp16/bf16 parameters are replaced, in its ``param_groups``, by fp32 masters; fp32
+            parameters stay as they are (they are their own masters).
+        static_loss_scale: the loss scale when ``dynamic_loss_scale`` is ``False`` (apex's default
+            1.0). A step with an inf/NaN gradient is skipped either way.
+        dynamic_loss_scale: adapt the scale (:class:`~onnxtrain.torch.amp.GradScaler`'s rules).
+        dynamic_loss_args: keyword arguments of the dynamic scaler: ``init_scale`` (2**16),
+            ``growth_factor`` (2), ``backoff_factor`` (0.5), ``growth_interval`` (2000).
+        clip_grad: if > 0, clip the global L2 norm of the (unscaled) master gradients to it.
+
+    Use ``backward(loss)`` instead of ``loss.backward()``; ``step()`` returns ``None`` and sets
+    :attr:`overflow` to whether it skipped. ``optimizer.optimizer`` is the wrapped optimizer
+    (for learning-rate schedulers).
+
+    Example:
+        >>> model = model.half()
+        >>> optimizer = FP16_Optimizer(FusedAdam(model.parameters(), lr=1e-3), dynamic_loss_scale=True)
+        >>> loss = model(x).float().square().mean()
+        >>> optimizer.backward(loss)
+        >>> optimizer.step()            # skipped, and the scale halved, if a gradient overflowed
+        >>> optimizer.zero_grad()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None,
+                 clip_grad: float = 0.0):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise OptimizerConfigError(f"FP16_Optimizer: optimizer must be a torch.optim.Optimizer, "
+                                       f"got {type(optimizer).__name__}")
+        if any(optimizer.state.values()):
+            raise OptimizerConfigError("FP16_Optimizer: the optimizer already has state; wrap it before its "
+                                       "first step()")
+        if not (isinstance(static_loss_scale, (int, float)) and static_loss_scale > 0):
+            raise OptimizerConfigError(f"FP16_Optimizer: static_loss_scale must be a number > 0, "
+                                       f"got {static_loss_scale!r}")
+        if not (isinstance(clip_grad, (int, float)) and clip_grad >= 0):
+            raise OptimizerConfigError(f"FP16_Optimizer: clip_grad must be a number >= 0, got {clip_grad!r}")
+        unknown = set(dynamic_loss_args or {}) - _SCALER_ARGS
+        if unknown:
+            raise OptimizerConfigError(f"FP16_Optimizer: dynamic_loss_args has unknown keys {sorted(unknown)}; "
+                                       f"expected some of {sorted(_SCALER_ARGS)}")
+        self.optimizer = optimizer
+        self.dynamic_loss_scale = bool(dynamic_loss_scale)
+        self.static_loss_scale = float(static_loss_scale)
+        self.clip_grad = float(clip_grad)
+        self.overflow = False
+
+        self._model_params: list[torch.Tensor] = []  # low-precision parameters of the model ...
+        self._masters: list[torch.Tensor] = []  # ... and their fp32 masters, in the same order
+        devices = set()
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                devices.add(p.device.type)
+                if p.dtype in _LOW_PRECISION:
+                    master = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                    group["params"][i] = master
+                    self._model_params.append(p)
+                    self._masters.append(master)
+        if len(devices) > 1:
+            raise OptimizerConfigError(f"FP16_Optimizer: parameters on several device types {sorted(devices)}; "
+                                       "expected one")
+        device = devices.pop() if devices else "cpu"
+        from onnxtrain.torch.amp import GradScaler  # not at the top: amp imports this package's errors
+        scaler_args = {} if self.dynamic_loss_scale else {"init_scale": self.static_loss_scale}
+        scaler_args.update(dynamic_loss_args or {})
+        self.scaler = GradScaler(device, **scaler_args)
+
+    # -- training loop -------------------------------------------------------------------------
+    @property
+    def param_groups(self) -> list[dict]:
+        """The wrapped optimizer's groups (holding the fp32 masters)."""
+        return self.optimizer.param_groups
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.get_scale()
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``(loss * loss_scale).backward()``."""
+        self.scaler.scale(loss).backward(retain_graph=retain_graph)
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        """Copy gradients to the masters, unscale and check them, step or skip, update the scale."""
+        if closure is not None:
+            raise OptimizerConfigError("FP16_Optimizer.step: closures are not supported (call backward(loss) "
+                                       "and step() instead)")
+        pairs = [(p, m) for p, m in zip(self._model_params, self._masters) if p.grad is not None]
+        for p, m in zip(self._model_params, self._masters):
+            if p.grad is None:
+                m.grad = None
+        for p, m in pairs:
+            if m.grad is None:
+                m.grad = torch.empty_like(m)
+        if pairs:
+            torch._foreach_copy_([m.grad for _, m in pairs], [p.grad for p, _ in pairs])  # casts to fp32
+        self.scaler.unscale_(self.optimizer)
+        self.overflow = self.scaler.found_inf(self.optimizer)
+        if not self.overflow and self.clip_grad > 0:
+            self.clip_master_grads(self.clip_grad)
+        try:
+            self.scaler.step(self.optimizer)  # calls the wrapped optimizer only without overflow
+        except BaseException:
+            # the wrapped step failed: end the iteration (same scale) so that the next one can run
+            self.scaler.update(self.scaler.get_scale())
+            raise
+        if not self.overflow and pairs:
+            torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])  # rounds to fp16/bf16
+        if self.dynamic_loss_scale:
+            self.scaler.update()
+        else:
+            self.scaler.update(self.static_loss_scale)
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the masters' (unscaled) gradients to a global norm of ``max_norm``; returns the norm
+        before clipping (apex's method)."""
+        grads = [m for g in self.optimizer.param_groups for m in g["params"] if m.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type, foreach=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of the model's parameters and of the masters."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                _clear(p, set_to_none)
+        for p in self._model_params:
+            _clear(p, set_to_none)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The wrapped optimizer's state, the fp32 masters and the scaler's state."""
+        return {"optimizer": self.optimizer.state_dict(), "fp32_masters": [m.detach() for m in self._masters],
+                "scaler": self.scaler.state_dict(), "dynamic_loss_scale": self.dynamic_loss_scale,
+                "static_loss_scale": self.static_loss_scale, "clip_grad": self.clip_grad, "overflow": self.overflow}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict`'s output; the masters are copied in (the model's own
+        parameters are not touched: load the model's ``state_dict`` for those)."""
+        masters = state_dict["fp32_masters"]
+        if len(masters) != len(self._masters) or any(a.shape != b.shape for a, b in zip(masters, self._masters)):
+            raise OptimizerConfigError(
+                f"FP16_Optimizer.load_state_dict: the checkpoint has {len(masters)} fp32 masters of shapes "
+                f"{[tuple(m.shape) for m in masters]}, this optimizer {len(self._masters)} of shapes "
+                f"{[tuple(m.shape) for m in self._masters]}")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        with torch.no_grad():
+            for mine, saved in zip(self._masters, masters):
+                mine.copy_(saved)
+        self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
+        self.static_loss_scale = state_dict["static_loss_scale"]
+        self.clip_grad = state_dict["clip_grad"]
+        self.overflow = state_dict["overflow"]
+        self.scaler.load_state_dict(state_dict["scaler"])
+
+
+def _clear(p: torch.Tensor, set_to_none: bool) -> None:
+    if p.grad is None:
+        return
+    if set_to_none:
+        p.grad = None
+    else:
+        p.grad.detach_()
+        p.grad.zero_()

@@ -30,3 +30,14 @@ __all__ = [
     "GradientCheckError",
     "__version__",
 ]
+
+
+def estimate_memory(module, *args, **kwargs):
+    """Estimated peak memory of training a torch module with ORTModule (needs PyTorch);
+    see :func:`onnxtrain.torch.estimate_memory`."""
+    from onnxtrain.torch.memory import estimate_memory as estimate
+
+    return estimate(module, *args, **kwargs)
+
+
+__all__.append("estimate_memory")

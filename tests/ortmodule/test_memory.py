@@ -73,3 +73,25 @@ def test_half_budget_cuts_the_peak_by_a_third():
     assert planned["loss"] == pytest.approx(plain["loss"], rel=1e-5)
     drop = 1 - planned["peak_mb"] / plain["peak_mb"]
     assert drop >= 0.35, f"peak {plain['peak_mb']:.0f} MB -> {planned['peak_mb']:.0f} MB ({drop:.0%})"
+
+
+ESTIMATE_WORKER = Path(__file__).with_name("_estimate_worker.py")
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to reset the peak")
+@pytest.mark.parametrize("name, batch", [
+    ("mlp", 2048), ("gpt", 64), ("bert-mini", 64),
+    pytest.param("mlp", 8192, marks=pytest.mark.xfail(
+        reason="estimate ~24% under the measured peak at this size: ONNX Runtime's arena grows by powers of "
+               "two (not modelled)", strict=False)),
+    pytest.param("cnn", 256, marks=pytest.mark.xfail(
+        reason="estimate ~23% under the measured peak: ONNX Runtime's Conv/MaxPool gradients allocate "
+               "beyond the graph's values (not yet modelled)", strict=False)),
+])
+def test_estimate_is_within_a_fifth_of_the_measured_step_peak(name, batch):
+    done = subprocess.run([sys.executable, str(ESTIMATE_WORKER), name, str(batch)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    ratio = result["estimated"] / result["measured"]
+    assert 0.8 <= ratio <= 1.2, f"{name}: estimated / measured = {ratio:.2f}\n{result['explain']}"

@@ -14,7 +14,7 @@ import ast
 import math
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
@@ -33,6 +33,7 @@ class ValueSizes:
 
     bytes: dict[str, int]
     guessed: frozenset[str]
+    shapes: dict[str, list[int]] = field(default_factory=dict)
 
     def of(self, value: ir.Value | None) -> int:
         return 0 if value is None else self.bytes.get(value.name, 0)
@@ -110,6 +111,7 @@ def value_sizes(model: ir.Model, input_shapes: Mapping[str, Sequence[int]]) -> V
                 symbols.setdefault(dim.value, int(size))
 
     sizes: dict[str, int] = {}
+    shapes: dict[str, list[int]] = {}
     unknown: list[ir.Value] = []
     values = [*graph.inputs, *graph.initializers.values(), *(o for n in graph for o in n.outputs)]
     for value in values:
@@ -122,6 +124,7 @@ def value_sizes(model: ir.Model, input_shapes: Mapping[str, Sequence[int]]) -> V
             unknown.append(value)
         else:
             sizes[value.name] = _bytes(value.dtype, dims)
+            shapes[value.name] = dims
     guessed: set[str] = set()
     if unknown:
         inferred = io.infer_concrete_shapes(model, input_shapes)
@@ -130,12 +133,13 @@ def value_sizes(model: ir.Model, input_shapes: Mapping[str, Sequence[int]]) -> V
             if found is not None:
                 dtype, dims = found
                 sizes[value.name] = _bytes(dtype, dims)
+                shapes[value.name] = dims
         for node in graph:  # in order: a guess may use an earlier guess
             for out in node.outputs:
                 if out.name not in sizes:
                     sizes[out.name] = max((sizes.get(i.name, 0) for i in node.inputs if i is not None), default=0)
                     guessed.add(out.name)
-    return ValueSizes(sizes, frozenset(guessed))
+    return ValueSizes(sizes, frozenset(guessed), shapes)
 
 
 def execution_order(graph: ir.Graph) -> list[ir.Node]:

@@ -313,16 +313,20 @@ class ORTModule(torch.nn.Module):
             self._save(variant.graph.model, "inference")
         return variant.inference
 
+    def _forward_backward(self, variant: _Variant, wrt: tuple, inputs):
+        """The forward and backward graphs for these requires-grad inputs, planned for these shapes."""
+        model = io.load_model(variant.graph.model)
+        names = [model.graph.inputs[i].name for i in wrt]
+        graph = variant.graph
+        buffer_outputs = range(graph.num_user_outputs, graph.num_user_outputs + len(graph.buffer_updates))
+        shapes = {v.name: tuple(t.shape) for v, t in zip(model.graph.inputs, inputs)}
+        return build_forward_backward(model, names, no_grad_outputs=buffer_outputs,
+                                      memory_options=self._memory_options, input_shapes=shapes)
+
     def _training_programs(self, variant: _Variant, wrt: tuple, inputs) -> TrainingPrograms:
         programs = variant.training.get(wrt)
         if programs is None:
-            model = io.load_model(variant.graph.model)
-            names = [model.graph.inputs[i].name for i in wrt]
-            graph = variant.graph
-            buffer_outputs = range(graph.num_user_outputs, graph.num_user_outputs + len(graph.buffer_updates))
-            shapes = {v.name: tuple(t.shape) for v, t in zip(model.graph.inputs, inputs)}
-            graphs = build_forward_backward(model, names, no_grad_outputs=buffer_outputs,
-                                            memory_options=self._memory_options, input_shapes=shapes)
+            graphs = self._forward_backward(variant, wrt, inputs)
             variant.memory[wrt] = graphs.memory
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")

@@ -140,3 +140,35 @@ def test_precision_arguments_are_checked(mlp_onnx, tmp_path):
                                      artifact_directory=tmp_path, precision="bf16", loss_scale=DynamicLossScale())
     with pytest.raises(ArtifactError, match="growth_factor > 1"):
         DynamicLossScale(growth_factor=0.5)
+
+
+@pytest.mark.slow  # ~20 s: three exports' worth of artifacts and 60 GPT steps
+def test_gpt_artifacts_in_bf16_and_fp16_track_fp32(tmp_path):
+    from bench.cell import flat_cross_entropy_block
+    from tests.torch_models import examples
+
+    ex = examples()["gpt"]
+    rng = np.random.default_rng(0)
+    onnx_model = export(ex.model.eval(), tuple(torch.tensor(a) for a in ex.inputs(4, rng)), ex.input_names,
+                        ex.dynamic())
+    inputs, labels = ex.inputs(6, rng), ex.labels(6, rng).astype(np.int32)
+    curves = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        folder = tmp_path / precision
+        artifacts.generate_artifacts(onnx_model, loss=flat_cross_entropy_block(), optimizer=artifacts.OptimType.AdamW,
+                                     artifact_directory=folder, precision=precision)
+        state = CheckpointState.load_checkpoint(folder / "checkpoint")
+        module = Module(folder / "training_model.onnx", state)
+        optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+        optimizer.set_learning_rate(1e-2)
+        losses = []
+        for _ in range(20):  # one fixed batch: the loss must fall
+            losses.append(float(module(*inputs, labels)))
+            optimizer.step()
+            module.lazy_reset_grad()
+        curves[precision] = np.array(losses)
+        assert all(p.data.dtype == np.float32 for _, p in state.parameters)
+    assert curves["fp32"][-1] < 0.7 * curves["fp32"][0]
+    for precision in ("bf16", "fp16"):
+        relative = np.abs(curves[precision] - curves["fp32"]) / curves["fp32"]
+        assert relative.max() < LOW_PRECISION_RTOL[precision], (precision, relative.max())

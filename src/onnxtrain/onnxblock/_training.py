@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from onnxtrain.errors import ArtifactError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.passes import pipeline
-from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
+from onnxtrain.passes.precision import PrecisionConfig
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
 
@@ -219,8 +220,7 @@ def build_training_and_eval(
     if loss.name.startswith("onnxblock/") and "loss" not in values:
         loss.name = loss_name = "loss"  # a generated name: give the loss output a readable one
     if precision is not None:  # parameters stay fp32 inputs; their uses are cast
-        PrecisionPass(PrecisionConfig(precision.precision, precision.device, convert=True,
-                                      round_intermediates=precision.round_intermediates))(model)
+        pipeline.run(model, pipeline.mixed_precision(dataclasses.replace(precision, convert=True)))
         loss = graph.outputs[0]
     extra = {"precision": precision.precision} if precision is not None else {}
     if loss_scale is not None:
@@ -249,6 +249,5 @@ def build_training_and_eval(
         model.metadata_props[TRAINING_METADATA_KEY] = _metadata(
             params, user_inputs, loss_inputs, loss_name, additional_output_names, updates, extra=extra)
     if precision is not None:  # the gradient graph's own low-precision ops
-        PrecisionPass(PrecisionConfig(precision.precision, precision.device,
-                                      round_intermediates=precision.round_intermediates))(model)
+        pipeline.run(model, pipeline.mixed_precision(dataclasses.replace(precision, convert=False)))
     return _clean(model), eval_model

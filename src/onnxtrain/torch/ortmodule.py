@@ -16,7 +16,8 @@ import torch
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.ir import io
 from onnxtrain.passes.partition import build_forward_backward
-from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
+from onnxtrain.passes import pipeline
+from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
@@ -277,7 +278,7 @@ class ORTModule(torch.nn.Module):
         self.export_count += 1
         precision = None if autocast is None else PrecisionConfig(autocast[1], device=autocast[0])
         if precision is not None:
-            PrecisionPass(precision)(graph.model)
+            pipeline.run(graph.model, pipeline.mixed_precision(precision))
         variant = _Variant(graph, precision)
         variants.append(variant)
         self._save(graph.exported, "exported")
@@ -312,7 +313,7 @@ class ORTModule(torch.nn.Module):
             graphs = build_forward_backward(model, names, no_grad_outputs=buffer_outputs)
             if variant.precision is not None:  # the gradient graph adds low-precision ops of its own
                 for part in (graphs.forward, graphs.backward):
-                    PrecisionPass(variant.precision)(part)
+                    pipeline.run(part, pipeline.mixed_precision(variant.precision))
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")
             programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options())

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -51,18 +52,22 @@ def run_config(spec: models.Spec, system: str, precision: str, steps: int, warmu
         model = ORTModule(model, DebugOptions(fallback=False))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     data = [{k: torch.from_numpy(v) for k, v in b.items()} for b in spec.batches()]
-    times, losses = [], []
+    times, cpu_times, losses = [], [], []
     for i in range(warmup + steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
         loss = _loss(spec, model, data[i % len(data)], precision)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
     timed = times[warmup:]
+    # CPU time of the process (all its threads): unlike wall time, not inflated when other
+    # processes share the cores, but it counts threads' busy-waiting too
     return {"system": system, "precision": precision, "first_step_s": times[0],
-            "median_step_s": statistics.median(timed), "step_times_s": timed, "losses": losses,
+            "median_step_s": statistics.median(timed), "step_times_s": timed,
+            "median_cpu_s": statistics.median(cpu_times[warmup:]), "losses": losses,
             "exports": getattr(model, "export_count", None)}
 
 
@@ -71,9 +76,12 @@ def run(model: str = "gpt", steps: int = 20, warmup: int = 3, threads: int = 2) 
 
     torch.set_num_threads(threads)
     spec = models.SPECS[model]
+    load_start = os.getloadavg()[0]  # other processes on the cores inflate wall times
     results = [run_config(spec, system, precision, steps, warmup) for system, precision in CONFIGS]
     return {"model": model, "description": spec.description, "steps": steps, "warmup": warmup,
-            "threads": threads, "torch": torch.__version__, "onnxruntime": _ort_version(), "results": results}
+            "threads": threads, "cpus": os.cpu_count(), "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg()[0], "torch": torch.__version__, "onnxruntime": _ort_version(),
+            "results": results}
 
 
 def _ort_version() -> str:
@@ -83,20 +91,23 @@ def _ort_version() -> str:
 
 
 def markdown_table(report: dict) -> str:
-    """The results as a markdown table: median step time per configuration, bf16 / fp32 ratio,
-    and the last loss (bf16 and fp32 runs of one system should agree to ~1e-2)."""
+    """The results as a markdown table: median step wall and CPU time per configuration, bf16 /
+    fp32 ratio (of wall times), and the last loss (bf16 and fp32 runs of one system should agree to ~1e-2)."""
     by_key = {(r["system"], r["precision"]): r for r in report["results"]}
     lines = [f"{report['model']}: {report['description']} ({report['steps']} timed steps, "
-             f"{report['threads']} threads)", "",
-             "| system | precision | median step (ms) | first step (s) | bf16 / fp32 | last loss |",
-             "|---|---|---:|---:|---:|---:|"]
+             f"{report['threads']} threads; load average {report.get('loadavg_start', '?')} before, "
+             f"{report.get('loadavg_end', '?')} after)", "",
+             "| system | precision | median step (ms) | median CPU time (ms) | first step (s) | bf16 / fp32 "
+             "| last loss |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for system, precision in CONFIGS:
         r = by_key.get((system, precision))
         if r is None:
             continue
         ratio = r["median_step_s"] / by_key[(system, "fp32")]["median_step_s"] if precision != "fp32" else 1.0
-        lines.append(f"| {system} | {precision} | {r['median_step_s'] * 1e3:.1f} | {r['first_step_s']:.2f} | "
-                     f"{ratio:.2f} | {r['losses'][-1]:.4f} |")
+        cpu = f"{r['median_cpu_s'] * 1e3:.1f}" if "median_cpu_s" in r else "-"
+        lines.append(f"| {system} | {precision} | {r['median_step_s'] * 1e3:.1f} | {cpu} | "
+                     f"{r['first_step_s']:.2f} | {ratio:.2f} | {r['losses'][-1]:.4f} |")
     return "\n".join(lines)
 
 

@@ -101,6 +101,11 @@ def test_fp16_overflow_skips_the_step_and_backs_off_the_scale(mlp_onnx, tmp_path
     assert state.properties[names.LOSS_SCALE] == 2.0 ** 39  # backoff_factor 0.5
     assert state.properties[names.LOSS_SCALE_GROWTH_TRACKER] == 0
 
+    CheckpointState.save_checkpoint(state, tmp_path / "scaled.ckpt")  # the scale state is saved
+    reloaded = CheckpointState.load_checkpoint(tmp_path / "scaled.ckpt")
+    assert reloaded.properties[names.LOSS_SCALE] == 2.0 ** 39
+    assert reloaded.properties[names.LOSS_SCALE_GROWTH_TRACKER] == 0
+
     state.properties[names.LOSS_SCALE] = 2.0 ** 10
     _train(module, optimizer, x, y, steps=1)
     assert not optimizer.last_step_skipped and optimizer.step_count == 4

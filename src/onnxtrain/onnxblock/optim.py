@@ -18,7 +18,7 @@ from onnxtrain import names
 from onnxtrain.errors import ArtifactError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
-from onnxtrain.onnxblock import loss_scale
+from onnxtrain.onnxblock import loss_scale as scaling
 from onnxtrain.onnxblock.blocks import Block
 
 OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
@@ -66,7 +66,7 @@ class _OptimizerBlock(Block):
     clip_grad: "ClipGradNorm | None" = None
     # set for fp16 artifacts (generate_artifacts(precision="fp16")): skip non-finite steps and
     # update the loss scale (onnxblock/loss_scale.py)
-    loss_scale: "loss_scale.DynamicLossScale | None" = None
+    loss_scale: "scaling.DynamicLossScale | None" = None
 
     def __init__(self):
         super().__init__()
@@ -97,8 +97,8 @@ class _OptimizerBlock(Block):
             states.append([b.input(names.state_name(spec.name, s), spec.dtype, spec.shape) for s in self.states])
         scaler = self.loss_scale
         if scaler is not None:
-            scale, tracker = loss_scale.scale_inputs(b)
-            finite = loss_scale.all_finite(b.child("all_finite"), grads)
+            scale, tracker = scaling.scale_inputs(b)
+            finite = scaling.all_finite(b.child("all_finite"), grads)
             before = set(graph)
         if self.clip_grad is not None:
             grads = self.clip_grad.scale(b.child("clip_grad_norm"), grads)
@@ -110,7 +110,7 @@ class _OptimizerBlock(Block):
             sources += [p, *p_states]
         if scaler is not None:  # the update runs only when every gradient is finite
             update_nodes = [n for n in graph if n not in before]
-            new_values = loss_scale.skip_unless(b.child("skip_non_finite"), finite, update_nodes, new_values,
+            new_values = scaling.skip_unless(b.child("skip_non_finite"), finite, update_nodes, new_values,
                                                 sources)
         outputs: list[ir.Value] = []
         for value, source in zip(new_values, sources):
@@ -120,7 +120,7 @@ class _OptimizerBlock(Block):
             value.type, value.shape = source.type, source.shape
             outputs.append(value)
         if scaler is not None:
-            new_scale, new_tracker = loss_scale.update_scale(b.child("loss_scale"), scaler, finite, scale, tracker)
+            new_scale, new_tracker = scaling.update_scale(b.child("loss_scale"), scaler, finite, scale, tracker)
             flag = b.op.Identity(finite)
             for value, name in ((new_scale, names.updated_name(names.LOSS_SCALE)),
                                 (new_tracker, names.updated_name(names.LOSS_SCALE_GROWTH_TRACKER)),

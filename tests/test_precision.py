@@ -201,3 +201,19 @@ def test_gemm_is_converted_with_its_bias_and_parameters_stay_fp32_inputs():
     assert np.isinf(y).all()  # the bias was added in fp16 range: overflow is real, not emulated away
     (y,) = _session(model).run(None, {"x": x, "c": np.zeros(3, np.float32)})
     np.testing.assert_array_equal(y, np.full((2, 3), 4.0, np.float32))
+
+
+def test_cpu_fp16_arithmetic_is_onnxruntimes_own_fp32_islands():
+    """What the fp16 CPU table rests on: an fp16 MatMul loads, but ORT runs it in fp32
+    between Casts it inserts itself; only LayerNormalization has an fp16 kernel."""
+    import os
+    import tempfile
+
+    folder = tempfile.mkdtemp()
+    optimized = os.path.join(folder, "optimized.onnx")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.optimized_model_filepath = optimized
+    ort.InferenceSession(_one_node_model("MatMul", TensorProto.FLOAT16).SerializeToString(), options,
+                         providers=["CPUExecutionProvider"])
+    assert [n.op_type for n in onnx.load(optimized).graph.node] == ["Cast", "Cast", "MatMul", "Cast"]

@@ -90,3 +90,26 @@ def test_bert_mini_under_bf16_autocast_tracks_eager_autocast():
 
     curves, _ = _train_side_by_side(model, batch, loss_fn)
     _assert_tracks(curves)
+
+
+def test_mlp_under_fp16_autocast_matches_eager_output_and_gradients():
+    """fp16 autocast runs on CPU too (the same precision pass as CUDA's fp16, with the CPU
+    kernel table): fp16 output as eager, fp32 gradients close to eager's."""
+    from tests.torch_models import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT)
+    x = torch.randn(16, 12)
+    outputs = []
+    for module in (reference, wrapped):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = module(x)
+        out.float().square().mean().backward()
+        outputs.append(out)
+    assert outputs[1].dtype == outputs[0].dtype == torch.float16
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-3, atol=1e-3)
+    for (name, p), (_, q) in zip(reference.named_parameters(), wrapped.named_parameters()):
+        assert q.grad.dtype == torch.float32, name
+        assert (q.grad - p.grad).abs().max() <= 1e-2 * p.grad.abs().max(), name

@@ -33,7 +33,7 @@ def _session(model) -> ort.InferenceSession:
 
 
 def _one_node_model(op: str, elem_type: int) -> onnx.ModelProto:
-    inputs = [helper.make_tensor_value_info("a", elem_type, [4, 4]), helper.make_tensor_value_info("b", elem_type, [4, 4])]
+    inputs = [helper.make_tensor_value_info(name, elem_type, [4, 4]) for name in ("a", "b")]
     arity = 1 if op in ("Relu", "Gelu", "Softmax", "Transpose", "Identity", "Tanh") else 2
     node = helper.make_node(op, ["a", "b"][:arity], ["y"], **({"axis": 0} if op == "Concat" else {}))
     graph = helper.make_graph([node], "g", inputs[:arity], [helper.make_value_info("y", onnx.TypeProto())])

@@ -217,3 +217,40 @@ def test_cpu_fp16_arithmetic_is_onnxruntimes_own_fp32_islands():
     ort.InferenceSession(_one_node_model("MatMul", TensorProto.FLOAT16).SerializeToString(), options,
                          providers=["CPUExecutionProvider"])
     assert [n.op_type for n in onnx.load(optimized).graph.node] == ["Cast", "Cast", "MatMul", "Cast"]
+
+
+def test_partition_saves_the_narrow_value_behind_a_widening_cast():
+    """y = u * u with u = Cast(Sin(q): bf16 -> fp32): the backward needs u, and gets it by recasting
+    the saved bf16 t (half the bytes) rather than from a saved fp32 u."""
+    from onnxtrain.passes.partition import build_forward_backward
+
+    nodes = [helper.make_node("Cast", ["p"], ["q"], to=TensorProto.BFLOAT16),
+             helper.make_node("Sin", ["q"], ["t"]),
+             helper.make_node("Cast", ["t"], ["u"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["u", "u"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("p", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+                              value_info=[helper.make_tensor_value_info("q", TensorProto.BFLOAT16, [3]),
+                                          helper.make_tensor_value_info("t", TensorProto.BFLOAT16, [3]),
+                                          helper.make_tensor_value_info("u", TensorProto.FLOAT, [3])])
+    graphs = build_forward_backward(io.load_model(helper.make_model(graph, opset_imports=[
+        helper.make_opsetid("", 18)])), ["p"])
+    saved = {v.name: v.dtype for v in graphs.forward.graph.outputs[graphs.num_model_outputs:]}
+    assert saved == {"t": ir.DataType.BFLOAT16}
+    for part in (graphs.forward, graphs.backward):
+        PrecisionPass(PrecisionConfig("bf16"))(part)
+    forward, backward = _session(graphs.forward), _session(graphs.backward)
+    p = np.array([0.3, -1.7, 2.9], np.float32)
+    as_ort = ort.OrtValue.ortvalue_from_numpy
+    names_out = [o.name for o in forward.get_outputs()]
+    outputs = forward.run_with_ort_values(names_out, {"p": as_ort(p)})  # OrtValues: numpy has no bf16
+    feeds = {}
+    for (source, index), value in zip(graphs.backward_inputs, graphs.backward.graph.inputs):
+        feeds[value.name] = as_ort(np.ones(3, np.float32)) if source == "output_grad" else \
+            (as_ort(p) if source == "input" else outputs[index])
+    (dp,) = backward.run_with_ort_values([o.name for o in backward.get_outputs()], feeds)
+    dp = dp.numpy()
+    bf = lambda a: a.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    q = bf(p)
+    u = bf(np.sin(q))
+    np.testing.assert_allclose(dp, bf(bf(2 * u) * np.cos(q)), rtol=1e-2)

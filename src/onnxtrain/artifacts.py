@@ -17,6 +17,7 @@ from onnxtrain.errors import ArtifactError
 from onnxtrain.ir import io
 from onnxtrain.onnxblock import blocks, loss as loss_blocks, optim as optim_blocks
 from onnxtrain.onnxblock._context import base, empty_base
+from onnxtrain.onnxblock.loss_scale import DynamicLossScale
 from onnxtrain.onnxblock.training_block import TrainingBlock
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,28 @@ def _optimizer_block(optimizer):
     )
 
 
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _precision(block: TrainingBlock, precision: str, loss_scale, device: str) -> DynamicLossScale | None:
+    """Configure ``block`` for ``precision``; return the loss scaler the optimizer model uses."""
+    from onnxtrain.passes.precision import PrecisionConfig, supported_ops
+
+    if precision not in PRECISIONS:
+        raise ArtifactError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if loss_scale is not None and precision != "fp16":
+        raise ArtifactError(f"loss_scale applies to precision='fp16' only, not {precision!r}")
+    if precision == "fp32":
+        return None
+    supported_ops(device, precision)  # an unknown device fails here, with the known ones
+    block.precision = PrecisionConfig(precision, device)
+    if precision != "fp16":
+        return None  # bf16 has fp32's exponent range: no loss scaling
+    scaler = loss_scale if loss_scale is not None else DynamicLossScale()
+    block.loss_scale = scaler.init_scale
+    return scaler
+
+
 def generate_artifacts(
     model: io.ModelLike,
     requires_grad: list[str] | None = None,
@@ -93,6 +116,9 @@ def generate_artifacts(
     additional_output_names: list[str] | None = None,
     nominal_checkpoint: bool = False,
     loss_input_names: list[str] | None = None,
+    precision: str = "fp32",
+    loss_scale: DynamicLossScale | None = None,
+    precision_device: str = "cpu",
 ) -> None:
     """Write ``training_model.onnx``, ``eval_model.onnx``, ``checkpoint`` and ``optimizer_model.onnx``.
 
@@ -113,6 +139,15 @@ def generate_artifacts(
         additional_output_names: values to output besides the loss (e.g. logits).
         nominal_checkpoint: write a checkpoint with names, shapes and types but no values.
         loss_input_names: model outputs fed to the loss (default: all outputs, in order).
+        precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: the training and eval models
+            compute matrix products (MatMul, Gemm, Conv) in that dtype, with fp32 islands
+            for everything else; the checkpoint keeps fp32 master weights and the gradients
+            come out fp32 (docs/artifacts.md, "Mixed precision").
+        loss_scale: fp16 only: dynamic loss scaling settings (default
+            ``DynamicLossScale()``, torch GradScaler's); the training model takes a
+            ``loss_scale`` input and the optimizer model skips non-finite steps.
+        precision_device: the device the artifacts will train on (``"cpu"``, ``"cuda"``):
+            decides which ops its onnxruntime execution provider runs in low precision.
 
     Example:
         >>> import numpy as np, tempfile
@@ -153,6 +188,7 @@ def generate_artifacts(
             raise ArtifactError(f"parameter {name!r} cannot both require gradients and be frozen")
         training_block.requires_grad(name, False)
     training_block.additional_output_names = list(additional_output_names or [])
+    scaler = _precision(training_block, precision, loss_scale, precision_device)
 
     with base(base_model):
         training_block(*output_names)
@@ -172,6 +208,7 @@ def generate_artifacts(
     if not params.trainable:
         raise ArtifactError("an optimizer model needs at least one parameter that requires gradients")
     optim_block = _optimizer_block(optimizer)
+    optim_block.loss_scale = scaler
     with empty_base(opset_version=max(training_model.graph.opset_imports.get("", 18), 13)):
         optim_block(list(params.trainable.items()))
     io.save_model(optim_block.to_ir_model(), directory / f"{prefix}optimizer_model.onnx")

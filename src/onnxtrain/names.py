@@ -13,6 +13,12 @@ LAZY_RESET_GRAD = "lazy_reset_grad"
 LEARNING_RATE = "learning_rate"
 STEP = "step"
 UPDATED_SUFFIX = ".updated"
+# fp16 artifacts with dynamic loss scaling (docs/artifacts.md): the training model's loss-scale
+# input, the optimizer model's scale state (also the CheckpointState property names holding it)
+# and its flag output "this step's gradients were all finite"
+LOSS_SCALE = "loss_scale"
+LOSS_SCALE_GROWTH_TRACKER = "loss_scale_growth_tracker"
+ALL_FINITE = "all_finite"
 # optimizer state names per parameter, as upstream's checkpoint calls them
 FIRST_MOMENT = "momentum0"
 SECOND_MOMENT = "momentum1"

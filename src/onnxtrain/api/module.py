@@ -24,6 +24,8 @@ from onnxtrain.runtime.session import IOSpec, create_session, input_specs, outpu
 from onnxtrain.runtime.values import from_numpy
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
+# torch.amp.GradScaler's initial scale, for a loss-scaled training model without metadata
+DEFAULT_LOSS_SCALE = 2.0 ** 16
 
 
 class _Signature:
@@ -58,6 +60,10 @@ class _Signature:
                 raise ModelError(f"the {what} has no {names.LAZY_RESET_GRAD!r} input")
         internal = set(param_names) | {names.accumulation_buffer_name(p) for p in self.trainable}
         internal |= {names.LAZY_RESET_GRAD} if training else set()
+        # fp16 artifacts: the loss scale comes from the state (CheckpointState.properties)
+        self.loss_scaled = training and names.LOSS_SCALE in by_name
+        self.initial_loss_scale = float(meta.get("loss_scale", DEFAULT_LOSS_SCALE))
+        internal |= {names.LOSS_SCALE} if self.loss_scaled else set()
         self.user_inputs: list[IOSpec] = [s for s in inputs if s.name not in internal]
         output_names = {o.name for o in outputs}
         # training-mode BatchNormalization statistics: output name -> the frozen parameter it updates
@@ -151,6 +157,9 @@ class Module:
         if eval_model_uri is not None:
             self._eval_session = create_session(eval_model_uri, self._providers, session_options, "eval model")
             self._eval = _Signature(self._eval_session, state, training=False, what="eval model")
+        if self._train.loss_scaled:  # dynamic loss scale state lives in the state's properties
+            state._properties.setdefault(names.LOSS_SCALE, self._train.initial_loss_scale)
+            state._properties.setdefault(names.LOSS_SCALE_GROWTH_TRACKER, 0)
         state._to_device(self._device)
         state._ensure_grads()
         self._reset_grad = True  # buffers start empty, so the first step must not add to them
@@ -175,6 +184,9 @@ class Module:
         if training:
             binding = self._train_bindings.get((state._layout, state._param_phase, state._grad_phase))
             binding.bind_ortvalue_input(names.LAZY_RESET_GRAD, self._flags[self._reset_grad])
+            if sig.loss_scaled:
+                binding.bind_cpu_input(names.LOSS_SCALE,
+                                       np.array(state._properties[names.LOSS_SCALE], dtype=np.float32))
         else:
             binding = self._eval_bindings.get((state._layout, state._param_phase))
         for spec, value in zip(sig.user_inputs, feeds):

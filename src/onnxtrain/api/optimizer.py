@@ -67,6 +67,16 @@ class Optimizer:
         self._opt = opt
         self._adopt_state_buffers()
         state._ensure_spare_values()
+        # fp16 dynamic loss scaling: the scale's new value, growth tracker and "all gradients
+        # finite" flag come back into these CPU scalars; the scale state lives in
+        # state.properties (saved with the checkpoint)
+        self._scale_arrays = {
+            names.updated_name(names.LOSS_SCALE): np.zeros((), np.float32),
+            names.updated_name(names.LOSS_SCALE_GROWTH_TRACKER): np.zeros((), np.int64),
+            names.ALL_FINITE: np.zeros((), np.bool_),
+        } if self._loss_scaled else {}
+        self._scale_outputs = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self._scale_arrays.items()}
+        self.last_step_skipped = False
         self._bindings = BindingCache(self._session, self._setup_binding)
 
     def _read_signature(self) -> list[str]:
@@ -83,6 +93,9 @@ class Optimizer:
             first = self._params[0] if self._params else ""
             states = [n[len(first) + 1:] for n in inputs if n.startswith(first + ".")]
         expected = [names.LEARNING_RATE, names.STEP]
+        self._loss_scaled = names.LOSS_SCALE in inputs
+        if self._loss_scaled:
+            expected += [names.LOSS_SCALE, names.LOSS_SCALE_GROWTH_TRACKER]
         for p in self._params:
             expected += [p, names.grad_name(p)] + [names.state_name(p, s) for s in states]
         if sorted(inputs) != sorted(expected):
@@ -92,6 +105,9 @@ class Optimizer:
                              f"missing inputs {missing[:8]}, unexpected inputs {extra[:8]}")
         wanted = {names.updated_name(p) for p in self._params}
         wanted |= {names.updated_name(names.state_name(p, s)) for p in self._params for s in states}
+        if self._loss_scaled:
+            wanted |= {names.updated_name(names.LOSS_SCALE), names.updated_name(names.LOSS_SCALE_GROWTH_TRACKER),
+                       names.ALL_FINITE}
         if not wanted <= outputs:
             raise ModelError(f"the optimizer model lacks outputs {sorted(wanted - outputs)[:8]}")
         return states
@@ -129,17 +145,38 @@ class Optimizer:
                 key = names.state_name(p, s)
                 binding.bind_ortvalue_input(key, opt.current(p, s))
                 binding.bind_ortvalue_output(names.updated_name(key), opt.spare(p, s))
+        for name, value in self._scale_outputs.items():
+            binding.bind_ortvalue_output(name, value)
 
     def step(self) -> None:
-        """Update every trainable parameter once from its accumulated gradient."""
+        """Update every trainable parameter once from its accumulated gradient.
+
+        With fp16 artifacts (``generate_artifacts(precision="fp16")``) the step is skipped when
+        a gradient is inf or NaN (``last_step_skipped``), and the loss scale in
+        ``state.properties["loss_scale"]`` is updated as ``torch.amp.GradScaler.update`` does.
+        """
         state, opt = self._state, self._opt
         binding = self._bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
         binding.bind_cpu_input(names.LEARNING_RATE, np.array(opt.learning_rate, dtype=np.float32))
         # ``step`` is the number of this update (1 for the first): bias corrections use it as a power.
         binding.bind_cpu_input(names.STEP, np.array(opt.step + 1, dtype=np.int64))
+        props = state._properties
+        if self._loss_scaled:
+            binding.bind_cpu_input(names.LOSS_SCALE, np.array(props[names.LOSS_SCALE], dtype=np.float32))
+            binding.bind_cpu_input(names.LOSS_SCALE_GROWTH_TRACKER,
+                                   np.array(props[names.LOSS_SCALE_GROWTH_TRACKER], dtype=np.int64))
         self._session.run_with_iobinding(binding)
         state._param_phase = 1 - state._param_phase
         opt.phase = 1 - opt.phase
+        if self._loss_scaled:
+            out = {name: value.numpy() for name, value in self._scale_outputs.items()}
+            props[names.LOSS_SCALE] = float(out[names.updated_name(names.LOSS_SCALE)])
+            props[names.LOSS_SCALE_GROWTH_TRACKER] = int(out[names.updated_name(names.LOSS_SCALE_GROWTH_TRACKER)])
+            # a skipped step (non-finite gradients) leaves everything as it was, the step count
+            # too, as GradScaler.step skips optimizer.step()
+            self.last_step_skipped = not bool(out[names.ALL_FINITE])
+            if self.last_step_skipped:
+                return
         opt.step += 1
 
     @property

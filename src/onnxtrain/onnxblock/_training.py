@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from onnxtrain.errors import ArtifactError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.passes import pipeline
+from onnxtrain.passes.precision import PrecisionConfig
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
 
@@ -102,8 +104,9 @@ def _clean(model: ir.Model) -> ir.Model:
     return pipeline.run(model, pipeline.after_autodiff())
 
 
-def _metadata(params: Parameters, user_inputs, loss_inputs, loss_name, additional, buffer_updates=None) -> str:
-    return json.dumps({
+def _metadata(params: Parameters, user_inputs, loss_inputs, loss_name, additional, buffer_updates=None,
+              extra: dict | None = None) -> str:
+    return json.dumps({**(extra or {}),
         "trainable": list(params.trainable), "frozen": list(params.frozen),
         "user_inputs": list(user_inputs), "loss_inputs": list(loss_inputs),
         "loss_output": loss_name, "additional_outputs": list(additional),
@@ -181,11 +184,16 @@ def build_training_and_eval(
     params: Parameters,
     user_inputs: Sequence[str],
     additional_output_names: Sequence[str] = (),
+    precision: PrecisionConfig | None = None,
+    loss_scale: float | None = None,
 ) -> tuple[ir.Model, ir.Model]:
     """From ``model`` (forward + loss, parameters still initializers) build both models.
 
     ``user_inputs`` are the base model's input names; any other graph input was added by
-    the loss block. ``model`` is consumed.
+    the loss block. ``model`` is consumed. With ``precision`` both models compute in low
+    precision (passes/precision.py, converting the fp32 model); with ``loss_scale`` (its
+    initial value) the training model takes a ``loss_scale`` input that seeds the loss
+    gradient and divides the parameter gradients again (onnxblock/loss_scale.py).
     """
     graph = model.graph
     values = {v.name: v for v in graph.inputs}
@@ -211,14 +219,27 @@ def build_training_and_eval(
     loss = graph.outputs[0]  # folding may have replaced the node that produced it
     if loss.name.startswith("onnxblock/") and "loss" not in values:
         loss.name = loss_name = "loss"  # a generated name: give the loss output a readable one
-    metadata = _metadata(params, user_inputs, loss_inputs, loss_name, additional_output_names)
+    if precision is not None:  # parameters stay fp32 inputs; their uses are cast
+        pipeline.run(model, pipeline.mixed_precision(dataclasses.replace(precision, convert=True)))
+        loss = graph.outputs[0]
+    extra = {"precision": precision.precision} if precision is not None else {}
+    if loss_scale is not None:
+        extra["loss_scale"] = float(loss_scale)
+    metadata = _metadata(params, user_inputs, loss_inputs, loss_name, additional_output_names, extra=extra)
     model.metadata_props[TRAINING_METADATA_KEY] = metadata
 
     eval_model = pipeline.run(io.load_model(io.to_proto(model)), pipeline.eval_model())
 
     b = GraphBuilder(graph, scope="")
     trainable = [v for v in graph.inputs if v.name in params.trainable]
-    grads = build_gradients(graph, loss, trainable, builder=b.child("grad"))
+    seed = None
+    if loss_scale is not None:
+        scale = b.input(names.LOSS_SCALE, ir.DataType.FLOAT, [])
+        seed = b.op.Expand(b.op.CastLike(scale, loss), b.op.Shape(loss))
+    grads = build_gradients(graph, loss, trainable, loss_grad=seed, builder=b.child("grad"))
+    if loss_scale is not None:  # unscale: the accumulated gradients are the true ones
+        inverse = b.op.Reciprocal(scale)
+        grads = {p: b.op.Mul(g, b.cast_to(inverse, g.dtype)) for p, g in grads.items()}
     buffers = [b.input(names.accumulation_buffer_name(p.name), p.dtype, p.shape) for p in trainable]
     reset = b.input(names.LAZY_RESET_GRAD, ir.DataType.BOOL, [])
     if trainable:
@@ -226,5 +247,7 @@ def build_training_and_eval(
     updates = _expose_running_statistics(graph, list(params.frozen))
     if updates:
         model.metadata_props[TRAINING_METADATA_KEY] = _metadata(
-            params, user_inputs, loss_inputs, loss_name, additional_output_names, updates)
+            params, user_inputs, loss_inputs, loss_name, additional_output_names, updates, extra=extra)
+    if precision is not None:  # the gradient graph's own low-precision ops
+        pipeline.run(model, pipeline.mixed_precision(dataclasses.replace(precision, convert=False)))
     return _clean(model), eval_model

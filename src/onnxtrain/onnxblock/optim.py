@@ -18,6 +18,7 @@ from onnxtrain import names
 from onnxtrain.errors import ArtifactError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.onnxblock import loss_scale as scaling
 from onnxtrain.onnxblock.blocks import Block
 
 OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
@@ -63,6 +64,9 @@ class _OptimizerBlock(Block):
     type_name = ""
     states: tuple[str, ...] = ()
     clip_grad: "ClipGradNorm | None" = None
+    # set for fp16 artifacts (generate_artifacts(precision="fp16")): skip non-finite steps and
+    # update the loss scale (onnxblock/loss_scale.py)
+    loss_scale: "scaling.DynamicLossScale | None" = None
 
     def __init__(self):
         super().__init__()
@@ -91,17 +95,38 @@ class _OptimizerBlock(Block):
             params.append(b.input(spec.name, spec.dtype, spec.shape))
             grads.append(b.input(names.grad_name(spec.name), spec.dtype, spec.shape))
             states.append([b.input(names.state_name(spec.name, s), spec.dtype, spec.shape) for s in self.states])
+        scaler = self.loss_scale
+        if scaler is not None:
+            scale, tracker = scaling.scale_inputs(b)
+            finite = scaling.all_finite(b.child("all_finite"), grads)
+            before = set(graph)
         if self.clip_grad is not None:
             grads = self.clip_grad.scale(b.child("clip_grad_norm"), grads)
         shared = self.prepare(b, lr, step)
-        outputs: list[ir.Value] = []
+        new_values, sources = [], []
         for spec, p, g, p_states in zip(specs, params, grads, states):
             new_p, new_states = self.update(b.child(spec.name), shared, p, g, p_states)
-            for value, source in zip([new_p, *new_states], [p, *p_states]):
-                if value is source or value.is_graph_output():
-                    value = b.op.Identity(value)
-                value.name = names.updated_name(source.name)
-                value.type, value.shape = source.type, source.shape
+            new_values += [new_p, *new_states]
+            sources += [p, *p_states]
+        if scaler is not None:  # the update runs only when every gradient is finite
+            update_nodes = [n for n in graph if n not in before]
+            new_values = scaling.skip_unless(b.child("skip_non_finite"), finite, update_nodes, new_values,
+                                                sources)
+        outputs: list[ir.Value] = []
+        for value, source in zip(new_values, sources):
+            if value is source or value.is_graph_output():
+                value = b.op.Identity(value)
+            value.name = names.updated_name(source.name)
+            value.type, value.shape = source.type, source.shape
+            outputs.append(value)
+        if scaler is not None:
+            new_scale, new_tracker = scaling.update_scale(b.child("loss_scale"), scaler, finite, scale, tracker)
+            flag = b.op.Identity(finite)
+            for value, name in ((new_scale, names.updated_name(names.LOSS_SCALE)),
+                                (new_tracker, names.updated_name(names.LOSS_SCALE_GROWTH_TRACKER)),
+                                (flag, names.ALL_FINITE)):
+                value.name = name
+                value.shape = ir.Shape([])
                 outputs.append(value)
         graph.outputs.extend(outputs)
         self.context.model.metadata_props[OPTIMIZER_METADATA_KEY] = json.dumps({
@@ -109,6 +134,7 @@ class _OptimizerBlock(Block):
             "params": [s.name for s in specs],
             "states": list(self.states),
             "hyperparameters": self.hyperparameters(),
+            **({"loss_scale": scaler.to_json()} if scaler is not None else {}),
         })
         self._model = self.context.model
         return [o.name for o in outputs]

@@ -93,6 +93,10 @@ class TrainingBlock(Block):
         self._training_model: ir.Model | None = None
         self._eval_model: ir.Model | None = None
         self.additional_output_names: list[str] = []
+        # mixed precision (passes/precision.py) and the initial loss scale of fp16 dynamic loss
+        # scaling (onnxblock/loss_scale.py); generate_artifacts(precision=...) sets them
+        self.precision = None
+        self.loss_scale: float | None = None
 
     @abstractmethod
     def build(self, *args, **kwargs):
@@ -115,7 +119,8 @@ class TrainingBlock(Block):
             raise ArtifactError(f"a TrainingBlock's build must return the loss name, got {loss_name!r}")
         model = io.load_model(io.to_proto(ctx.model))
         self._training_model, self._eval_model = build_training_and_eval(
-            model, loss_name, self._parameters, user_inputs, self.additional_output_names
+            model, loss_name, self._parameters, user_inputs, self.additional_output_names,
+            precision=self.precision, loss_scale=self.loss_scale,
         )
         return loss_name
 

@@ -417,10 +417,21 @@ def _memory_recomputable(nodes, forward_nodes, recomputed, crossing, forward_inp
         if (node in forward_nodes and node not in recomputed and node.domain in ("", "ai.onnx")
                 and node.op_type in _MEMORY_RECOMPUTED_OPS
                 and any(o in crossing and o not in outputs for o in node.outputs)
-                and all(i is None or i in at_hand or i.is_initializer() for i in node.inputs)):
+                and (all(i is None or i in at_hand or i.is_initializer() for i in node.inputs)
+                     or _widening_cast(node))):
             result.add(node)
             at_hand.update(node.outputs)
     return result
+
+
+def _widening_cast(node: ir.Node) -> bool:
+    """A Cast from a narrower float (bf16/fp16 -> fp32, mixed precision's fp32 islands): saving
+    its input instead of its output saves fewer bytes, and the backward recasts it."""
+    if node.op_type != "Cast" or node.inputs[0] is None:
+        return False
+    src, dst = node.inputs[0].dtype, node.outputs[0].dtype
+    return (src is not None and dst is not None and src.is_floating_point() and dst.is_floating_point()
+            and src.itemsize < dst.itemsize)
 
 
 def _recomputable(nodes, forward_nodes: set[ir.Node], forward_inputs: set[ir.Value]) -> set[ir.Node]:

@@ -14,6 +14,7 @@ from onnx_ir.passes.common import (
 from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
+from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
 
 
 def before_autodiff() -> list[ir.passes.PassBase]:
@@ -47,6 +48,13 @@ def cleanup() -> list[ir.passes.PassBase]:
 def eval_model() -> list[ir.passes.PassBase]:
     """An eval model from a forward+loss graph: training-mode ops evaluate, then clean up."""
     return [InferenceModePass(), *after_autodiff()]
+
+
+def mixed_precision(config: PrecisionConfig) -> list[ir.passes.PassBase]:
+    """bf16/fp16 compute with fp32 islands (passes/precision.py). Runs after before_autodiff
+    (with ``config.convert`` for an fp32 graph; an autocast export is already converted) and
+    again, legalize only, on the gradient graph, whose rules add low-precision ops of their own."""
+    return [PrecisionPass(config)]
 
 
 def run(model: ir.Model, passes: list[ir.passes.PassBase]) -> ir.Model:

@@ -15,10 +15,27 @@ import torch
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.ir import io
+from onnxtrain.passes import pipeline
 from onnxtrain.passes.partition import MemoryOptions, MemoryReport, build_forward_backward
+from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
+
+
+# torch.autocast dtypes and the precision pass's names for them
+_AUTOCAST_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _autocast(tensors) -> tuple[str, str] | None:
+    """``(device type, "bf16"|"fp16")`` when ``torch.autocast`` is on for the inputs' device."""
+    device = device_of(tensors).type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    if dtype not in _AUTOCAST_PRECISION:
+        raise OnnxTrainError(f"torch.autocast with dtype {dtype} is not supported; expected bfloat16 or float16")
+    return device, _AUTOCAST_PRECISION[dtype]
 
 
 class ORTModuleFallbackWarning(UserWarning):
@@ -107,6 +124,7 @@ class _Variant:
     """One export of the module and the sessions built from it."""
 
     graph: ExportedGraph
+    precision: PrecisionConfig | None = None  # the autocast state it was exported under
     inference: SessionRunner | None = None
     training: dict[tuple, TrainingPrograms] = field(default_factory=dict)
     memory: dict[tuple, MemoryReport] = field(default_factory=dict)
@@ -174,7 +192,8 @@ class ORTModule(torch.nn.Module):
         except ValueError as exc:
             raise MemoryOptionsError(f"ORTModule: {exc}") from None
         self._last_memory_report: MemoryReport | None = None
-        self._variants: dict[CallSchema, list[_Variant]] = {}
+        # keyed on the call's schema and the autocast state (see _autocast)
+        self._variants: dict[tuple[CallSchema, tuple | None], list[_Variant]] = {}
         self._fallback_reason: str | None = None
         self.export_count = 0
         # a parent's load_state_dict walks _modules: route its keys into the wrapped module
@@ -257,7 +276,7 @@ class ORTModule(torch.nn.Module):
         call = flatten_call(module, args, kwargs)
         state = call.state
         try:  # building: export, gradient graph, sessions; a failure here may fall back
-            variant = self._variant(call)
+            variant = self._variant(call, _autocast(call.tensors))
             inputs = [*call.tensors, *(state[n] for n in variant.graph.state_names)]
             wrt = tuple(i for i, t in enumerate(inputs) if t.requires_grad and t.is_floating_point())
             training = torch.is_grad_enabled() and bool(wrt)
@@ -282,14 +301,20 @@ class ORTModule(torch.nn.Module):
             ORTModuleFallbackWarning, stacklevel=3,
         )
 
-    def _variant(self, call) -> _Variant:
-        variants = self._variants.setdefault(call.schema, [])
+    def _variant(self, call, autocast: tuple[str, str] | None) -> _Variant:
+        variants = self._variants.setdefault((call.schema, autocast), [])
         for variant in variants:
             if variant.graph.accepts(call.tensors):
                 return variant
+        # under torch.autocast the export traces autocast's casts: the graph computes what eager
+        # autocast computes, with its output dtypes; the precision pass then moves the ops the
+        # execution provider cannot run in low precision (and the sensitive ones) to fp32
         graph = export_call(self._original_module, call, keep_exported=self._debug.save_onnx)
         self.export_count += 1
-        variant = _Variant(graph)
+        precision = None if autocast is None else PrecisionConfig(autocast[1], device=autocast[0])
+        if precision is not None:
+            pipeline.run(graph.model, pipeline.mixed_precision(precision))
+        variant = _Variant(graph, precision)
         variants.append(variant)
         self._save(graph.exported, "exported")
         graph.exported = None  # saved: no need to hold a second copy of the model
@@ -328,6 +353,9 @@ class ORTModule(torch.nn.Module):
         if programs is None:
             graphs = self._forward_backward(variant, wrt, inputs)
             variant.memory[wrt] = graphs.memory
+            if variant.precision is not None:  # the gradient graph adds low-precision ops of its own
+                for part in (graphs.forward, graphs.backward):
+                    pipeline.run(part, pipeline.mixed_precision(variant.precision))
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")
             programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options())

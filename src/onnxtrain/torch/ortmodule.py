@@ -345,17 +345,18 @@ class ORTModule(torch.nn.Module):
         graph = variant.graph
         buffer_outputs = range(graph.num_user_outputs, graph.num_user_outputs + len(graph.buffer_updates))
         shapes = {v.name: tuple(t.shape) for v, t in zip(model.graph.inputs, inputs)}
-        return build_forward_backward(model, names, no_grad_outputs=buffer_outputs,
-                                      memory_options=self._memory_options, input_shapes=shapes)
+        graphs = build_forward_backward(model, names, no_grad_outputs=buffer_outputs,
+                                        memory_options=self._memory_options, input_shapes=shapes)
+        if variant.precision is not None:  # the gradient graph adds low-precision ops of its own
+            for part in (graphs.forward, graphs.backward):
+                pipeline.run(part, pipeline.mixed_precision(variant.precision))
+        return graphs
 
     def _training_programs(self, variant: _Variant, wrt: tuple, inputs) -> TrainingPrograms:
         programs = variant.training.get(wrt)
         if programs is None:
             graphs = self._forward_backward(variant, wrt, inputs)
             variant.memory[wrt] = graphs.memory
-            if variant.precision is not None:  # the gradient graph adds low-precision ops of its own
-                for part in (graphs.forward, graphs.backward):
-                    pipeline.run(part, pipeline.mixed_precision(variant.precision))
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")
             programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options())

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import enum
 import math
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
+from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_moments, by_device_and_dtype, check_gradients,
+                                           evaluate_closure)
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
@@ -72,7 +73,7 @@ def _update_for(mode: AdamWMode, lr: float, beta1: float, beta2: float, eps: flo
     return _Update(A=1.0, B=B, E=E, l2=weight_decay)
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
     """Adam / AdamW over all parameters at once (upstream's ``FusedAdam``, same defaults).
 
     Args:
@@ -114,16 +115,10 @@ class FusedAdam(torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         self.fused = fused
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=self.set_grad_none or set_to_none)
-
     @torch.no_grad()
     def step(self, closure=None):
         """Update every parameter that has a gradient; returns ``closure()``'s loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         self._check_groups()  # before any update: a refused step leaves every parameter as it was
         for group in self.param_groups:
             with_grad = [p for p in group["params"] if p.grad is not None]
@@ -133,11 +128,8 @@ class FusedAdam(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             update = _update_for(self.adam_w_mode, group["lr"], beta1, beta2, group["eps"],
                                  group["weight_decay"], group["step"], group["bias_correction"])
-            by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-            for p in with_grad:
-                by_kind[(p.device, p.dtype)].append(p)
-            for (device, dtype), params in by_kind.items():
-                moments = [self._moments(p) for p in params]
+            for (device, dtype), params in by_device_and_dtype(with_grad).items():
+                moments = [adam_moments(self.state[p], p) for p in params]
                 tensors = (params, [p.grad for p in params], [m for m, _ in moments], [v for _, v in moments])
                 # the fused kernel scales the decay by its learning rate: with a zero step size
                 # (B = 0, lr = 0) it cannot shrink p (A != 1 only in ADAMW_TORCH mode)
@@ -151,21 +143,7 @@ class FusedAdam(torch.optim.Optimizer):
     def _check_groups(self) -> None:
         for group in self.param_groups:
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise OptimizerConfigError("FusedAdam does not support sparse gradients "
-                                               f"(parameter of shape {tuple(p.shape)}); use torch.optim.SparseAdam")
-                if not p.is_floating_point():
-                    raise OptimizerConfigError(f"FusedAdam updates floating-point parameters, got {p.dtype}")
-
-    def _moments(self, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        state = self.state[p]
-        if not state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        return state["exp_avg"], state["exp_avg_sq"]
+        check_gradients("FusedAdam", self.param_groups, "; use torch.optim.SparseAdam")
 
     def _use_fused(self, device: torch.device, dtype: torch.dtype) -> bool:
         available = hasattr(torch, "_fused_adamw_") and device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES

@@ -26,10 +26,12 @@ from collections import defaultdict
 
 import torch
 
+from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_moments, by_device_and_dtype, check_gradients,
+                                           evaluate_closure)
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 
-class LAMB(torch.optim.Optimizer):
+class LAMB(GradNoneOnZero, torch.optim.Optimizer):
     """LAMB over all parameters at once (apex ``FusedLAMB``'s arguments, upstream's trust-ratio bounds).
 
     Args:
@@ -74,16 +76,10 @@ class LAMB(torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.use_nvlamb = bool(use_nvlamb)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=self.set_grad_none or set_to_none)
-
     @torch.no_grad()
     def step(self, closure=None):
         """Update every parameter that has a gradient; returns ``closure()``'s loss if given."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         self._check_groups()  # before any update: a refused step leaves every parameter as it was
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
@@ -94,12 +90,9 @@ class LAMB(torch.optim.Optimizer):
             if not with_grad:
                 continue
             group["step"] = group.get("step", 0) + 1
-            by_kind: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-            for p in with_grad:
-                by_kind[(p.device, p.dtype)].append(p)
-            for (device, _), params in by_kind.items():
+            for (device, _), params in by_device_and_dtype(with_grad).items():
                 for p in params:
-                    self._init_state(p)
+                    adam_moments(self.state[p], p)
                 self._update(group, params, clip[device] if clip else None)
         return loss
 
@@ -117,12 +110,6 @@ class LAMB(torch.optim.Optimizer):
         total = torch.stack(squares).sum().sqrt()
         divisor = torch.clamp(total / self.max_grad_norm, min=1.0)
         return {device: divisor.to(device) for device in by_device}
-
-    def _init_state(self, p: torch.Tensor) -> None:
-        state = self.state[p]
-        if not state:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def _update(self, group: dict, params: list[torch.Tensor], clip: torch.Tensor | None) -> None:
         beta1, beta2 = group["betas"]
@@ -164,14 +151,7 @@ class LAMB(torch.optim.Optimizer):
     def _check_groups(self) -> None:
         for group in self.param_groups:
             _check_group(group)
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise OptimizerConfigError("LAMB does not support sparse gradients "
-                                               f"(parameter of shape {tuple(p.shape)})")
-                if not p.is_floating_point():
-                    raise OptimizerConfigError(f"LAMB updates floating-point parameters, got {p.dtype}")
+        check_gradients("LAMB", self.param_groups)
 
 
 def _check_group(group: dict) -> None:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from onnxtrain.errors import CheckpointError, OnnxTrainError
 from onnxtrain.torch.optim import zero_checkpoint
+from onnxtrain.torch.optim._common import evaluate_closure
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 from onnxtrain.torch.optim.fused_adam import FusedAdam
 
@@ -230,10 +231,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure=None):
         """Update this rank's parameters, then exchange them; returns ``closure()``'s loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = evaluate_closure(closure)
         if self.reduce_gradients and self.world_size > 1:
             self._reduce_gradients()
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # lr schedules, ...

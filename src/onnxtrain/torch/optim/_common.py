@@ -1,0 +1,56 @@
+"""Pieces every optimizer of this package shares: the closure call, the gradient checks that
+run before any update, grouping by device and dtype, Adam's moment buffers."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from onnxtrain.torch.optim.errors import OptimizerConfigError
+
+
+def evaluate_closure(closure):
+    """``closure()`` with gradients enabled (``step`` runs under ``no_grad``), or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def check_gradients(optimizer: str, param_groups: list[dict], sparse_hint: str = "") -> None:
+    """Refuse sparse gradients and non-floating-point parameters, naming ``optimizer``."""
+    for group in param_groups:
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise OptimizerConfigError(f"{optimizer} does not support sparse gradients "
+                                           f"(parameter of shape {tuple(p.shape)}){sparse_hint}")
+            if not p.is_floating_point():
+                raise OptimizerConfigError(f"{optimizer} updates floating-point parameters, got {p.dtype}")
+
+
+def by_device_and_dtype(params) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+    """``params`` grouped for multi-tensor kernels (one device and dtype per call)."""
+    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        groups[(p.device, p.dtype)].append(p)
+    return groups
+
+
+def adam_moments(state: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp_avg`` and ``exp_avg_sq`` of ``p`` in its optimizer ``state``, zero-initialized."""
+    if not state:
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state["exp_avg"], state["exp_avg_sq"]
+
+
+class GradNoneOnZero:
+    """``zero_grad()`` follows the optimizer's ``set_grad_none`` (upstream's argument)."""
+
+    set_grad_none: bool
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none or set_to_none)

@@ -180,11 +180,7 @@ class ForwardBackward:
         if not self.reverse_node_list_for_ort:
             return self.backward
         copy = ir.from_proto(ir.to_proto(self.backward))
-        nodes = list(copy.graph)
-        for node in nodes:
-            copy.graph.remove(node)
-        for node in reversed(nodes):
-            copy.graph.append(node)
+        _relist(copy.graph, list(reversed(copy.graph)))
         return copy
 
 
@@ -353,14 +349,14 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
         _schedule_just_in_time(backward, backward_inputs)
     report = None
     if sizes is not None:
-        level = options.resolved_level()
+        in_backward = _ancestors(nodes, grad_outputs)
+        data_inputs = {i.name for i in forward_inputs} - set(wrt)
         report = MemoryReport(
             saved=sorted(((v.name, sizes.of(v), v.producer().op_type) for v in saved), key=lambda s: -s[1]),
-            recomputed=[(n.name, n.op_type) for n in nodes if n in recomputed and n in _ancestors(nodes, grad_outputs)],
+            recomputed=[(n.name, n.op_type) for n in nodes if n in recomputed and n in in_backward],
             saved_bytes=sum(sizes.of(v) for v in saved), unplanned_saved_bytes=unplanned_saved_bytes,
-            level=int(level), budget=options.budget,
-            input_shapes={k: tuple(int(d) for d in v) for k, v in input_shapes.items()
-                          if k not in wrt and k in {i.name for i in forward_inputs}})
+            level=int(options.resolved_level()), budget=options.budget,
+            input_shapes={k: tuple(int(d) for d in v) for k, v in input_shapes.items() if k in data_inputs})
     return ForwardBackward(forward, backward, len(model_outputs), differentiable, backward_inputs, wrt,
                            saved=[v.name for v in saved], memory=report, reverse_node_list_for_ort=options.active)
 
@@ -371,7 +367,11 @@ def _schedule_just_in_time(backward: ir.Model, backward_inputs: list[tuple[str, 
     the start, they would all be alive at once and the recompute would save nothing."""
     graph = backward.graph
     seeds = {v for v, (source, _) in zip(graph.inputs, backward_inputs) if source == FROM_OUTPUT_GRAD}
-    order = memory.just_in_time_order(graph, _descendants(list(graph), seeds))
+    _relist(graph, memory.just_in_time_order(graph, _descendants(list(graph), seeds)))
+
+
+def _relist(graph: ir.Graph, order: list[ir.Node]) -> None:
+    """Make ``order`` (every node of ``graph``) the graph's node list."""
     for node in order:
         graph.remove(node)
     for node in order:

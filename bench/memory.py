@@ -25,6 +25,21 @@ def peak_rss_mb() -> float:
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
 
 
+def reset_high_water_mark() -> None:
+    """Restart the resident set's high-water mark (Linux: ``/proc/self/clear_refs``)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def high_water_mark_mb() -> float:
+    """The resident set's high-water mark (``VmHWM``) since the last reset, in MB (MiB)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise OSError("no VmHWM in /proc/self/status")
+
+
 def trim() -> None:
     """Collect garbage and give freed heap memory back to the OS, so the next RSS reading is clean."""
     gc.collect()

@@ -21,14 +21,6 @@ from onnxtrain.torch import ORTModule  # noqa: E402
 from onnxtrain.torch.memory import estimate_memory  # noqa: E402
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def _call(spec, model, batch, sample):
     inputs = {k: torch.from_numpy(v[:batch]) for k, v in sample.items()}
     labels = inputs.pop("labels")
@@ -51,13 +43,14 @@ def main(name: str, batch: int) -> dict:
     _call(spec, model, 1, sample).backward()
     optimizer.zero_grad(set_to_none=True)
     memory.trim()
-    before = _status("VmRSS")
-    open("/proc/self/clear_refs", "w").write("5")
+    before = memory.rss_mb()
+    memory.reset_high_water_mark()
     for _ in range(2):
         _call(spec, model, batch, sample).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return {"measured": _status("VmHWM") - before, "estimated": estimate.step_peak, "explain": estimate.explain()}
+    measured = (memory.high_water_mark_mb() - before) * 2**20
+    return {"measured": measured, "estimated": estimate.step_peak, "explain": estimate.explain()}
 
 
 if __name__ == "__main__":

@@ -21,14 +21,6 @@ from onnxtrain.torch import ORTModule  # noqa: E402
 STEPS = 2
 
 
-def _status(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) / 1024
-    raise KeyError(key)
-
-
 def main(mode: str, batch: int) -> dict:
     warm = ORTModule(torch.nn.Linear(2, 2))
     warm(torch.randn(1, 2)).sum().backward()
@@ -37,8 +29,8 @@ def main(mode: str, batch: int) -> dict:
     idx = torch.randint(0, spec.vocab, (batch, spec.seq), generator=gen)
     labels = torch.randint(0, spec.vocab, (batch, spec.seq), generator=gen)
     memory.trim()
-    before = _status("VmRSS")
-    open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark
+    before = memory.rss_mb()
+    memory.reset_high_water_mark()
     net = spec.build()
     if mode == "eager":
         model = net
@@ -53,7 +45,7 @@ def main(mode: str, batch: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     report = getattr(model, "memory_report", None)
-    return {"peak_mb": _status("VmHWM") - before, "loss": loss.item(),
+    return {"peak_mb": memory.high_water_mark_mb() - before, "loss": loss.item(),
             "unplanned_saved_bytes": report.unplanned_saved_bytes if report else None,
             "saved_bytes": report.saved_bytes if report else None}
 

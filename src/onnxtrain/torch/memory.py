@@ -16,7 +16,7 @@ import torch
 from onnxtrain.passes import memory
 from onnxtrain.passes.partition import FROM_OUTPUT_GRAD, ForwardBackward
 from onnxtrain.torch._export import flatten_call
-from onnxtrain.torch.ortmodule import ORTModule, _autocast
+from onnxtrain.torch.ortmodule import ORTModule, _autocast, _graph_inputs
 
 _MB = 2**20
 
@@ -95,8 +95,7 @@ def estimate_memory(module: torch.nn.Module, *args, optimizer_states: int = 2, m
     wrapper = ORTModule(module, memory_opt_level=memory_opt_level, memory_budget=memory_budget)
     call = flatten_call(module, args, kwargs)
     variant = wrapper._variant(call, _autocast(call.tensors))
-    inputs = [*call.tensors, *(call.state[n] for n in variant.graph.state_names)]
-    wrt = tuple(i for i, t in enumerate(inputs) if t.requires_grad and t.is_floating_point())
+    inputs, wrt = _graph_inputs(call, variant)
     if not wrt:
         raise ValueError("estimate_memory: nothing in the call requires grad (no parameter, no input)")
     graphs = wrapper._forward_backward(variant, wrt, inputs)

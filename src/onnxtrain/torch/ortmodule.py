@@ -38,6 +38,13 @@ def _autocast(tensors) -> tuple[str, str] | None:
     return device, _AUTOCAST_PRECISION[dtype]
 
 
+def _graph_inputs(call, variant: "_Variant") -> tuple[list[torch.Tensor], tuple[int, ...]]:
+    """The tensors a variant's graphs take for ``call`` (call tensors, then parameters and
+    buffers), and the positions of those that receive gradients."""
+    inputs = [*call.tensors, *(call.state[n] for n in variant.graph.state_names)]
+    return inputs, tuple(i for i, t in enumerate(inputs) if t.requires_grad and t.is_floating_point())
+
+
 class ORTModuleFallbackWarning(UserWarning):
     """ORTModule could not run a module through ONNX Runtime and runs it in PyTorch instead."""
 
@@ -277,8 +284,7 @@ class ORTModule(torch.nn.Module):
         state = call.state
         try:  # building: export, gradient graph, sessions; a failure here may fall back
             variant = self._variant(call, _autocast(call.tensors))
-            inputs = [*call.tensors, *(state[n] for n in variant.graph.state_names)]
-            wrt = tuple(i for i, t in enumerate(inputs) if t.requires_grad and t.is_floating_point())
+            inputs, wrt = _graph_inputs(call, variant)
             training = torch.is_grad_enabled() and bool(wrt)
             runner = self._training_programs(variant, wrt, inputs) if training else \
                 self._inference_runner(variant, inputs)

@@ -9,10 +9,11 @@ from bench import analysis
 
 ANALYSIS = Path(__file__).resolve().parent / "ANALYSIS.md"
 SYSTEM_LABELS = {"eager": "eager (PyTorch)", "eager_fused": "eager + fused AdamW (reference)", "compile": "torch.compile", "ortmodule": "ORTModule",
+                 "ortmodule_recompute": "ORTModule + recompute (memory_opt_level=2)",
                  "ondevice": "on-device (onnxtrain)", "upstream": "upstream ORT-training 1.19.2"}
 
 
-def _capacity_section(capacity: dict | None) -> list[str]:
+def capacity_section(capacity: dict | None) -> list[str]:
     """Markdown for the memory-cap search (bench/capacity.py), or nothing if it did not run."""
     if not capacity:
         return []
@@ -51,7 +52,35 @@ def _status(entry: dict) -> str:
     return f"{status}{rel_text}"
 
 
-def markdown(results: dict) -> str:
+def _read_json(folder: Path | None, name: str) -> dict | None:
+    path = folder and Path(folder) / name
+    if not path or not path.exists():
+        return None
+    import json
+
+    return json.loads(path.read_text())
+
+
+def side_sections(results_dir: Path | None) -> list[str]:
+    """Sections of the benchmarks that run on their own (bench/optim_step.py, bench/precision.py),
+    from their JSON beside results.json; nothing for those that have not run."""
+    from bench import optim_step, precision
+
+    lines = []
+    optim = _read_json(results_dir, "optim_step.json")
+    if optim:
+        lines += ["## Optimizer step: FusedAdam and LAMB vs torch.optim.AdamW", "",
+                  "`python -m bench.optim_step`:", "", optim_step.markdown(optim), ""]
+    mixed = _read_json(results_dir, "precision.json")
+    if mixed:
+        lines += ["## bf16 autocast vs fp32", "", "`python -m bench.precision`:", "",
+                  precision.markdown_table(mixed), ""]
+    return lines
+
+
+def markdown(results: dict, results_dir: Path | None = None) -> str:
+    """RESULTS.md for ``results``; ``results_dir`` holds the side benchmarks' JSON (capacity,
+    optimizer step, precision) that are shown when present."""
     meta, summary = results["meta"], results["summary"]
     settings = meta["settings"]
     lines = ["# onnxtrain benchmark results", ""]
@@ -127,10 +156,16 @@ def markdown(results: dict) -> str:
         if notes:
             lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
         lines.append("")
-    lines += _capacity_section(results.get("capacity"))
+    # the standalone search (python -m bench.capacity) when it ran after the suite's own
+    capacity_file = _read_json(results_dir, "capacity.json")
+    if capacity_file and results.get("capacity") and capacity_file.get("date", "") < meta["date"]:
+        capacity_file = None
+    lines += capacity_section(capacity_file or results.get("capacity"))
+    lines += side_sections(results_dir)
     lines += ["## Targets", "", "Ratios measured in this run.", "",
               "| target | measured | status | detail |", "|---|---|---|---|"]
-    for t in results["targets"]:
+    extra_targets = [capacity_file["target"]] if capacity_file and capacity_file.get("target") else []
+    for t in results["targets"] + extra_targets:
         lines.append(f"| {t['target']} | {t['measured'] or '—'} | **{t['status']}** | {t['detail']} |")
     lines += ["", "N/A: not measured in this run (model or system not selected, or the reference system "
               "errored). A target whose onnxtrain cell errored or failed its loss check is MISSED.", ""]
@@ -209,7 +244,7 @@ def main(argv=None) -> int:
     plot_path = results_path.parent / "speedup.png"
     if plot(results, plot_path):
         results["meta"]["plot"] = os.path.relpath(plot_path, report_path.parent)
-    report_path.write_text(markdown(results))
+    report_path.write_text(markdown(results, results_path.parent))
     print(f"wrote {report_path}, {plot_path}")
     return 0
 

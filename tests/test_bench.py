@@ -122,7 +122,8 @@ def test_quick_preset_and_options():
     assert args.rounds <= 2 and args.memory_cap_mb == 0  # no memory-cap search in a quick run
     args = run.parse_args(["--models", "tiny,tiny-gpt", "--systems", "eager,compile", "--rounds", "3"])
     assert args.models == ["tiny", "tiny-gpt"] and args.systems == ["eager", "compile"] and args.rounds == 3
-    assert args.memory_cap_mb == run.FULL["memory_cap_mb"] and args.capacity_systems == ["eager", "ortmodule"]
+    assert args.memory_cap_mb == run.FULL["memory_cap_mb"] and args.capacity_systems == ["eager", "ortmodule", "ortmodule_recompute"]
+    assert "ortmodule_recompute" not in run.FULL["systems"]  # compared in the memory-cap search only
     with pytest.raises(SystemExit):
         run.parse_args(["--capacity-systems", "upstream"])
 
@@ -169,5 +170,48 @@ def test_capacity_section_in_the_report():
     capacity = {"model": "gpt", "cap_mb": 2048, "systems": {
         "eager": {"largest_batch": 96, "peak_rss_mb": 1900.0, "capped_by_search": False,
                   "tried": [{"batch": 64, "peak_rss_mb": 1500.0, "status": "ok", "fits": True}]}}}
-    text = "\n".join(report._capacity_section(capacity))
+    text = "\n".join(report.capacity_section(capacity))
     assert "Largest gpt batch within 2048 MB" in text and "| eager (PyTorch) | 96 | 1900 |" in text
+
+
+def _found(largest, capped=False):
+    return {"largest_batch": largest, "peak_rss_mb": 1.0, "capped_by_search": capped, "tried": []}
+
+
+def test_capacity_target_compares_the_memory_optimizer_with_eager():
+    from bench import capacity
+
+    result = {"model": "gpt", "cap_mb": 2048, "systems": {"eager": _found(200), "ortmodule_recompute": _found(320)}}
+    met = capacity.target(result)
+    assert met["status"] == "MET" and met["measured"].startswith("1.60x")
+    result["systems"]["ortmodule_recompute"] = _found(280)
+    assert capacity.target(result)["status"] == "MISSED"
+    result["systems"]["ortmodule_recompute"] = _found(None)  # not even the smallest batch fits
+    assert capacity.target(result)["status"] == "N/A"
+    del result["systems"]["ortmodule_recompute"]
+    assert capacity.target(result) is None
+
+
+def test_standalone_capacity_results_and_side_benchmarks_join_the_report(tmp_path):
+    """RESULTS.md shows capacity.json when it is newer than the suite's own search, with its
+    target, and the optimizer-step and precision tables when their JSON is present."""
+    from bench import capacity, optim_step, precision
+
+    results = json.loads((ROOT / "bench" / "results" / "results.json").read_text())
+    standalone = {"model": "gpt", "cap_mb": 1000, "date": "2999-01-01 00:00 UTC",
+                  "systems": {"eager": _found(100), "ortmodule_recompute": _found(150)}}
+    standalone["target"] = capacity.target(standalone)
+    (tmp_path / "capacity.json").write_text(json.dumps(standalone))
+    text = report.markdown(results, tmp_path)
+    assert "Largest gpt batch within 1000 MB" in text and "| ORTModule + recompute" in text
+    assert "1.50x (150 vs 100) | **MET**" in text
+    assert "## Optimizer step" not in text and "## bf16 autocast" not in text
+    standalone["date"] = "2000-01-01 00:00 UTC"  # older than the suite's run: the suite's search wins
+    (tmp_path / "capacity.json").write_text(json.dumps(standalone))
+    assert "within 1000 MB" not in report.markdown(results, tmp_path)
+    for name in ("optim_step.json", "precision.json"):
+        (tmp_path / name).write_text((ROOT / "bench" / "results" / name).read_text())
+    text = report.markdown(results, tmp_path)
+    optim = json.loads((tmp_path / "optim_step.json").read_text())
+    mixed = json.loads((tmp_path / "precision.json").read_text())
+    assert optim_step.markdown(optim) in text and precision.markdown_table(mixed) in text

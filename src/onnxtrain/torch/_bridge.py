@@ -39,8 +39,18 @@ def _to_ort(tensor: torch.Tensor) -> ort.OrtValue:
 class SessionRunner:
     """One InferenceSession and the names of its inputs and outputs, run on torch tensors."""
 
-    def __init__(self, model, device: Device, session_options: ort.SessionOptions | None, what: str):
+    def __init__(self, model, device: Device, session_options: ort.SessionOptions | None, what: str,
+                 shrink_arena: bool = False):
         self.device = device
+        # With ``shrink_arena`` each run ends by handing the arena's free regions back to the
+        # system, so the memory a run's intermediates took is not held while PyTorch computes
+        # the loss and its gradient (between the forward and backward runs): a lower peak for
+        # some time spent reallocating.
+        self.run_options = None
+        if shrink_arena:
+            self.run_options = ort.RunOptions()
+            self.run_options.add_run_config_entry(
+                "memory.enable_memory_arena_shrinkage", f"{'gpu' if device.type == 'cuda' else 'cpu'}:{device.id or 0}")
         try:
             providers = providers_for(device)
         except ValueError as exc:  # e.g. CUDA tensors with the CPU-only onnxruntime package
@@ -77,7 +87,7 @@ class SessionRunner:
             torch.cuda.current_stream(self.device.id).synchronize()
         if self.device.type != "cpu":
             binding.synchronize_inputs()
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self.run_options)
         if self.device.type != "cpu":
             binding.synchronize_outputs()
         return [torch.from_dlpack(v) for v in binding.get_outputs()]
@@ -95,11 +105,12 @@ class TrainingPrograms:
 
     @classmethod
     def build(cls, graphs: ForwardBackward, wrt_positions: list[int], device: Device,
-              session_options: ort.SessionOptions | None) -> "TrainingPrograms":
+              session_options: ort.SessionOptions | None, shrink_arena: bool = False) -> "TrainingPrograms":
         num = graphs.num_model_outputs
         non_diff = [i for i in range(num) if i not in graphs.differentiable_outputs]
-        return cls(graphs, SessionRunner(graphs.forward, device, session_options, "forward graph"),
-                   SessionRunner(graphs.backward_for_session(), device, session_options, "backward graph"),
+        return cls(graphs, SessionRunner(graphs.forward, device, session_options, "forward graph", shrink_arena),
+                   SessionRunner(graphs.backward_for_session(), device, session_options, "backward graph",
+                                 shrink_arena),
                    wrt_positions, non_diff)
 
 

@@ -365,7 +365,9 @@ class ORTModule(torch.nn.Module):
             variant.memory[wrt] = graphs.memory
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")
-            programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options())
+            # memory options trade speed for memory: the arena also gives back what a run freed
+            programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options(),
+                                              shrink_arena=self._memory_options.active)
             variant.training[wrt] = programs
         self._last_memory_report = variant.memory.get(wrt)
         return programs

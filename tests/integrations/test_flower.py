@@ -106,7 +106,7 @@ def test_federation_of_processes_on_loopback_learns_digits(artifacts, digits, tm
         np.savez(tmp_path / f"shard{i}.npz", x=x_train[idx[:cut]], y=y_train[idx[:cut]],
                  x_eval=x_train[idx[cut:]], y_eval=y_train[idx[cut:]])
     address = f"127.0.0.1:{_free_port()}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", PYTHONPATH=os.pathsep.join(
         [str(Path(onnxtrain.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
     common = ["--address", address, "--artifacts", str(artifacts)]
     commands = [[sys.executable, str(WORKER), "server", *common, "--data", str(tmp_path / "test.npz"),
@@ -173,3 +173,176 @@ def test_federation_of_processes_on_loopback_learns_digits(artifacts, digits, tm
     final = dict(zip(PARAM_NAMES, fl.read_parameters(tmp_path / "global_checkpoint")))
     logits = _reference_logits(final, x_test)
     assert np.mean(np.argmax(logits, axis=1) == y_test) == pytest.approx(accuracy[-1], abs=1e-9)
+
+
+# -- the client in process -----------------------------------------------------------------
+
+
+def _client(artifacts, digits):
+    x_train, y_train, x_test, y_test = digits
+    return fl.OnnxTrainClient(artifacts, (x_train[:96], y_train[:96]), (x_test[:64], y_test[:64]),
+                              accuracy_output="logits", learning_rate=LEARNING_RATE, batch_size=96)
+
+
+@pytest.fixture()
+def client(artifacts, digits):
+    return _client(artifacts, digits)
+
+
+@pytest.fixture(scope="module")
+def shared_client(artifacts, digits):
+    """For tests that must leave the client as they found it."""
+    return _client(artifacts, digits)
+
+
+def test_parameters_are_the_trainable_initializers_in_checkpoint_order(client, artifacts):
+    reference = _initial_params()
+    assert client.parameter_names == PARAM_NAMES == [s.name for s in fl.parameter_specs(artifacts)]
+    for name, array in zip(PARAM_NAMES, client.get_parameters({})):
+        np.testing.assert_array_equal(array, reference[name])
+    for name, array in zip(PARAM_NAMES, fl.read_parameters(artifacts)):
+        np.testing.assert_array_equal(array, reference[name])
+
+
+def test_evaluate_matches_the_plain_model(client, digits):
+    _, _, x_test, y_test = digits
+    rng = np.random.default_rng(1)
+    params = {n: (v + 0.05 * rng.standard_normal(v.shape)).astype(np.float32) for n, v in _initial_params().items()}
+    loss, count, metrics = client.evaluate([params[n] for n in PARAM_NAMES], {})
+    logits = _reference_logits(params, x_test[:64])
+    assert count == 64
+    assert loss == pytest.approx(_cross_entropy(logits, y_test[:64]), rel=1e-5)
+    assert metrics["accuracy"] == pytest.approx(np.mean(np.argmax(logits, axis=1) == y_test[:64]))
+
+
+def test_fit_reports_the_loss_before_the_step_and_takes_an_adam_step(client, digits):
+    x_train, y_train, _, _ = digits
+    start = client.get_parameters({})
+    new, count, metrics = client.fit(start, {"local_epochs": 1})
+    assert count == 96 and metrics["steps"] == 1  # batch_size 96: one full-batch step
+    reference = _reference_logits(dict(zip(PARAM_NAMES, start)), x_train[:96])
+    assert metrics["loss"] == pytest.approx(_cross_entropy(reference, y_train[:96]), rel=1e-5)
+    # the first AdamW step (upstream's default: transformers-style bias correction, eps 1e-6,
+    # beta2 0.999) moves each element by lr * |g| / (|g| + eps / sqrt(1 - beta2)): at most lr,
+    # and nearly lr wherever |g| is far above eps / sqrt(1 - beta2) ~ 3e-5
+    for before, after in zip(start, new):
+        delta = np.abs(after - before)
+        assert delta.max() <= LEARNING_RATE * (1 + 1e-4)
+        assert np.mean(delta > 0.9 * LEARNING_RATE) > 0.5
+    for got, want in zip(client.get_parameters({}), new):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_fit_config_overrides_and_training_lowers_the_loss(client):
+    weights = client.get_parameters({})
+    _, _, first = client.fit(weights, {"local_epochs": 1})
+    weights, _, metrics = client.fit(client.get_parameters({}), {"local_epochs": 5, "batch_size": 32})
+    assert metrics["steps"] == 5 * 3
+    loss, _, _ = client.evaluate(weights, {})
+    assert metrics["loss"] < first["loss"]
+    assert np.isfinite(loss)
+
+
+@pytest.mark.parametrize("corrupt, message", [
+    (lambda p: p[:-1], "received 5 arrays; expected 6"),
+    (lambda p: p + [p[-1]], "received 7 arrays; expected 6"),
+    (lambda p: [p[0].reshape(8, 9)] + p[1:], "'conv1.weight' has shape [8, 9]; expected [8, 1, 3, 3]"),
+    (lambda p: p[:5] + [p[5].astype(np.float64)], "'fc.bias' has dtype float64; expected float32"),
+    (lambda p: p[:5] + [np.full(10, np.nan, np.float32)], "'fc.bias' contains NaN"),
+    (lambda p: p[:5] + [list(p[5])], "'fc.bias' is a list; expected a numpy array"),
+])
+def test_mismatching_parameters_raise_and_change_nothing(shared_client, corrupt, message):
+    client = shared_client
+    before = client.get_parameters({})
+    received = [(v + 1.0).astype(np.float32) for v in before]
+    with pytest.raises(fl.ParameterMismatchError, match=message.replace("[", r"\[").replace("]", r"\]")) as info:
+        client.fit(corrupt(received), {})
+    assert isinstance(info.value, OnnxTrainError)
+    assert "expected 6 arrays in this order: conv1.weight [8, 1, 3, 3] float32" in str(info.value)
+    for got, want in zip(client.get_parameters({}), before):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_parameter_names_sent_by_the_server_are_checked(client):
+    before = client.get_parameters({})
+    swapped = PARAM_NAMES[1::-1] + PARAM_NAMES[2:]
+    with pytest.raises(fl.ParameterMismatchError, match=r"#0: 'conv1.bias' \(expected 'conv1.weight'\)"):
+        client.evaluate(before, {fl.PARAMETER_NAMES_KEY: json.dumps(swapped)})
+    _, _, metrics = client.fit(before, {fl.PARAMETER_NAMES_KEY: json.dumps(PARAM_NAMES)})
+    assert metrics["steps"] == 1
+
+
+def test_client_rejects_data_that_does_not_fit_the_model(artifacts, digits):
+    x_train, y_train, _, _ = digits
+    with pytest.raises(onnxtrain.errors.InputMismatchError, match=r"takes \['image', 'labels'\]"):
+        fl.OnnxTrainClient(artifacts, (x_train[:8],))
+    with pytest.raises(onnxtrain.errors.InputMismatchError, match=r"row counts \[8, 7\]"):
+        fl.OnnxTrainClient(artifacts, (x_train[:8], y_train[:7]))
+    with pytest.raises(onnxtrain.errors.InputMismatchError, match="'probs' is not an eval-model output"):
+        fl.OnnxTrainClient(artifacts, (x_train[:8], y_train[:8]), accuracy_output="probs")
+
+
+# -- the server side in process ----------------------------------------------------------------
+
+
+def test_central_evaluation_matches_the_plain_model(artifacts, digits):
+    _, _, x_test, y_test = digits
+    evaluate = fl.make_evaluate_fn(artifacts, (x_test, y_test), accuracy_output="logits")
+    loss, metrics = evaluate(0, fl.read_parameters(artifacts), {})
+    logits = _reference_logits(_initial_params(), x_test)
+    assert loss == pytest.approx(_cross_entropy(logits, y_test), rel=1e-5)
+    assert metrics == {"accuracy": pytest.approx(np.mean(np.argmax(logits, axis=1) == y_test))}
+    with pytest.raises(fl.ParameterMismatchError, match="received 1 arrays"):
+        evaluate(1, fl.read_parameters(artifacts)[:1], {})
+
+
+def _fit_res(arrays, count, loss):
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+
+    return FitRes(Status(Code.OK, ""), ndarrays_to_parameters(arrays), count, {"loss": loss, "steps": 1})
+
+
+def test_strategy_averages_valid_results_rejects_others_and_saves(artifacts, tmp_path):
+    saved = tmp_path / "global"
+    strategy = fl.make_strategy(artifacts, fit_config={"local_epochs": 2}, save_checkpoint_to=saved, min_clients=3)
+    initial = flwr.common.parameters_to_ndarrays(strategy.initialize_parameters(None))
+    for got, want in zip(initial, _initial_params().values()):
+        np.testing.assert_array_equal(got, want)
+    assert strategy.on_fit_config_fn(1) == {"local_epochs": 2, fl.PARAMETER_NAMES_KEY: json.dumps(PARAM_NAMES)}
+    assert strategy.on_evaluate_config_fn(1) == {fl.PARAMETER_NAMES_KEY: json.dumps(PARAM_NAMES)}
+    a = [np.full_like(v, 1.0) for v in initial]
+    b = [np.full_like(v, 4.0) for v in initial]
+    bad = [np.zeros(3, np.float32)] + initial[1:]
+    results = [(None, _fit_res(a, 10, 1.0)), (None, _fit_res(b, 20, 4.0)), (None, _fit_res(bad, 70, 0.0))]
+    parameters, metrics = strategy.aggregate_fit(1, results, [])
+    expected = (10 * 1.0 + 20 * 4.0) / 30  # FedAvg: example-weighted mean of the valid results
+    for array in flwr.common.parameters_to_ndarrays(parameters):
+        np.testing.assert_allclose(array, expected, rtol=1e-6)
+    assert metrics == {"loss": pytest.approx(expected), "steps": 1.0}
+    assert len(strategy.rejected) == 1 and "'conv1.weight' has shape [3]" in strategy.rejected[0][1]
+    for array in fl.read_parameters(saved):
+        np.testing.assert_allclose(array, expected, rtol=1e-6)
+
+
+def test_save_global_parameters_writes_a_runnable_inference_model(artifacts, digits, tmp_path):
+    _, _, x_test, _ = digits
+    rng = np.random.default_rng(2)
+    params = {n: (v + 0.1 * rng.standard_normal(v.shape)).astype(np.float32) for n, v in _initial_params().items()}
+    fl.save_global_parameters([params[n] for n in PARAM_NAMES], artifacts, tmp_path / "ckpt",
+                              inference_model_path=tmp_path / "model.onnx", output_names=["logits"])
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["image"]
+    np.testing.assert_allclose(session.run(None, {"image": x_test})[0], _reference_logits(params, x_test),
+                               rtol=1e-5, atol=1e-5)
+    for name, array in zip(PARAM_NAMES, fl.read_parameters(tmp_path / "ckpt")):
+        np.testing.assert_array_equal(array, params[name])
+    with pytest.raises(fl.ParameterMismatchError):
+        fl.save_global_parameters([params[n] for n in PARAM_NAMES[:-1]], artifacts, tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+
+def test_importing_onnxtrain_does_not_import_flwr():
+    code = "import sys, onnxtrain, onnxtrain.api, onnxtrain.integrations; print('flwr' in sys.modules)"
+    env = dict(os.environ, PYTHONPATH=str(Path(onnxtrain.__file__).parents[1]))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

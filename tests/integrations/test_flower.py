@@ -346,3 +346,20 @@ def test_importing_onnxtrain_does_not_import_flwr():
     env = dict(os.environ, PYTHONPATH=str(Path(onnxtrain.__file__).parents[1]))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_example_federated_digits(tmp_path):
+    example = Path(__file__).resolve().parents[2] / "examples" / "federated_digits.py"
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", PYTHONPATH=os.pathsep.join(
+        [str(Path(onnxtrain.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(example), "--out", str(tmp_path), "--rounds", "6"], env=env,
+                         capture_output=True, text=True, timeout=FEDERATION_TIMEOUT_S)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = next(s for s in out.stdout.splitlines() if s.startswith("central test accuracy by round:"))
+    accuracy = [float(a) for a in line.split(":")[1].split()]
+    assert len(accuracy) == 7 and accuracy[0] < 0.5 and accuracy[-1] >= REQUIRED_ACCURACY
+    _, _, x_test, y_test = load_digits(0)
+    session = ort.InferenceSession(str(tmp_path / "global_model.onnx"), providers=["CPUExecutionProvider"])
+    exported = np.mean(session.run(None, {"image": x_test})[0].argmax(1) == y_test)
+    assert exported == pytest.approx(accuracy[-1], abs=1e-3)

@@ -278,10 +278,11 @@ class OnnxTrainClient(NumPyClient):
 DataLoader = Callable[[object], tuple[Sequence[np.ndarray], Sequence[np.ndarray] | None]]
 
 
-def make_client_fn(artifact_dir: str | os.PathLike, load_data: DataLoader, **client_kwargs):
+def make_client_fn(artifact_dir: str | os.PathLike | Callable[[object], str | os.PathLike], load_data: DataLoader, **client_kwargs):
     """A Flower ``client_fn(context) -> Client`` building an :class:`OnnxTrainClient`.
 
-    ``load_data(context)`` returns ``(train_data, eval_data)`` for this node (e.g. by
+    ``artifact_dir`` is a folder, or a function of the Flower ``Context`` returning one (e.g.
+    from ``context.run_config``). ``load_data(context)`` returns ``(train_data, eval_data)`` for this node (e.g. by
     ``context.node_config["partition-id"]``). Flower calls ``client_fn`` for every message;
     within one process the client (and so its optimizer state) is kept per run and node.
     ``client_kwargs`` go to :class:`OnnxTrainClient`.
@@ -296,13 +297,14 @@ def make_client_fn(artifact_dir: str | os.PathLike, load_data: DataLoader, **cli
         key = (context.run_id, context.node_id)
         if key not in clients:
             train_data, eval_data = load_data(context)
-            clients[key] = OnnxTrainClient(artifact_dir, train_data, eval_data, **client_kwargs)
+            folder = artifact_dir(context) if callable(artifact_dir) else artifact_dir
+            clients[key] = OnnxTrainClient(folder, train_data, eval_data, **client_kwargs)
         return clients[key].to_client()
 
     return client_fn
 
 
-def make_client_app(artifact_dir: str | os.PathLike, load_data: DataLoader, **client_kwargs) -> ClientApp:
+def make_client_app(artifact_dir: str | os.PathLike | Callable[[object], str | os.PathLike], load_data: DataLoader, **client_kwargs) -> ClientApp:
     """A Flower ``ClientApp`` whose clients are :class:`OnnxTrainClient` (see :func:`make_client_fn`).
 
     Example (in the app's ``client_app.py``, run by ``flower-supernode``):

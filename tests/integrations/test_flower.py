@@ -282,6 +282,42 @@ def test_client_rejects_data_that_does_not_fit_the_model(artifacts, digits):
         fl.OnnxTrainClient(artifacts, (x_train[:8], y_train[:8]), accuracy_output="probs")
 
 
+def _fit_through_client_fn(client_fn, context, weights):
+    from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+
+    res = client_fn(context).fit(FitIns(ndarrays_to_parameters(weights), {"local_epochs": 1}))
+    return parameters_to_ndarrays(res.parameters)
+
+
+def test_client_fn_keeps_optimizer_state_in_the_context_across_processes(artifacts, digits):
+    from flwr.app import Context, RecordDict
+
+    x_train, y_train, _, _ = digits
+    kwargs = dict(learning_rate=LEARNING_RATE, batch_size=128)  # one full-batch step per fit
+
+    def load(context):
+        return (x_train[:128], y_train[:128]), None
+
+    def context(state):
+        return Context(run_id=1, node_id=7, node_config={}, state=state, run_config={})
+
+    start = fl.read_parameters(artifacts)
+    # one long-lived process: two fits of the same client
+    fn = fl.make_client_fn(artifacts, load, **kwargs)
+    shared = context(RecordDict())
+    kept = _fit_through_client_fn(fn, shared, _fit_through_client_fn(fn, shared, start))
+    # a new process per message (a fresh client_fn) with the node's context.state carried over
+    carried = RecordDict()
+    first = _fit_through_client_fn(fl.make_client_fn(artifacts, load, **kwargs), context(carried), start)
+    assert "onnxtrain.optimizer_state" in carried and carried["onnxtrain.optimizer"]["step"] == 1
+    resumed = _fit_through_client_fn(fl.make_client_fn(artifacts, load, **kwargs), context(carried), first)
+    # ... and without it: the second fit starts a fresh AdamW (its first step moves every weight by ~lr)
+    fresh = _fit_through_client_fn(fl.make_client_fn(artifacts, load, **kwargs), context(RecordDict()), first)
+    for k, r, f in zip(kept, resumed, fresh):
+        np.testing.assert_allclose(r, k, rtol=1e-5, atol=1e-6)
+    assert max(np.abs(f - k).max() for k, f in zip(kept, fresh)) > 0.1 * LEARNING_RATE
+
+
 # -- the server side in process ----------------------------------------------------------------
 
 

@@ -45,6 +45,10 @@ PARAMETER_NAMES_KEY = "onnxtrain.parameter_names"
 EVAL_BATCH_SIZE = 1024
 # Fit config keys a server may send to override a client's local training settings.
 FIT_CONFIG_KEYS = ("local_epochs", "batch_size", "learning_rate")
+# Keys of the client's local records in Flower's ``context.state`` (never sent to the server):
+# the optimizer state tensors, and its step count and learning rate.
+OPTIMIZER_ARRAYS_KEY = "onnxtrain.optimizer_state"
+OPTIMIZER_CONFIG_KEY = "onnxtrain.optimizer"
 
 
 class ParameterMismatchError(InputMismatchError):
@@ -177,6 +181,7 @@ class OnnxTrainClient(NumPyClient):
             ``accuracy`` against the last data array (the labels).
         seed: seed of the local shuffling.
         device: where the parameters live (``"cpu"``, ``"cuda"``).
+        optimizer_state: optimizer state to resume from (as :meth:`optimizer_state` returns).
 
     Example (``artifacts`` as from ``generate_artifacts`` for the digits CNN, ``x``, ``y`` a shard):
         >>> client = OnnxTrainClient(artifacts, (x, y), accuracy_output="logits", learning_rate=3e-3)
@@ -190,11 +195,14 @@ class OnnxTrainClient(NumPyClient):
     def __init__(self, artifact_dir: str | os.PathLike, train_data: Sequence[np.ndarray],
                  eval_data: Sequence[np.ndarray] | None = None, *, local_epochs: int = 1, batch_size: int = 32,
                  learning_rate: float = 1e-3, accuracy_output: str | None = None, seed: int = 0,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", optimizer_state: ckpt.OptimizerRecord | None = None) -> None:
         from onnxtrain.api import CheckpointState, Module, Optimizer
 
         folder = pathlib.Path(artifact_dir)
-        self._state = CheckpointState.load_checkpoint(folder / "checkpoint")
+        data = ckpt.read_checkpoint(folder / "checkpoint")
+        if optimizer_state is not None:  # resume: the Optimizer adopts these instead of zeros
+            data.optimizer = optimizer_state
+        self._state = CheckpointState(data)
         self._module = Module(folder / "training_model.onnx", self._state, folder / "eval_model.onnx", device=device)
         self._optimizer = Optimizer(folder / "optimizer_model.onnx", self._module)
         self._specs = [ParameterSpec(name, p.shape, p.dtype) for name, p in self._state.parameters.items()
@@ -209,6 +217,7 @@ class OnnxTrainClient(NumPyClient):
         self._accuracy_output = accuracy_output
         self.local_epochs, self.batch_size, self.learning_rate = int(local_epochs), int(batch_size), learning_rate
         self._rng = np.random.default_rng(seed)
+        self._local_records = None  # Flower's context.state, when built by make_client_fn
 
     @property
     def parameter_names(self) -> list[str]:
@@ -218,6 +227,10 @@ class OnnxTrainClient(NumPyClient):
     @property
     def num_train_examples(self) -> int:
         return len(self._train_data[0])
+
+    def optimizer_state(self) -> ckpt.OptimizerRecord:
+        """A copy of the local optimizer state: step count, learning rate, state tensors."""
+        return self._state._to_data(include_optimizer_state=True).optimizer  # noqa: SLF001 (same package)
 
     def get_parameters(self, config: Mapping | None = None) -> list[np.ndarray]:
         """The trainable parameters, copied, in :attr:`parameter_names` order."""
@@ -248,6 +261,8 @@ class OnnxTrainClient(NumPyClient):
                 loss_sum += float(loss) * len(idx)
                 steps += 1
         epochs = max(int(settings["local_epochs"]), 1)
+        if self._local_records is not None:
+            _store_optimizer_state(self._local_records, self.optimizer_state())
         return self.get_parameters(), count, {"loss": loss_sum / (count * epochs), "steps": steps}
 
     def evaluate(self, parameters, config):
@@ -282,10 +297,12 @@ def make_client_fn(artifact_dir: str | os.PathLike | Callable[[object], str | os
     """A Flower ``client_fn(context) -> Client`` building an :class:`OnnxTrainClient`.
 
     ``artifact_dir`` is a folder, or a function of the Flower ``Context`` returning one (e.g.
-    from ``context.run_config``). ``load_data(context)`` returns ``(train_data, eval_data)`` for this node (e.g. by
-    ``context.node_config["partition-id"]``). Flower calls ``client_fn`` for every message;
-    within one process the client (and so its optimizer state) is kept per run and node.
-    ``client_kwargs`` go to :class:`OnnxTrainClient`.
+    from ``context.run_config``). ``load_data(context)`` returns ``(train_data, eval_data)``
+    for this node (e.g. by ``context.node_config["partition-id"]``). Flower calls
+    ``client_fn`` for every message: within one process the client is kept per run and node;
+    after every ``fit`` the optimizer state is also stored in ``context.state`` (local to the
+    node, never sent), so a client rebuilt in a new process (Flower's deployment engine runs
+    each message in one) resumes it. ``client_kwargs`` go to :class:`OnnxTrainClient`.
 
     Example:
         >>> client_fn = make_client_fn(artifacts, lambda context: ((x, y), None), learning_rate=3e-3)
@@ -298,10 +315,35 @@ def make_client_fn(artifact_dir: str | os.PathLike | Callable[[object], str | os
         if key not in clients:
             train_data, eval_data = load_data(context)
             folder = artifact_dir(context) if callable(artifact_dir) else artifact_dir
-            clients[key] = OnnxTrainClient(folder, train_data, eval_data, **client_kwargs)
+            clients[key] = OnnxTrainClient(folder, train_data, eval_data, **client_kwargs,
+                                           optimizer_state=_load_optimizer_state(context.state))
+        clients[key]._local_records = context.state
         return clients[key].to_client()
 
     return client_fn
+
+
+def _store_optimizer_state(records, state: ckpt.OptimizerRecord | None) -> None:
+    from flwr.app import Array, ArrayRecord, ConfigRecord
+
+    if state is None:
+        return
+    arrays = {f"{p}\n{s}": Array.from_numpy_ndarray(np.ascontiguousarray(v))
+              for p, per in state.values.items() for s, v in per.items()}
+    records[OPTIMIZER_ARRAYS_KEY] = ArrayRecord(arrays)
+    records[OPTIMIZER_CONFIG_KEY] = ConfigRecord({"step": int(state.step), "learning_rate": float(state.learning_rate),
+                                                  "states": list(state.states)})
+
+
+def _load_optimizer_state(records) -> ckpt.OptimizerRecord | None:
+    if OPTIMIZER_ARRAYS_KEY not in records or OPTIMIZER_CONFIG_KEY not in records:
+        return None
+    config = records[OPTIMIZER_CONFIG_KEY]
+    values: dict[str, dict[str, np.ndarray]] = {}
+    for key, array in records[OPTIMIZER_ARRAYS_KEY].items():
+        param, state = key.split("\n")
+        values.setdefault(param, {})[state] = array.numpy()
+    return ckpt.OptimizerRecord(int(config["step"]), float(config["learning_rate"]), list(config["states"]), values)
 
 
 def make_client_app(artifact_dir: str | os.PathLike | Callable[[object], str | os.PathLike], load_data: DataLoader, **client_kwargs) -> ClientApp:

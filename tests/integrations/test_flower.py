@@ -399,3 +399,76 @@ def test_example_federated_digits(tmp_path):
     session = ort.InferenceSession(str(tmp_path / "global_model.onnx"), providers=["CPUExecutionProvider"])
     exported = np.mean(session.run(None, {"image": x_test})[0].argmax(1) == y_test)
     assert exported == pytest.approx(accuracy[-1], abs=1e-3)
+
+
+def _prepare_federation_data(folder: Path, digits) -> list[np.ndarray]:
+    x_train, y_train, x_test, y_test = digits
+    np.savez(folder / "test.npz", x=x_test, y=y_test)
+    shards = _non_iid_shards(y_train)
+    for i, idx in enumerate(shards):
+        np.savez(folder / f"shard{i}.npz", x=x_train[idx], y=y_train[idx])
+    return shards
+
+
+def _wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on 127.0.0.1:{port} (process exit code {process.poll()})")
+
+
+@pytest.mark.slow
+def test_deployment_engine_superlink_supernodes_flwr_run(artifacts, digits, tmp_path):
+    """Flower's deployment engine: flower-superlink, 3 flower-supernode processes, `flwr run`
+    of the Flower App in flower_app/ (make_client_app + make_strategy). Every ClientApp call
+    is a fresh process, so this also exercises resuming the optimizer from context.state."""
+    shards = _prepare_federation_data(tmp_path, digits)
+    home = tmp_path / "flwr_home"
+    home.mkdir()
+    link_port = _free_port()
+    (home / "config.toml").write_text(
+        f'[superlink]\ndefault = "local"\n\n[superlink.local]\naddress = "127.0.0.1:{link_port}"\ninsecure = true\n')
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_TELEMETRY_ENABLED="0", PYTHONPATH=os.pathsep.join(
+        [str(Path(onnxtrain.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    bin_dir = Path(sys.executable).parent
+    commands = [[str(bin_dir / "flower-superlink"), "--insecure", "--disable-runtime-dependency-installation",
+                 "--port", str(link_port)]]
+    commands += [[str(bin_dir / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{link_port}",
+                  "--port", str(_free_port()), "--node-config", f"partition-id={i} num-partitions={len(shards)}"]
+                 for i in range(len(shards))]
+    if not all(Path(c[0]).exists() for c in commands):
+        pytest.skip("flower-superlink / flower-supernode are not installed beside this python")
+    processes, logs = [], []
+    try:
+        for i, command in enumerate(commands):
+            logs.append(open(tmp_path / f"deploy{i}.log", "w"))
+            # own session: killing the group also ends the flwr-serverapp / flwr-clientapp children
+            processes.append(subprocess.Popen(command, env=env, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                              start_new_session=True))
+        _wait_for_port(link_port, processes[0])
+        run_config = f'artifacts="{artifacts}" data-dir="{tmp_path}"'
+        run = subprocess.run([str(bin_dir / "flwr"), "run", str(Path(__file__).with_name("flower_app")), "local",
+                              "--run-config", run_config, "--stream"],
+                             env=env, capture_output=True, text=True, timeout=480)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, 9)
+            process.wait()
+        for log in logs:
+            log.close()
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert "Run finished 3 round(s)" in run.stdout, run.stdout[-4000:]
+    report = json.loads((tmp_path / "server.json").read_text())
+    accuracy = [a for _, a in report["accuracy"]]
+    print(f"deployment engine: central accuracy by round {report['accuracy']}")
+    assert [r for r, _ in report["accuracy"]] == [0, 1, 2, 3]
+    assert accuracy[0] < 0.5 and accuracy[-1] >= REQUIRED_ACCURACY and accuracy[-1] > accuracy[1]
+    assert not report["torch_imported"]
+    assert not any(json.loads((tmp_path / f"client{i}.json").read_text())["torch_imported"] for i in range(3))
+    final = dict(zip(PARAM_NAMES, fl.read_parameters(tmp_path / "global_checkpoint")))
+    logits = _reference_logits(final, digits[2])
+    assert np.mean(np.argmax(logits, axis=1) == digits[3]) == pytest.approx(accuracy[-1], abs=1e-9)

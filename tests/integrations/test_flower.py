@@ -377,6 +377,20 @@ def test_save_global_parameters_writes_a_runnable_inference_model(artifacts, dig
     assert not (tmp_path / "other").exists()
 
 
+def test_docstring_examples(artifacts, digits, tmp_path):
+    import doctest
+
+    x_train, y_train, x_test, y_test = digits
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = finder.find(fl, extraglobs={"artifacts": str(artifacts), "x": x_train[:64], "y": y_train[:64],
+                                        "x_test": x_test, "y_test": y_test, "out": str(tmp_path), "flwr": flwr})
+    assert sum(len(t.examples) for t in tests) > 10
+    for test in tests:
+        runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+
+
 def test_importing_onnxtrain_does_not_import_flwr():
     code = "import sys, onnxtrain, onnxtrain.api, onnxtrain.integrations; print('flwr' in sys.modules)"
     env = dict(os.environ, PYTHONPATH=str(Path(onnxtrain.__file__).parents[1]))

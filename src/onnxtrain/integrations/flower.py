@@ -290,10 +290,12 @@ class OnnxTrainClient(NumPyClient):
         return loss_sum / count, None if self._accuracy_output is None else correct
 
 
-DataLoader = Callable[[object], tuple[Sequence[np.ndarray], Sequence[np.ndarray] | None]]
+# load_data(context) -> (train_data, eval_data); artifact_dir(context) -> folder
+LoadData = Callable[[object], tuple[Sequence[np.ndarray], Sequence[np.ndarray] | None]]
+ArtifactDir = str | os.PathLike | Callable[[object], str | os.PathLike]
 
 
-def make_client_fn(artifact_dir: str | os.PathLike | Callable[[object], str | os.PathLike], load_data: DataLoader, **client_kwargs):
+def make_client_fn(artifact_dir: ArtifactDir, load_data: LoadData, **client_kwargs):
     """A Flower ``client_fn(context) -> Client`` building an :class:`OnnxTrainClient`.
 
     ``artifact_dir`` is a folder, or a function of the Flower ``Context`` returning one (e.g.
@@ -346,11 +348,13 @@ def _load_optimizer_state(records) -> ckpt.OptimizerRecord | None:
     return ckpt.OptimizerRecord(int(config["step"]), float(config["learning_rate"]), list(config["states"]), values)
 
 
-def make_client_app(artifact_dir: str | os.PathLike | Callable[[object], str | os.PathLike], load_data: DataLoader, **client_kwargs) -> ClientApp:
+def make_client_app(artifact_dir: ArtifactDir, load_data: LoadData, **client_kwargs) -> ClientApp:
     """A Flower ``ClientApp`` whose clients are :class:`OnnxTrainClient` (see :func:`make_client_fn`).
 
     Example (in the app's ``client_app.py``, run by ``flower-supernode``):
-        >>> app = make_client_app("artifacts", load_partition, accuracy_output="logits")  # doctest: +SKIP
+        >>> app = make_client_app(artifacts, lambda context: ((x, y), None), accuracy_output="logits")
+        >>> type(app).__name__
+        'ClientApp'
     """
     return ClientApp(client_fn=make_client_fn(artifact_dir, load_data, **client_kwargs))
 
@@ -484,8 +488,10 @@ def make_strategy(initial_parameters_from: str | os.PathLike, *, evaluate_fn=Non
             aggregated with :func:`weighted_average` unless given).
 
     Example:
-        >>> strategy = make_strategy(artifacts, evaluate_fn=make_evaluate_fn(artifacts, (x, y), accuracy_output="logits"),
-        ...                          fit_config={"local_epochs": 1}, min_clients=3)
+        >>> central = make_evaluate_fn(artifacts, (x_test, y_test), accuracy_output="logits")
+        >>> strategy = make_strategy(artifacts, evaluate_fn=central, fit_config={"local_epochs": 1}, min_clients=3)
+        >>> strategy.on_fit_config_fn(1)["local_epochs"]
+        1
         >>> flwr.server.start_server(server_address="127.0.0.1:8080", strategy=strategy,
         ...                          config=flwr.server.ServerConfig(num_rounds=5))  # doctest: +SKIP
     """
@@ -513,9 +519,11 @@ def save_global_parameters(parameters: Sequence[np.ndarray] | Parameters, base: 
     ``output_names``, e.g. ``["logits"]``) needs the artifact folder and exports the eval
     model with the parameters embedded, runnable in a plain ``InferenceSession``.
 
-    Example:
-        >>> save_global_parameters(strategy.global_parameters, artifacts, "global_checkpoint",
-        ...                        inference_model_path="global.onnx", output_names=["logits"])  # doctest: +SKIP
+    Example (``strategy.global_parameters`` after a federation; here the initial ones):
+        >>> save_global_parameters(read_parameters(artifacts), artifacts, f"{out}/global_checkpoint",
+        ...                        inference_model_path=f"{out}/global.onnx", output_names=["logits"])
+        >>> len(read_parameters(f"{out}/global_checkpoint"))
+        6
     """
     from onnxtrain.api import CheckpointState, Module
 

@@ -342,6 +342,8 @@ def test_strategy_averages_valid_results_rejects_others_and_saves(artifacts, tmp
     saved = tmp_path / "global"
     strategy = fl.make_strategy(artifacts, fit_config={"local_epochs": 2}, save_checkpoint_to=saved, min_clients=3)
     initial = flwr.common.parameters_to_ndarrays(strategy.initialize_parameters(None))
+    for got, want in zip(strategy.global_parameters, initial):
+        np.testing.assert_array_equal(got, want)
     for got, want in zip(initial, _initial_params().values()):
         np.testing.assert_array_equal(got, want)
     assert strategy.on_fit_config_fn(1) == {"local_epochs": 2, fl.PARAMETER_NAMES_KEY: json.dumps(PARAM_NAMES)}

@@ -432,9 +432,9 @@ class OnnxTrainFedAvg(FedAvg):
 
     Sends the parameter names with every instruction, checks every client's returned
     parameters against the checkpoint's trainable parameters (a mismatching result counts as
-    a failure and is listed in :attr:`rejected`), keeps the latest global parameters in
-    :attr:`global_parameters` and, with ``save_checkpoint_to``, writes them into a checkpoint
-    after every round.
+    a failure and is listed in :attr:`rejected`), keeps the latest global parameters (at
+    first the initial ones) in :attr:`global_parameters` and, with ``save_checkpoint_to``,
+    writes them into a checkpoint after every round.
     """
 
     def __init__(self, specs: Sequence[ParameterSpec], *, base_checkpoint: str | os.PathLike,
@@ -447,7 +447,8 @@ class OnnxTrainFedAvg(FedAvg):
         self.specs = list(specs)
         self.base_checkpoint = base_checkpoint
         self.save_checkpoint_to = save_checkpoint_to
-        self.global_parameters: list[np.ndarray] | None = None
+        initial = fedavg_kwargs.get("initial_parameters")
+        self.global_parameters: list[np.ndarray] | None = None if initial is None else parameters_to_ndarrays(initial)
         self.rejected: list[tuple[int, str]] = []
 
     def aggregate_fit(self, server_round, results, failures):
@@ -519,8 +520,9 @@ def save_global_parameters(parameters: Sequence[np.ndarray] | Parameters, base: 
     ``output_names``, e.g. ``["logits"]``) needs the artifact folder and exports the eval
     model with the parameters embedded, runnable in a plain ``InferenceSession``.
 
-    Example (``strategy.global_parameters`` after a federation; here the initial ones):
-        >>> save_global_parameters(read_parameters(artifacts), artifacts, f"{out}/global_checkpoint",
+    Example (``strategy`` before any round holds the initial parameters):
+        >>> strategy = make_strategy(artifacts)
+        >>> save_global_parameters(strategy.global_parameters, artifacts, f"{out}/global_checkpoint",
         ...                        inference_model_path=f"{out}/global.onnx", output_names=["logits"])
         >>> len(read_parameters(f"{out}/global_checkpoint"))
         6

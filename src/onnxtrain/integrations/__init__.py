@@ -1,0 +1,1 @@
+"""Glue between onnxtrain and other libraries; each module imports its library lazily."""

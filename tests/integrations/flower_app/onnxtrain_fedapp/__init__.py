@@ -1,0 +1,1 @@
+"""Federated digits CNN on onnxtrain's on-device API, as a Flower App."""

@@ -1,4 +1,4 @@
-"""The command line: the demo (the README's main job) and `onnxtrain artifacts`."""
+"""The command line: the demo (the README's main job), `onnxtrain report` and `onnxtrain artifacts`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,13 @@ def test_demo_reaches_the_required_accuracy(tmp_path):
     exported = float(re.search(r"inference model, plain InferenceSession\): ([0-9.]+)", result.stdout).group(1))
     assert accuracy >= 0.95 and exported == accuracy
     assert (tmp_path / "demo" / "inference_model.onnx").exists()
+    assert (tmp_path / "demo" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the loss plot
+    # the run's record: `onnxtrain report` summarizes it, its last evaluation is the demo's accuracy
+    report = _onnxtrain("report", str(tmp_path / "demo"), cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    assert "steps: 900" in report.stdout  # 20 epochs of ceil(1437 / 32) = 45 steps
+    last_eval = report.stdout.strip().splitlines()[-1]
+    assert last_eval.startswith("eval after step 900: ") and f"accuracy {accuracy:.4f}" in last_eval
 
 
 def test_artifacts_command_defaults_to_all_float_initializers(tmp_path):

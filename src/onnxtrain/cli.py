@@ -17,6 +17,8 @@ def _demo(args) -> int:
     print(f"test accuracy (exported inference model, plain InferenceSession): {result.inference_accuracy:.4f}")
     print(f"final training loss: {result.final_loss:.4f}   time: {result.seconds:.1f} s")
     print(f"artifacts in {result.artifact_directory}/, inference model {result.inference_model}")
+    print(f"run log {result.run_log} (onnxtrain report {result.artifact_directory})"
+          + (f", plot {result.plot}" if result.plot else ""))
     if result.test_accuracy < REQUIRED_ACCURACY or abs(result.inference_accuracy - result.test_accuracy) > 1e-9:
         print(f"FAILED: expected accuracy >= {REQUIRED_ACCURACY} and identical results from the exported model",
               file=sys.stderr)
@@ -40,6 +42,19 @@ def _artifacts(args) -> int:
     return 0
 
 
+def _report(args) -> int:
+    from onnxtrain import runlog
+
+    try:
+        print(runlog.summarize(args.directory).text())
+        if args.plot is not None:
+            print(f"plot written to {runlog.plot(args.directory, args.plot or None)}")
+    except runlog.RunLogError as exc:
+        print(f"onnxtrain report: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnxtrain", description="Train models with stock ONNX Runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -50,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)
+
+    report = sub.add_parser("report", help="summarize a training run's log (run.jsonl from onnxtrain.runlog)")
+    report.add_argument("directory", help="the run's folder (or its run.jsonl)")
+    report.add_argument("--plot", nargs="?", const="", default=None, metavar="PNG",
+                        help="also draw loss and throughput (default path: DIRECTORY/training.png)")
+    report.set_defaults(run=_report)
 
     art = sub.add_parser("artifacts", help="generate training artifacts from an ONNX model")
     art.add_argument("model", help="the ONNX model file")

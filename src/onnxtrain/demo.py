@@ -27,6 +27,8 @@ class DemoResult:
     seconds: float
     artifact_directory: pathlib.Path
     inference_model: pathlib.Path
+    run_log: pathlib.Path
+    plot: pathlib.Path | None  # None when matplotlib is not installed
 
 
 def build_cnn(seed: int = 0, opset: int = 18) -> onnx.ModelProto:
@@ -82,7 +84,7 @@ def run_demo(out_dir: str | pathlib.Path = "demo_out", epochs: int = 20, batch_s
     import onnxruntime as ort
     from tqdm import tqdm
 
-    from onnxtrain import artifacts
+    from onnxtrain import artifacts, runlog
     from onnxtrain.api import CheckpointState, Module, Optimizer
 
     start = time.perf_counter()
@@ -100,22 +102,32 @@ def run_demo(out_dir: str | pathlib.Path = "demo_out", epochs: int = 20, batch_s
     rng = np.random.default_rng(seed)
     steps_per_epoch = int(np.ceil(len(y_train) / batch_size))
     bar = tqdm(total=epochs * steps_per_epoch, disable=not progress, desc="training", unit="step", mininterval=0.5)
+    log = runlog.RunLog(out_dir, name="digits CNN (onnxtrain demo)", fresh=True,
+                        settings={"epochs": epochs, "batch_size": batch_size, "learning_rate": learning_rate,
+                                  "seed": seed})
     loss = float("nan")
     for epoch in range(epochs):
         module.train()
         order = rng.permutation(len(y_train))
         for i in range(steps_per_epoch):
             idx = order[i * batch_size:(i + 1) * batch_size]
+            began = time.perf_counter()
             loss, _ = module(x_train[idx], y_train[idx])
             optimizer.step()
             module.lazy_reset_grad()
+            log.step(loss, samples=len(idx), seconds=time.perf_counter() - began, epoch=epoch + 1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.4f}", refresh=False)
             bar.update()
+        module.eval()
+        _, logits = module(x_test, y_test)
+        test_accuracy = float(np.mean(np.argmax(logits, axis=1) == y_test))
+        log.evaluate(accuracy=test_accuracy, epoch=epoch + 1)
     bar.close()
-
-    module.eval()
-    _, logits = module(x_test, y_test)
-    test_accuracy = float(np.mean(np.argmax(logits, axis=1) == y_test))
+    log.close()
+    try:
+        plot = runlog.plot(out_dir)
+    except runlog.RunLogError:  # no matplotlib: the log is still there for `onnxtrain report`
+        plot = None
 
     inference_path = out_dir / "inference_model.onnx"
     module.export_model_for_inferencing(inference_path, ["logits"])
@@ -123,4 +135,4 @@ def run_demo(out_dir: str | pathlib.Path = "demo_out", epochs: int = 20, batch_s
     (inference_logits,) = session.run(None, {"image": x_test})
     inference_accuracy = float(np.mean(np.argmax(inference_logits, axis=1) == y_test))
     return DemoResult(test_accuracy, inference_accuracy, float(loss), time.perf_counter() - start,
-                      out_dir, inference_path)
+                      out_dir, inference_path, log.path, plot)

@@ -1,0 +1,5 @@
+"""Glue for training libraries: each submodule imports its library lazily (on its own import).
+
+- :mod:`onnxtrain.integrations.huggingface`: ``ORTTrainer`` / ``ORTTrainingArguments``, drop-ins
+  for ``transformers.Trainer`` / ``TrainingArguments`` (extra ``onnxtrain[hf]``).
+"""

@@ -1,9 +1,10 @@
 """ORTTrainer against transformers.Trainer: the real pretrained MiniLM with a fresh 2-way
 sequence-classification head, dropout 0, fine-tuned for a few steps on sentences built here.
 
-One module-scoped set of runs serves the tests (each run of the real model costs seconds):
-Trainer with ``adamw_torch`` (the reference), ORTTrainer with ``adamw_torch``, and ORTTrainer
-with ``adamw_ort_fused`` checkpointing halfway, then resumed from that checkpoint. Every run
+One module-scoped set of runs serves the fast tests (each run costs seconds, each ORTModule export
+more): Trainer with ``adamw_torch`` (the reference) and ORTTrainer with ``adamw_ort_fused``
+checkpointing halfway, then resumed from that checkpoint. The slow tests add ORTTrainer with
+``adamw_torch``, a resume in a new trainer, bf16 autocast and the optimized export. Every run
 uses gradient accumulation (2 micro-batches per step), weight decay with Trainer's no-decay
 groups, a warmup + linear learning-rate schedule, and logs the loss every step.
 """
@@ -103,37 +104,47 @@ def _assert_losses_close(losses, reference, what):
         assert abs(loss - ref) <= LOSS_RTOL * abs(ref), f"{what}, step {step}: {loss!r} vs {ref!r}\n{losses}\n{reference}"
 
 
+def _parameters(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _assert_parameters_close(params, reference, rtol, atol):
+    for name, param in params.items():
+        torch.testing.assert_close(param, reference[name], rtol=rtol, atol=atol, msg=name)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tokenizer):
+    """Trainer (adamw_torch) and ORTTrainer (adamw_ort_fused, checkpoints every STEPS // 2 steps),
+    then the same ORTTrainer resumed from its halfway checkpoint (its export is reused)."""
     root = tmp_path_factory.mktemp("hf_runs")
     reference = _trainer(transformers.Trainer, _args(transformers.TrainingArguments, root / "ref", optim="adamw_torch"),
                          tokenizer)
     reference.train()
-    ort = _trainer(ORTTrainer, _args(ORTTrainingArguments, root / "ort", optim="adamw_torch"), tokenizer)
-    ort.train()
     fused = _trainer(ORTTrainer, _args(ORTTrainingArguments, root / "fused", optim="adamw_ort_fused",
                                        save_strategy="steps", save_steps=STEPS // 2), tokenizer)
     fused.train()
-    return {"reference": reference, "ort": ort, "fused": fused, "root": root}
+    uninterrupted = {"losses": _losses(fused), "rates": _learning_rates(fused), "params": _parameters(fused.model)}
+    fused.train(resume_from_checkpoint=str(root / "fused" / f"checkpoint-{STEPS // 2}"))
+    return {"reference": reference, "fused": fused, "uninterrupted": uninterrupted, "root": root}
 
 
-def test_losses_follow_trainer(runs):
-    reference, ort = runs["reference"], runs["ort"]
-    assert ort.ort_module is not None and ort.ort_module.fallback_reason is None
-    assert ort.ort_module.export_count == 1  # padded lengths vary per batch: one export serves all
-    assert ort.model_wrapped is ort.ort_module and ort.ort_module.module is ort.model
-    assert type(ort.model) is type(reference.model)  # the plain transformers model, not the wrapper
-    _assert_losses_close(_losses(ort), _losses(reference), "ORTTrainer adamw_torch vs Trainer adamw_torch")
-    assert _learning_rates(ort) == _learning_rates(reference)
-    rates = _learning_rates(reference)
-    assert rates[0] == 0.0 < rates[-1] < rates[1]  # one warmup step, then a linear decay
-    reference_params = dict(reference.model.named_parameters())
-    for name, param in ort.model.named_parameters():
-        torch.testing.assert_close(param, reference_params[name], rtol=1e-3, atol=1e-5, msg=name)
-
-
-def test_adamw_ort_fused_is_fused_adam_with_trainers_groups_and_follows_adamw_torch(runs):
+def test_adamw_ort_fused_losses_follow_trainer_adamw_torch(runs):
     reference, fused = runs["reference"], runs["fused"]
+    assert fused.ort_module is not None and fused.ort_module.fallback_reason is None
+    assert fused.ort_module.export_count == 1  # padded lengths vary per batch: one export serves all
+    assert fused.model_wrapped is fused.ort_module and fused.ort_module.module is fused.model
+    assert type(fused.model) is type(reference.model)  # the plain transformers model, not the wrapper
+    _assert_losses_close(runs["uninterrupted"]["losses"], _losses(reference),
+                         "ORTTrainer adamw_ort_fused vs Trainer adamw_torch")
+    rates = _learning_rates(reference)
+    assert runs["uninterrupted"]["rates"] == rates
+    assert rates[0] == 0.0 < rates[-1] < rates[1]  # one warmup step, then a linear decay
+    _assert_parameters_close(runs["uninterrupted"]["params"], _parameters(reference.model), rtol=1e-3, atol=1e-5)
+
+
+def test_adamw_ort_fused_is_fused_adam_with_trainers_parameter_groups(runs):
+    fused = runs["fused"]
     optimizer = fused.optimizer.optimizer  # accelerate's wrapper around ours
     assert isinstance(optimizer, FusedAdam) and optimizer.adam_w_mode == AdamWMode.ADAMW_TORCH
     assert fused.args.optim is ORTOptimizerNames.ADAMW_ORT_FUSED
@@ -144,26 +155,40 @@ def test_adamw_ort_fused_is_fused_adam_with_trainers_groups_and_follows_adamw_to
     assert any("LayerNorm" in n for n in by_decay[0.0]) and any(n.endswith("bias") for n in by_decay[0.0])
     group = optimizer.param_groups[0]
     assert (group["betas"], group["eps"]) == ((0.9, 0.999), 1e-8)  # TrainingArguments' adam_beta*/adam_epsilon
-    _assert_losses_close(_losses(fused), _losses(reference), "ORTTrainer adamw_ort_fused vs Trainer adamw_torch")
-    reference_params = dict(reference.model.named_parameters())
-    for name, param in fused.model.named_parameters():
-        torch.testing.assert_close(param, reference_params[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
-def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(runs, tokenizer):
-    fused, root = runs["fused"], runs["root"]
-    checkpoint = root / "fused" / f"checkpoint-{STEPS // 2}"
-    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "scheduler.pt").is_file()
-    resumed = _trainer(ORTTrainer, _args(ORTTrainingArguments, root / "resumed", optim="adamw_ort_fused"), tokenizer)
-    resumed.train(resume_from_checkpoint=str(checkpoint))
+def _assert_resumed_like_uninterrupted(resumed, uninterrupted):
     assert resumed.state.global_step == STEPS
     assert resumed.optimizer.optimizer.param_groups[0]["step"] == STEPS  # FusedAdam's step count came back
-    tail = STEPS - STEPS // 2
-    assert _losses(resumed)[-tail:] == pytest.approx(_losses(fused)[-tail:], rel=1e-6)
-    assert _learning_rates(resumed)[-tail:] == _learning_rates(fused)[-tail:]
-    uninterrupted = dict(fused.model.named_parameters())
-    for name, param in resumed.model.named_parameters():
-        torch.testing.assert_close(param, uninterrupted[name], rtol=1e-6, atol=1e-7, msg=name)
+    # the log history of the first steps comes from the checkpoint; the rest ran again
+    assert _losses(resumed) == pytest.approx(uninterrupted["losses"], rel=1e-6)
+    assert _learning_rates(resumed) == uninterrupted["rates"]
+    _assert_parameters_close(_parameters(resumed.model), uninterrupted["params"], rtol=1e-6, atol=1e-7)
+
+
+def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(runs):
+    checkpoint = runs["root"] / "fused" / f"checkpoint-{STEPS // 2}"
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
+    _assert_resumed_like_uninterrupted(runs["fused"], runs["uninterrupted"])
+
+
+@pytest.mark.slow
+def test_resume_in_a_new_trainer_reproduces_the_uninterrupted_run(runs, tokenizer):
+    root = runs["root"]
+    resumed = _trainer(ORTTrainer, _args(ORTTrainingArguments, root / "resumed", optim="adamw_ort_fused"), tokenizer)
+    resumed.train(resume_from_checkpoint=str(root / "fused" / f"checkpoint-{STEPS // 2}"))
+    _assert_resumed_like_uninterrupted(resumed, runs["uninterrupted"])
+
+
+@pytest.mark.slow
+def test_adamw_torch_losses_follow_trainer(runs, tokenizer, tmp_path):
+    reference = runs["reference"]
+    ort = _trainer(ORTTrainer, _args(ORTTrainingArguments, tmp_path, optim="adamw_torch"), tokenizer)
+    ort.train()
+    assert isinstance(ort.optimizer.optimizer, torch.optim.AdamW) and ort.ort_module.fallback_reason is None
+    _assert_losses_close(_losses(ort), _losses(reference), "ORTTrainer adamw_torch vs Trainer adamw_torch")
+    assert _learning_rates(ort) == _learning_rates(reference)
+    _assert_parameters_close(_parameters(ort.model), _parameters(reference.model), rtol=1e-3, atol=1e-5)
 
 
 def _eval_batch(tokenizer):
@@ -172,48 +197,59 @@ def _eval_batch(tokenizer):
 
 
 def test_saved_model_loads_into_plain_transformers_with_the_same_logits(runs, tokenizer, tmp_path):
-    ort = runs["ort"]
-    ort.save_model(str(tmp_path / "saved"))
+    fused = runs["fused"]
+    fused.save_model(str(tmp_path / "saved"))
     assert (tmp_path / "saved" / "model.safetensors").is_file()
+    batch = _eval_batch(tokenizer)
+    fused.model.eval()
+    with torch.no_grad():
+        expected = fused.model(**batch).logits
     for folder in (tmp_path / "saved", runs["root"] / "fused" / f"checkpoint-{STEPS}"):
-        trained = runs["ort"] if folder.name == "saved" else runs["fused"]
         plain = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder)).eval()
-        assert type(plain) is type(trained.model)
-        assert set(plain.state_dict()) == set(trained.model.state_dict()) == set(_model().state_dict())
-        batch = _eval_batch(tokenizer)
-        trained.model.eval()
+        assert type(plain) is type(fused.model)
+        assert set(plain.state_dict()) == set(fused.model.state_dict()) == set(_model().state_dict())
         with torch.no_grad():
-            expected = trained.model(**batch).logits
-            torch.testing.assert_close(plain(**batch).logits, expected, rtol=0, atol=0)
-            # and the ORTModule runs the same weights
-            torch.testing.assert_close(trained.ort_module(**batch).logits, expected, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(plain(**batch).logits, expected, rtol=0, atol=0, msg=str(folder))
 
 
-def test_evaluate_with_compute_metrics_matches_trainer(runs):
-    reference, ort = runs["reference"], runs["ort"]
-    exports = ort.ort_module.export_count
+def test_evaluate_with_compute_metrics_matches_trainer(runs, tokenizer):
+    reference, fused = runs["reference"], runs["fused"]
     expected = reference.evaluate()
-    metrics = ort.evaluate()
-    assert ort.ort_module.export_count in (exports, exports + 1)  # at most one eval export, whatever the lengths
+    metrics = fused.evaluate()
+    assert fused.ort_module.export_count == 2  # one training export, one eval export for every batch
     assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=LOSS_RTOL)
     assert metrics["eval_accuracy"] == expected["eval_accuracy"]
     assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["epoch"] == expected["epoch"]
+    # evaluation ran in ONNX Runtime: the ORTModule's eval logits are the plain model's
+    labels = torch.tensor([label for _, label in EVAL_SENTENCES])
+    batch = dict(_eval_batch(tokenizer), labels=labels)
+    with torch.no_grad():  # called as Trainer's evaluation calls it, so that its eval export serves the call
+        logits = fused.ort_module(**batch, num_items_in_batch=torch.tensor(float(len(labels)))).logits
+        torch.testing.assert_close(logits, fused.model(**batch).logits, rtol=1e-4, atol=1e-5)
+    assert fused.ort_module.export_count == 2
 
 
-def test_export_onnx_runs_in_onnxruntime_with_the_torch_logits(runs, tokenizer, tmp_path):
-    ort = runs["ort"]
-    path = tmp_path / "model.onnx"
-    assert ort.export_onnx(path) == ["logits"]  # sample: the first eval batch
+def _check_export(trainer, tokenizer, path, optimize):
+    assert trainer.export_onnx(path, optimize=optimize) == ["logits"]  # sample: the first eval batch
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert {i.name for i in session.get_inputs()} == {"input_ids", "token_type_ids", "attention_mask"}
-    ort.model.eval()
+    trainer.model.eval()
     for texts in ([t for t, _ in SENTENCES[:3]], [t for t, _ in SENTENCES[5:12]]):  # other batch and length
         batch = dict(tokenizer(texts, padding=True, return_tensors="pt"))
         (logits,) = session.run(["logits"], {k: v.numpy() for k, v in batch.items()})
         with torch.no_grad():
-            expected = ort.model(**batch).logits.numpy()
+            expected = trainer.model(**batch).logits.numpy()
         np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
-    assert ort.model.training is False  # export_onnx leaves the mode as it found it
+    assert trainer.model.training is False  # export_onnx leaves the mode as it found it
+
+
+def test_export_onnx_runs_in_onnxruntime_with_the_torch_logits(runs, tokenizer, tmp_path):
+    _check_export(runs["fused"], tokenizer, tmp_path / "model.onnx", optimize=False)
+
+
+@pytest.mark.slow
+def test_export_onnx_optimized_runs_in_onnxruntime_with_the_torch_logits(runs, tokenizer, tmp_path):
+    _check_export(runs["fused"], tokenizer, tmp_path / "model.onnx", optimize=True)
 
 
 def test_export_onnx_without_any_sample_says_what_it_needs(tmp_path):

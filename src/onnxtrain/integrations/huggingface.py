@@ -167,14 +167,16 @@ class ORTTrainer(transformers.Trainer):
         label_names = set(self.label_names or ()) | {"labels", "label", "label_ids"}
         return {k: v for k, v in batch.items() if k not in label_names and isinstance(v, torch.Tensor)}
 
-    def export_onnx(self, path: str | os.PathLike, inputs: Mapping[str, torch.Tensor] | None = None) -> list[str]:
+    def export_onnx(self, path: str | os.PathLike, inputs: Mapping[str, torch.Tensor] | None = None, *,
+                    optimize: bool = True) -> list[str]:
         """Write the trained model as a plain ONNX inference model (fp32, eval mode) to ``path``.
 
         ``inputs`` is a sample call (keyword name -> tensor, e.g. a tokenizer's output without
         labels); by default the first evaluation (else training) batch, labels removed. Batch and
         sequence dims stay dynamic. Graph inputs are named as the keywords, outputs as the
         model output's fields (``logits``, ...); returns the output names. Runs in a stock
-        ``onnxruntime.InferenceSession``.
+        ``onnxruntime.InferenceSession``. ``optimize=False`` skips the exporter's graph optimizer
+        (faster export; ONNX Runtime optimizes the graph when it loads it anyway).
 
         Example:
             >>> trainer.export_onnx("model.onnx")
@@ -183,4 +185,4 @@ class ORTTrainer(transformers.Trainer):
         """
         sample = dict(inputs) if inputs is not None else self._export_sample()
         model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
-        return export_inference_onnx(model, sample, path)
+        return export_inference_onnx(model, sample, path, optimize=optimize)

@@ -51,11 +51,13 @@ class _KeywordCall(torch.nn.Module):
 
 
 def export_inference_onnx(module: torch.nn.Module, inputs: Mapping[str, torch.Tensor],
-                          path: str | os.PathLike) -> list[str]:
+                          path: str | os.PathLike, *, optimize: bool = True) -> list[str]:
     """Export ``module(**inputs)`` in eval mode to ``path``; return the output names.
 
     ``inputs`` is a sample call (its shapes seed the export; dims stay dynamic where the model
-    allows). The module's train/eval mode is restored afterwards. Raises ``InputMismatchError``
+    allows). ``optimize`` runs the exporter's graph optimizer (constant folding, fusions; about
+    half the export time on MiniLM); ONNX Runtime optimizes the graph again when it loads it.
+    The module's train/eval mode is restored afterwards. Raises ``InputMismatchError``
     for inputs that are not tensors and ``ExportError`` if ``torch.onnx.export`` fails.
 
     Example:
@@ -82,7 +84,7 @@ def export_inference_onnx(module: torch.nn.Module, inputs: Mapping[str, torch.Te
             warnings.simplefilter("ignore")
             dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in tensors)
             program = torch.onnx.export(_KeywordCall(module, names), tensors, dynamo=True, verbose=False,
-                                        input_names=names, output_names=output_names,
+                                        optimize=optimize, input_names=names, output_names=output_names,
                                         dynamic_shapes=(dynamic,))
     except ExportError:
         raise

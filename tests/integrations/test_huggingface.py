@@ -101,7 +101,8 @@ def _learning_rates(trainer) -> list[float]:
 def _assert_losses_close(losses, reference, what):
     assert len(losses) == len(reference) == STEPS, (losses, reference)
     for step, (loss, ref) in enumerate(zip(losses, reference)):
-        assert abs(loss - ref) <= LOSS_RTOL * abs(ref), f"{what}, step {step}: {loss!r} vs {ref!r}\n{losses}\n{reference}"
+        assert abs(loss - ref) <= LOSS_RTOL * abs(ref), (
+            f"{what}, step {step}: {loss!r} vs {ref!r}\n{losses}\n{reference}")
 
 
 def _parameters(model) -> dict[str, torch.Tensor]:
@@ -168,7 +169,8 @@ def _assert_resumed_like_uninterrupted(resumed, uninterrupted):
 
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(runs):
     checkpoint = runs["root"] / "fused" / f"checkpoint-{STEPS // 2}"
-    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "model.safetensors"} <= {p.name for p in checkpoint.iterdir()}
+    saved = {p.name for p in checkpoint.iterdir()}
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "model.safetensors"} <= saved
     _assert_resumed_like_uninterrupted(runs["fused"], runs["uninterrupted"])
 
 

@@ -231,8 +231,8 @@ def test_evaluate_with_compute_metrics_matches_trainer(runs, tokenizer):
     assert fused.ort_module.export_count == 2
 
 
-def _check_export(trainer, tokenizer, path, optimize):
-    assert trainer.export_onnx(path, optimize=optimize) == ["logits"]  # sample: the first eval batch
+def _check_export(trainer, tokenizer, path, optimize, inputs=None):
+    assert trainer.export_onnx(path, inputs, optimize=optimize) == ["logits"]  # default sample: first eval batch
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert {i.name for i in session.get_inputs()} == {"input_ids", "token_type_ids", "attention_mask"}
     trainer.model.eval()
@@ -251,13 +251,19 @@ def test_export_onnx_runs_in_onnxruntime_with_the_torch_logits(runs, tokenizer, 
 
 @pytest.mark.slow
 def test_export_onnx_optimized_runs_in_onnxruntime_with_the_torch_logits(runs, tokenizer, tmp_path):
-    _check_export(runs["fused"], tokenizer, tmp_path / "model.onnx", optimize=True)
+    sample = dict(tokenizer([t for t, _ in SENTENCES[20:22]], padding=True, return_tensors="pt"))
+    _check_export(runs["fused"], tokenizer, tmp_path / "model.onnx", optimize=True, inputs=sample)
 
 
 def test_export_onnx_without_any_sample_says_what_it_needs(tmp_path):
     trainer = ORTTrainer(model=torch.nn.Linear(2, 2), args=_args(ORTTrainingArguments, tmp_path))
     with pytest.raises(ORTTrainerError, match="sample inputs"):
         trainer.export_onnx(tmp_path / "model.onnx")
+
+
+def test_torch_compile_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(ORTTrainerError, match="torch_compile=False"):
+        ORTTrainer(model=torch.nn.Linear(2, 2), args=_args(ORTTrainingArguments, tmp_path, torch_compile=True))
 
 
 def test_training_arguments_accept_every_trainer_optim_and_ours(tmp_path):

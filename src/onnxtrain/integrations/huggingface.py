@@ -115,6 +115,9 @@ class ORTTrainer(transformers.Trainer):
                  memory_opt_level: int | None = None, memory_budget: int | None = None, **kwargs):
         if args is None:
             args = ORTTrainingArguments(output_dir="tmp_trainer")  # Trainer's default folder
+        if args.torch_compile:
+            raise ORTTrainerError("ORTTrainer runs the model in ONNX Runtime; torch_compile=True would compile the "
+                                  "ORTModule wrapper instead: expected torch_compile=False")
         self._ort_debug_options = debug_options
         self._ort_memory = {"memory_opt_level": memory_opt_level, "memory_budget": memory_budget}
         self._ort_module: ORTModule | None = None

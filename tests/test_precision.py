@@ -254,3 +254,22 @@ def test_partition_saves_the_narrow_value_behind_a_widening_cast():
     q = bf(p)
     u = bf(np.sin(q))
     np.testing.assert_allclose(dp, bf(bf(2 * u) * np.cos(q)), rtol=1e-2)
+
+
+def test_a_second_run_on_a_legalized_graph_names_its_nodes_apart():
+    """ORTModule legalizes the exported graph, then again the backward graph cut from it (which
+    keeps nodes of the first run): the second run's Casts must not reuse the first run's names."""
+    model = io.load_model(_autocast_like_model())
+    PrecisionPass(PrecisionConfig("bf16"))(model)
+    first = {n.name for n in model.graph}
+    (y_value,) = model.graph.outputs
+    again = ir.node("Softmax", [y_value], attributes={"axis": -1})  # a new bf16 op without a CPU kernel
+    again.outputs[0].name, again.outputs[0].dtype = "z", ir.DataType.BFLOAT16
+    again.outputs[0].shape = y_value.shape
+    model.graph.append(again)
+    model.graph.outputs[0] = again.outputs[0]
+    PrecisionPass(PrecisionConfig("bf16"))(model)
+    names = [n.name for n in model.graph if n.name]  # (the hand-made nodes have none)
+    assert len(names) == len(set(names)), sorted(names)
+    assert set(names) - first  # the second run did add nodes
+    _session(model)  # ONNX Runtime refuses a graph with two nodes of one name

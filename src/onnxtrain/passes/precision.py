@@ -148,7 +148,7 @@ class PrecisionPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         infer_dtypes(graph)
-        b = GraphBuilder(graph, scope=f"precision_{self.config.precision}")
+        b = GraphBuilder(graph, scope=_unused_scope(graph, f"precision_{self.config.precision}"))
         modified = False
         if self.config.convert:
             modified |= self._convert(b)
@@ -176,6 +176,18 @@ class PrecisionPass(ir.passes.InPlacePass):
                 _retype(b, node, self.low, FP32)
                 changed = True
         return changed
+
+
+def _unused_scope(graph: ir.Graph, base: str) -> str:
+    """``base``, or ``base_<k>`` if an earlier run named nodes under it: ORTModule runs the pass
+    on the exported graph and again on the forward and backward graphs cut from it, and a
+    second ``precision_bf16/Cast_1`` in one graph is a model ONNX Runtime refuses."""
+    used = {node.name.split("/", 1)[0] for node in graph if node.name and "/" in node.name}
+    scope, k = base, 1
+    while scope in used:
+        k += 1
+        scope = f"{base}_{k}"
+    return scope
 
 
 def _is(value: ir.Value | None, dtype: ir.DataType) -> bool:

@@ -1,0 +1,191 @@
+"""Hugging Face ``transformers.Trainer`` with the model's forward and backward in ONNX Runtime.
+
+:class:`ORTTrainer` and :class:`ORTTrainingArguments` are drop-ins for ``transformers.Trainer``
+and ``TrainingArguments`` (upstream's names, from Hugging Face optimum): change the import and
+the two class names, keep the rest of the script. The trainer wraps the model once in
+:class:`onnxtrain.torch.ORTModule` where ``Trainer`` would hand it to its wrappers, so
+training and evaluation run through ONNX Runtime, while ``trainer.model`` stays the plain
+transformers model: checkpoints, ``save_model``, ``state_dict`` keys and ``model.config``
+are exactly those of ``transformers.Trainer``. ``optim="adamw_ort_fused"`` selects
+:class:`onnxtrain.torch.optim.FusedAdam` (``torch.optim.AdamW``'s update).
+
+Importing this module imports transformers (and needs accelerate, as ``Trainer`` does);
+``import onnxtrain`` does not.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import onnxruntime
+import torch
+import transformers
+from transformers.training_args import OptimizerNames
+from transformers.utils import ExplicitEnum
+
+from onnxtrain.errors import OnnxTrainError
+from onnxtrain.integrations.onnx_inference import export_inference_onnx
+from onnxtrain.torch import DebugOptions, ORTModule
+from onnxtrain.torch.optim import AdamWMode, FusedAdam
+
+__all__ = ["ORTOptimizerNames", "ORTTrainer", "ORTTrainerError", "ORTTrainingArguments"]
+
+
+class ORTTrainerError(OnnxTrainError, ValueError):
+    """ORTTrainer / ORTTrainingArguments were given something they cannot use."""
+
+
+class ORTOptimizerNames(ExplicitEnum):
+    """``optim`` values added by :class:`ORTTrainingArguments` (upstream's names)."""
+
+    ADAMW_ORT_FUSED = "adamw_ort_fused"
+    """:class:`~onnxtrain.torch.optim.FusedAdam` in ``AdamWMode.ADAMW_TORCH``: the update of
+    ``torch.optim.AdamW`` (Trainer's ``adamw_torch``) in PyTorch's fused multi-tensor kernel."""
+
+
+def _ort_optimizer(name) -> ORTOptimizerNames | None:
+    try:
+        return ORTOptimizerNames(name)
+    except ValueError:
+        return None
+
+
+@dataclass
+class ORTTrainingArguments(transformers.TrainingArguments):
+    """``transformers.TrainingArguments`` that also accept ``optim="adamw_ort_fused"``.
+
+    Every other argument and ``optim`` value means what it means for ``TrainingArguments``.
+
+    Example:
+        >>> args = ORTTrainingArguments("out", optim="adamw_ort_fused", learning_rate=5e-5,
+        ...                             weight_decay=0.01, report_to="none")
+    """
+
+    def __post_init__(self):
+        ort_optim = _ort_optimizer(self.optim)
+        if ort_optim is not None:
+            # TrainingArguments only knows its own names: check the rest against adamw_torch,
+            # whose update ours computes
+            self.optim = OptimizerNames.ADAMW_TORCH
+        super().__post_init__()
+        if ort_optim is not None:
+            self.optim = ort_optim
+
+    def set_optimizer(self, name: str | OptimizerNames | ORTOptimizerNames = "adamw_torch", **kwargs):
+        """``TrainingArguments.set_optimizer``, also accepting ``"adamw_ort_fused"``."""
+        ort_optim = _ort_optimizer(name)
+        super().set_optimizer("adamw_torch" if ort_optim is not None else name, **kwargs)
+        if ort_optim is not None:
+            self.optim = ort_optim
+        return self
+
+
+class ORTTrainer(transformers.Trainer):
+    """``transformers.Trainer`` whose model runs forward and backward in ONNX Runtime.
+
+    Takes ``Trainer``'s arguments, plus ORTModule's options: ``debug_options``
+    (:class:`~onnxtrain.torch.DebugOptions`; ``DebugOptions(fallback=False)`` raises instead of
+    running in PyTorch when the model cannot be exported), ``memory_opt_level`` and
+    ``memory_budget`` (recompute; see :class:`~onnxtrain.torch.ORTModule`).
+
+    - Training and evaluation call ``trainer.ort_module``, an :class:`ORTModule` around
+      ``trainer.model`` made on first use (one export for training, one for evaluation).
+      ``trainer.model`` stays the plain model: saving, loading and ``resume_from_checkpoint``
+      are ``Trainer``'s own.
+    - Mixed precision (``bf16=True``, on CPU too) is ``Trainer``'s: accelerate runs the
+      ORTModule's forward under ``torch.autocast``, which ORTModule exports.
+    - ``optim="adamw_ort_fused"`` (with :class:`ORTTrainingArguments`) selects
+      :class:`~onnxtrain.torch.optim.FusedAdam` with ``Trainer``'s parameter groups (no weight
+      decay for biases and LayerNorm), betas, epsilon and learning-rate schedule.
+    - ONNX Runtime's dropout draws from its own generator, seeded with ``args.seed`` here; it is
+      not part of a checkpoint's RNG state, so a resumed run with dropout draws other masks.
+    - :meth:`export_onnx` writes the trained model as a plain ONNX model for inference.
+
+    Example:
+        >>> from onnxtrain.integrations.huggingface import ORTTrainer, ORTTrainingArguments
+        >>> args = ORTTrainingArguments("out", optim="adamw_ort_fused", max_steps=10, report_to="none")
+        >>> trainer = ORTTrainer(model=model, args=args, train_dataset=train, eval_dataset=test)
+        >>> trainer.train(); trainer.evaluate()
+        >>> trainer.export_onnx("out/model.onnx")
+    """
+
+    def __init__(self, model=None, args=None, *rest, debug_options: DebugOptions | None = None,
+                 memory_opt_level: int | None = None, memory_budget: int | None = None, **kwargs):
+        if args is None:
+            args = ORTTrainingArguments(output_dir="tmp_trainer")  # Trainer's default folder
+        if args.torch_compile:
+            raise ORTTrainerError("ORTTrainer runs the model in ONNX Runtime; torch_compile=True would compile the "
+                                  "ORTModule wrapper instead: expected torch_compile=False")
+        self._ort_debug_options = debug_options
+        self._ort_memory = {"memory_opt_level": memory_opt_level, "memory_budget": memory_budget}
+        self._ort_module: ORTModule | None = None
+        super().__init__(model, args, *rest, **kwargs)
+        onnxruntime.set_seed(int(self.args.seed))  # ORTModule's dropout masks come from ORT's generator
+
+    @property
+    def ort_module(self) -> ORTModule | None:
+        """The :class:`ORTModule` around ``trainer.model`` (None before the first train/evaluate)."""
+        if self._ort_module is not None and self._ort_module.module is not self.model:
+            return None  # model_init replaced the model; the next _wrap_model wraps the new one
+        return self._ort_module
+
+    def _ortmodule_for(self, model: torch.nn.Module) -> ORTModule:
+        if self.ort_module is None or self._ort_module.module is not model:
+            self._ort_module = ORTModule(model, self._ort_debug_options, **self._ort_memory)
+        return self._ort_module
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        # Trainer passes the plain model here for training (model_wrapped) and evaluation
+        # (model); ORTModule goes innermost, under DataParallel / DDP where those apply
+        if model is self.model and not isinstance(model, ORTModule):
+            model = self._ortmodule_for(model)
+        wrapped = super()._wrap_model(model, training, dataloader)
+        if wrapped is model and isinstance(model, ORTModule) and not getattr(model, "_is_accelerate_prepared", False):
+            # Trainer hands accelerate only an unwrapped model; ours gets what it would have:
+            # autocast for bf16/fp16, device placement, DDP when distributed
+            wrapped = self.accelerator.prepare_model(model, evaluation_mode=not training)
+        return wrapped
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        """``Trainer.get_optimizer_cls_and_kwargs``, plus ``optim="adamw_ort_fused"``."""
+        if _ort_optimizer(args.optim) is ORTOptimizerNames.ADAMW_ORT_FUSED:
+            # Trainer's create_optimizer supplies the groups' weight_decay (0 for biases and norms)
+            return FusedAdam, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
+                               "eps": args.adam_epsilon, "adam_w_mode": AdamWMode.ADAMW_TORCH}
+        return transformers.Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+    def _export_sample(self) -> dict[str, torch.Tensor]:
+        """The model inputs of the first evaluation (else training) batch, labels removed."""
+        if self.eval_dataset is not None and not isinstance(self.eval_dataset, Mapping):
+            loader = self.get_eval_dataloader()
+        elif self.train_dataset is not None:
+            loader = self.get_train_dataloader()
+        else:
+            raise ORTTrainerError("ORTTrainer.export_onnx needs sample inputs: pass inputs=, or give the "
+                                  "trainer a train_dataset or a single eval_dataset")
+        batch = self._prepare_inputs(next(iter(loader)))
+        label_names = set(self.label_names or ()) | {"labels", "label", "label_ids"}
+        return {k: v for k, v in batch.items() if k not in label_names and isinstance(v, torch.Tensor)}
+
+    def export_onnx(self, path: str | os.PathLike, inputs: Mapping[str, torch.Tensor] | None = None, *,
+                    optimize: bool = True) -> list[str]:
+        """Write the trained model as a plain ONNX inference model (fp32, eval mode) to ``path``.
+
+        ``inputs`` is a sample call (keyword name -> tensor, e.g. a tokenizer's output without
+        labels); by default the first evaluation (else training) batch, labels removed. Batch and
+        sequence dims stay dynamic. Graph inputs are named as the keywords, outputs as the
+        model output's fields (``logits``, ...); returns the output names. Runs in a stock
+        ``onnxruntime.InferenceSession``. ``optimize=False`` skips the exporter's graph optimizer
+        (faster export; ONNX Runtime optimizes the graph when it loads it anyway).
+
+        Example:
+            >>> trainer.export_onnx("model.onnx")
+            ['logits']
+            >>> onnxruntime.InferenceSession("model.onnx").run(["logits"], {"input_ids": ids, ...})
+        """
+        sample = dict(inputs) if inputs is not None else self._export_sample()
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        return export_inference_onnx(model, sample, path, optimize=optimize)

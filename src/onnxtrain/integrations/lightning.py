@@ -78,6 +78,7 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
         missing_ok: skip names that do not exist (yet) instead of raising.
 
     Modules that already are ``ORTModule`` are left as they are, so calling it twice is safe.
+    Every name is checked before any module is replaced: on an error nothing changes.
     Parameters stay the same tensors: an optimizer built before keeps working.
 
     Raises:
@@ -97,7 +98,7 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
                 f"ORTModule; name the submodules (children: {[n for n, _ in root.named_children()]})")
     else:
         targets = [names] if isinstance(names, str) else list(names)
-    wrapped = []
+    planned = {}  # id(module) -> (parent, attribute, name, ORTModule): all checked before any is set
     for name in targets:
         parent, attribute, module = _resolve(root, name)
         if module is None:
@@ -106,7 +107,7 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
             raise LightningIntegrationError(
                 f"{type(root).__name__} has no submodule {name!r} to wrap in ORTModule "
                 f"(children: {[n for n, _ in root.named_children()]})")
-        if isinstance(module, ORTModule):
+        if isinstance(module, ORTModule) or id(module) in planned:
             continue
         inner = [n for n, m in module.named_modules() if isinstance(m, ORTModule)]
         if inner:
@@ -115,10 +116,11 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
                 "(ORTModules do not nest)")
         # one DebugOptions per ORTModule (a SessionOptions in it is shared: sessions only read it)
         options = None if debug_options is None else copy.deepcopy(debug_options)
-        setattr(parent, attribute, ORTModule(module, options, memory_opt_level=memory_opt_level,
-                                             memory_budget=memory_budget))
-        wrapped.append(name)
-    return wrapped
+        wrapper = ORTModule(module, options, memory_opt_level=memory_opt_level, memory_budget=memory_budget)
+        planned[id(module)] = (parent, attribute, name, wrapper)
+    for parent, attribute, _, wrapper in planned.values():
+        setattr(parent, attribute, wrapper)
+    return [name for _, _, name, _ in planned.values()]
 
 
 def unwrap_modules(root: torch.nn.Module) -> list[str]:

@@ -32,8 +32,9 @@ from tests._launch import launch_ranks  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 # bf16-mixed: both runs round to bf16 where autocast does, but ORT sums in another order, so a
-# bf16 rounding may go the other way (one bf16 ulp is 2**-8 relative); 4 Adam steps of lr 1e-2
-BF16_LOSS_RTOL, BF16_PARAM_ATOL = 1e-2, 2e-3
+# bf16 rounding may go the other way (one bf16 ulp is 2**-8 relative); 4 Adam steps of lr 1e-2.
+# Observed here: 1.8e-4 (losses, relative) and 6.5e-4 (parameters); ~10x and ~3x margins.
+BF16_LOSS_RTOL, BF16_PARAM_ATOL = 2e-3, 2e-3
 WORLD_SIZE = 2
 TIMEOUT_S = 240
 

@@ -140,3 +140,14 @@ def test_which_configs_get_fused_adam(config, replaced, tmp_path):
     loaded = _load_config(config)
     loaded.setdefault("optimizer", {})["type"] = "changed"
     assert config.get("optimizer", {}).get("type") != "changed"  # the caller's dict is not edited
+
+
+def test_zero_stage3_is_refused_before_anything_happens():
+    # measured: under ZeRO-3 the parameters are empty outside DeepSpeed's submodule forward
+    # hooks, and the export fails ("torch.onnx.export could not export ...")
+    from onnxtrain.integrations.deepspeed import initialize
+
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(DeepSpeedConfigError, match="ZeRO stage 3 partitions the parameters.*expected stage 0, 1 or 2"):
+        initialize(net, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    assert type(net) is torch.nn.Linear and not dist.is_initialized()

@@ -45,6 +45,8 @@ _DEEPSPEED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "wei
 _DEEPSPEED_ADAM_W_MODE_DEFAULT = True
 # the shared-memory all-reduce op of DeepSpeed's CPU backend
 _CPU_SHM_OP = "deepspeed_shm_comm"
+# ZeRO-3 partitions the parameters themselves (gathered by forward hooks on each submodule)
+_ZERO_PARAMETER_PARTITIONING_STAGE = 3
 
 
 class DeepSpeedConfigError(OnnxTrainError, ValueError):
@@ -121,7 +123,8 @@ def initialize(model: torch.nn.Module, *, debug_options: DebugOptions | None = N
             (``config``: a dict or a JSON file path).
 
     Raises:
-        DeepSpeedConfigError: the config's Adam params have no FusedAdam counterpart.
+        DeepSpeedConfigError: the config's Adam params have no FusedAdam counterpart, or the
+            config asks for ZeRO stage 3 (checked before anything else happens).
 
     Example:
         >>> config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1},
@@ -129,12 +132,18 @@ def initialize(model: torch.nn.Module, *, debug_options: DebugOptions | None = N
         >>> engine, optimizer, _, _ = initialize(net, config=config)
         >>> loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()
     """
+    loaded = _load_config(config)
+    stage = (loaded or {}).get("zero_optimization", {}).get("stage", 0)
+    if stage >= _ZERO_PARAMETER_PARTITIONING_STAGE:
+        raise DeepSpeedConfigError(
+            f"ZeRO stage {stage} partitions the parameters and gathers them in forward hooks of each "
+            "submodule, which ORTModule's exported graph does not run (the export sees empty "
+            "parameters); expected stage 0, 1 or 2")
     if not isinstance(model, ORTModule):
         model = ORTModule(model, debug_options, memory_opt_level=memory_opt_level, memory_budget=memory_budget)
     if not build_cpu_shm_comm and get_accelerator().device_name() == "cpu":
         # DeepSpeed reads this dict (its ops' compatibility) before building an op
         deepspeed.ops.__compatible_ops__[_CPU_SHM_OP] = False
-    loaded = _load_config(config)
     if optimizer is None and use_fused_adam and loaded is not None and _wants_our_adam(loaded):
         params = model_parameters if model_parameters is not None else \
             [p for p in model.parameters() if p.requires_grad]

@@ -232,7 +232,8 @@ def test_missing_modules_are_named_in_the_error(tmp_path):
         run.fit(worker.LitModel(), worker.loader())
 
 
-def test_importing_onnxtrain_does_not_import_lightning():
-    script = "import sys, onnxtrain, onnxtrain.integrations; assert 'lightning' not in sys.modules"
+def test_importing_onnxtrain_does_not_import_lightning_or_deepspeed():
+    script = ("import sys, onnxtrain, onnxtrain.integrations\n"
+              "assert 'lightning' not in sys.modules and 'deepspeed' not in sys.modules")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
+from tests._launch import launch_ranks  # noqa: E402
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 8
@@ -71,25 +69,7 @@ def setup(tmp_path_factory):
 def ranks(setup) -> list[dict]:
     """Run the ranks once; each returns what ``_ddp_worker.main`` saved."""
     workdir, _ = setup
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback only: no network needed
-    procs = [
-        subprocess.Popen([sys.executable, str(_WORKER), str(rank), str(WORLD_SIZE), str(workdir)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        for rank in range(WORLD_SIZE)
-    ]
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for proc in procs:  # one rank failing leaves the other blocked in a collective
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-6000:]}"
-    return [torch.load(workdir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return launch_ranks(_WORKER, workdir, WORLD_SIZE, timeout_s=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

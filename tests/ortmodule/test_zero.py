@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ from onnxtrain.torch.optim import (  # noqa: E402
     consolidate_state_dict,
     partition_parameters,
 )
+from tests._launch import launch_ranks  # noqa: E402
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 8
@@ -110,25 +108,7 @@ def reference(setup) -> dict:
 @pytest.fixture(scope="module")
 def ranks(setup) -> list[dict]:
     workdir, _ = setup
-    procs = []
-    for rank in range(WORLD_SIZE):
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", DS_ACCELERATOR="cpu",
-                   RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE))  # what a launcher sets
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        procs.append(subprocess.Popen([sys.executable, str(_WORKER), str(rank), str(WORLD_SIZE), str(workdir)],
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
-    logs = []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=TIMEOUT_S)[0])
-    finally:
-        for proc in procs:  # one rank failing leaves the other blocked in a collective
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    for rank, (proc, log) in enumerate(zip(procs, logs)):
-        assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{log[-6000:]}"
-    return [torch.load(workdir / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return launch_ranks(_WORKER, workdir, WORLD_SIZE, timeout_s=TIMEOUT_S, env={"DS_ACCELERATOR": "cpu"})
 
 
 @needs_gloo

@@ -1,0 +1,154 @@
+"""DeepSpeed: ``deepspeed.initialize`` around :class:`~onnxtrain.torch.ORTModule`.
+
+``deepspeed.initialize(model=ORTModule(model), ...)`` works as it is (ZeRO stage 1 and 2
+reduce and partition the gradients ORTModule leaves in ``.grad``; tests/ortmodule/test_zero.py).
+:func:`initialize` adds the three things one otherwise writes by hand:
+
+- it wraps the model in ``ORTModule`` (unless it already is one), with ORTModule's options;
+- when the config asks for DeepSpeed's ``Adam``/``AdamW`` and no optimizer is passed, it
+  builds our :class:`~onnxtrain.torch.optim.FusedAdam` with the config's parameters and
+  DeepSpeed's semantics and defaults instead. On CPU, DeepSpeed's own Adam is a C++ op that
+  it JIT-compiles on first use (measured here: minutes of compiler time for ``fused_adam``);
+  ours runs PyTorch's fused Adam kernel, on CPU and CUDA alike;
+- on DeepSpeed's CPU accelerator it marks the shared-memory all-reduce op
+  (``deepspeed_shm_comm``) unavailable before DeepSpeed loads it: DeepSpeed would otherwise
+  JIT-compile it on first use (3 min wall here). Training collectives go through
+  ``torch.distributed`` either way.
+
+This module imports DeepSpeed (``import onnxtrain`` does not import this module): install
+the ``deepspeed`` extra, and set ``DS_ACCELERATOR=cpu`` on a machine without GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import deepspeed
+import deepspeed.ops
+import torch
+from deepspeed.accelerator import get_accelerator
+
+from onnxtrain.errors import OnnxTrainError
+from onnxtrain.torch import DebugOptions, ORTModule
+from onnxtrain.torch.optim import AdamWMode, FusedAdam
+
+# DeepSpeed's optimizer "type" names it builds an Adam for (it compares them lower-cased)
+_ADAM_TYPES = ("adam", "adamw")
+# DeepSpeed's FusedAdam defaults (deepspeed.ops.adam.FusedAdam), which its config falls back on;
+# they differ from upstream onnxruntime's FusedAdam (eps 1e-6, transformers-style AdamW)
+_DEEPSPEED_ADAM_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                            "bias_correction": True}
+# decoupled weight decay by default, unless "adam_w_mode": false (type "Adam" only)
+_DEEPSPEED_ADAM_W_MODE_DEFAULT = True
+# the shared-memory all-reduce op of DeepSpeed's CPU backend
+_CPU_SHM_OP = "deepspeed_shm_comm"
+# ZeRO-3 partitions the parameters themselves (gathered by forward hooks on each submodule)
+_ZERO_PARAMETER_PARTITIONING_STAGE = 3
+
+
+class DeepSpeedConfigError(OnnxTrainError, ValueError):
+    """The DeepSpeed config asks for an optimizer setting FusedAdam cannot provide."""
+
+
+def _load_config(config) -> dict | None:
+    if config is None or isinstance(config, Mapping):
+        return None if config is None else json.loads(json.dumps(config))  # a deep copy we may edit
+    if isinstance(config, (str, os.PathLike)):
+        return json.loads(Path(config).read_text())
+    raise DeepSpeedConfigError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+
+
+def _wants_our_adam(config: dict) -> bool:
+    optimizer = config.get("optimizer")
+    if not optimizer or str(optimizer.get("type", "")).lower() not in _ADAM_TYPES:
+        return False
+    params = optimizer.get("params", {})
+    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    # torch_adam: the user chose torch's Adam; offload: ZeRO-Offload needs DeepSpeed's CPU Adam
+    return not params.get("torch_adam", False) and str(offload).lower() in ("none", "")
+
+
+def fused_adam_from_config(params, optimizer_config: Mapping) -> FusedAdam:
+    """Our :class:`FusedAdam` for a DeepSpeed ``"optimizer"`` config entry of type ``Adam`` or
+    ``AdamW``, with DeepSpeed's semantics: ``AdamW``, and ``Adam`` unless ``"adam_w_mode":
+    false``, decay the weights as ``torch.optim.AdamW`` (``AdamWMode.ADAMW_TORCH``); ``Adam``
+    with ``"adam_w_mode": false`` adds the decay to the gradient (``ADAM_L2_REGULARIZATION``).
+    Unset parameters take DeepSpeed's defaults (``eps`` 1e-8).
+
+    Example:
+        >>> fused_adam_from_config(model.parameters(), {"type": "AdamW", "params": {"lr": 1e-4}})
+    """
+    kind = str(optimizer_config.get("type", "")).lower()
+    if kind not in _ADAM_TYPES:
+        raise DeepSpeedConfigError(f"optimizer type must be Adam or AdamW, got {optimizer_config.get('type')!r}")
+    settings = dict(optimizer_config.get("params", {}))
+    adam_w_mode = settings.pop("adam_w_mode", _DEEPSPEED_ADAM_W_MODE_DEFAULT) or kind == "adamw"
+    settings.pop("torch_adam", None)
+    unknown = sorted(set(settings) - set(_DEEPSPEED_ADAM_DEFAULTS))
+    if unknown:
+        raise DeepSpeedConfigError(
+            f"DeepSpeed optimizer params {unknown} have no FusedAdam counterpart (expected "
+            f"{sorted(_DEEPSPEED_ADAM_DEFAULTS)} and adam_w_mode); pass use_fused_adam=False to "
+            "let DeepSpeed build its own optimizer")
+    settings = {**_DEEPSPEED_ADAM_DEFAULTS, **settings}
+    settings["betas"] = tuple(settings["betas"])
+    mode = AdamWMode.ADAMW_TORCH if adam_w_mode else AdamWMode.ADAM_L2_REGULARIZATION
+    return FusedAdam(params, adam_w_mode=mode, **settings)
+
+
+def initialize(model: torch.nn.Module, *, debug_options: DebugOptions | None = None,
+               memory_opt_level: int | None = None, memory_budget: int | None = None,
+               use_fused_adam: bool = True, build_cpu_shm_comm: bool = False,
+               optimizer=None, model_parameters=None, config=None, **deepspeed_kwargs):
+    """``deepspeed.initialize`` for a model run by ORTModule; returns DeepSpeed's tuple
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    Args:
+        model: a ``torch.nn.Module``, wrapped in ``ORTModule`` unless it already is one.
+        debug_options, memory_opt_level, memory_budget: ``ORTModule``'s options (used only
+            when this call wraps the model).
+        use_fused_adam: when ``optimizer`` is None and ``config`` asks for ``Adam``/``AdamW``
+            (without ``torch_adam`` or optimizer offload), build
+            :func:`fused_adam_from_config` on ``model_parameters`` (default: the parameters
+            that require grad) and remove ``"optimizer"`` from the config DeepSpeed sees
+            (adding ``zero_allow_untested_optimizer``: DeepSpeed's ZeRO lists the optimizer
+            classes it knows). The config's ``"scheduler"`` still applies.
+        build_cpu_shm_comm: on DeepSpeed's CPU accelerator, let DeepSpeed JIT-compile its
+            shared-memory all-reduce op (by default it is marked unavailable, which DeepSpeed
+            remembers for the rest of the process).
+        optimizer, model_parameters, config, **deepspeed_kwargs: as for ``deepspeed.initialize``
+            (``config``: a dict or a JSON file path).
+
+    Raises:
+        DeepSpeedConfigError: the config's Adam params have no FusedAdam counterpart, or the
+            config asks for ZeRO stage 3 (checked before anything else happens).
+
+    Example:
+        >>> config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1},
+        ...           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}}}
+        >>> engine, optimizer, _, _ = initialize(net, config=config)
+        >>> loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()
+    """
+    loaded = _load_config(config)
+    stage = (loaded or {}).get("zero_optimization", {}).get("stage", 0)
+    if stage >= _ZERO_PARAMETER_PARTITIONING_STAGE:
+        raise DeepSpeedConfigError(
+            f"ZeRO stage {stage} partitions the parameters and gathers them in forward hooks of each "
+            "submodule, which ORTModule's exported graph does not run (the export sees empty "
+            "parameters); expected stage 0, 1 or 2")
+    if not isinstance(model, ORTModule):
+        model = ORTModule(model, debug_options, memory_opt_level=memory_opt_level, memory_budget=memory_budget)
+    if not build_cpu_shm_comm and get_accelerator().device_name() == "cpu":
+        # DeepSpeed reads this dict (its ops' compatibility) before building an op
+        deepspeed.ops.__compatible_ops__[_CPU_SHM_OP] = False
+    if optimizer is None and use_fused_adam and loaded is not None and _wants_our_adam(loaded):
+        params = model_parameters if model_parameters is not None else \
+            [p for p in model.parameters() if p.requires_grad]
+        optimizer = fused_adam_from_config(params, loaded.pop("optimizer"))
+        loaded["zero_allow_untested_optimizer"] = True
+        model_parameters, config = None, loaded
+    return deepspeed.initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                config=config, **deepspeed_kwargs)

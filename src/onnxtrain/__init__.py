@@ -16,6 +16,7 @@ from onnxtrain.errors import (
     OnnxTrainError,
     UnsupportedOpError,
 )
+from onnxtrain.logs import LogLevel, set_verbosity
 
 __version__ = "0.1.0"
 
@@ -28,6 +29,8 @@ __all__ = [
     "ArtifactError",
     "ModelError",
     "GradientCheckError",
+    "LogLevel",
+    "set_verbosity",
     "__version__",
 ]
 

@@ -387,3 +387,15 @@ def test_parameters_changed_in_place_reassigned_or_replaced_between_calls_are_se
     net.weight = torch.nn.Parameter(torch.randn(3, 4))  # a new Parameter
     check()
     assert net.weight.grad is not None and model.export_count == 1
+
+
+def test_exports_and_graph_builds_are_logged(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="onnxtrain.torch.ortmodule")
+    model = ORTModule(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)))
+    model(torch.randn(5, 4)).sum().backward()
+    messages = [r.getMessage() for r in caplog.records if r.name == "onnxtrain.torch.ortmodule"]
+    assert any(m.startswith("exported Sequential (training, export #1) in ") and m.endswith(" nodes")
+               for m in messages), messages
+    assert any(m.startswith("built the forward (") and "saved activations:" in m for m in messages), messages

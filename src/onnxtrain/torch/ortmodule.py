@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
+import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,12 +16,15 @@ import torch
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.ir import io
+from onnxtrain.logs import LogLevel
 from onnxtrain.passes import pipeline
 from onnxtrain.passes.partition import MemoryOptions, MemoryReport, build_forward_backward
 from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
+
+logger = logging.getLogger(__name__)
 
 
 # torch.autocast dtypes and the precision pass's names for them
@@ -51,16 +55,6 @@ class ORTModuleFallbackWarning(UserWarning):
 
 class MemoryOptionsError(OnnxTrainError, ValueError):
     """ORTModule's memory options are out of range."""
-
-
-class LogLevel(enum.IntEnum):
-    """Upstream's ORTModule log levels; they set onnxruntime's log severity for our sessions."""
-
-    VERBOSE = 0
-    INFO = 1
-    WARNING = 2
-    ERROR = 3
-    FATAL = 4
 
 
 # Where save_onnx writes when no save_path is given (upstream's variable; default: the cwd).
@@ -315,8 +309,11 @@ class ORTModule(torch.nn.Module):
         # under torch.autocast the export traces autocast's casts: the graph computes what eager
         # autocast computes, with its output dtypes; the precision pass then moves the ops the
         # execution provider cannot run in low precision (and the sensitive ones) to fp32
+        began = time.perf_counter()
         graph = export_call(self._original_module, call, keep_exported=self._debug.save_onnx)
         self.export_count += 1
+        logger.info("exported %s (%s, export #%d) in %.1f s: %d nodes", type(self._original_module).__name__,
+                    self._mode(), self.export_count, time.perf_counter() - began, len(graph.model.graph))
         precision = None if autocast is None else PrecisionConfig(autocast[1], device=autocast[0])
         if precision is not None:
             pipeline.run(graph.model, pipeline.mixed_precision(precision))
@@ -361,7 +358,11 @@ class ORTModule(torch.nn.Module):
     def _training_programs(self, variant: _Variant, wrt: tuple, inputs) -> TrainingPrograms:
         programs = variant.training.get(wrt)
         if programs is None:
+            began = time.perf_counter()
             graphs = self._forward_backward(variant, wrt, inputs)
+            logger.info("built the forward (%d nodes) and backward (%d nodes) graphs in %.1f s; %s",
+                        len(graphs.forward.graph), len(graphs.backward.graph), time.perf_counter() - began,
+                        graphs.memory.explain(limit=0).splitlines()[0] if graphs.memory is not None else "")
             variant.memory[wrt] = graphs.memory
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")

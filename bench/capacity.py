@@ -119,7 +119,12 @@ def main(argv=None) -> int:
                                       capacity_model=args.model, memory_cap_mb=args.cap_mb,
                                       capacity_systems=args.systems.split(","))
     with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
-        result = run.capacity_search(cell_args, Path(tmp), run.bench_env(args.threads))
+        env = run.bench_env(args.threads)
+        (Path(tmp) / "snapshot").mkdir()
+        # every cell measures the code as it was at the start, whatever is edited meanwhile
+        _, commit = run.snapshot_onnxtrain(env, Path(tmp) / "snapshot")
+        result = run.capacity_search(cell_args, Path(tmp), env)
+    result["onnxtrain_commit"] = commit
     result["target"] = target(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import pathlib
 import tempfile
+import time
 
 import numpy as np
 import onnxruntime as ort
 import torch
 from sklearn.datasets import load_digits
+from tqdm import tqdm
 
 from onnxtrain import artifacts, onnxblock
 from onnxtrain.api import CheckpointState, LinearLRScheduler, Module, Optimizer
+from onnxtrain.runlog import RunLog
 
 
 def main(out: pathlib.Path) -> float:
@@ -46,14 +49,21 @@ def main(out: pathlib.Path) -> float:
     steps = epochs * (len(y_train) // batch)
     scheduler = LinearLRScheduler(optimizer, warmup_step_count=steps // 10, total_step_count=steps, initial_lr=1e-2)
     rng = np.random.default_rng(0)
-    for _ in range(epochs):
-        order = rng.permutation(len(y_train))
-        for i in range(len(y_train) // batch):
-            idx = order[i * batch:(i + 1) * batch]
-            module(x_train[idx], y_train[idx])
-            optimizer.step()
-            scheduler.step()
-            module.lazy_reset_grad()
+    # the run's record (out/run.jsonl): `onnxtrain report OUT --plot` summarizes and draws it
+    with RunLog(out, name="digits MLP exported from PyTorch", settings={"epochs": epochs, "batch": batch}) as log, \
+            tqdm(total=steps, desc="training", unit="step") as bar:
+        for _ in range(epochs):
+            order = rng.permutation(len(y_train))
+            for i in range(len(y_train) // batch):
+                idx = order[i * batch:(i + 1) * batch]
+                began = time.perf_counter()
+                loss, _ = module(x_train[idx], y_train[idx])
+                optimizer.step()
+                scheduler.step()
+                module.lazy_reset_grad()
+                log.step(loss, samples=len(idx), seconds=time.perf_counter() - began)
+                bar.set_postfix(loss=f"{float(loss):.4f}", refresh=False)
+                bar.update()
 
     module.export_model_for_inferencing(out / "inference.onnx", ["logits"])
     session = ort.InferenceSession(str(out / "inference.onnx"), providers=["CPUExecutionProvider"])

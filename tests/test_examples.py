@@ -23,6 +23,10 @@ def test_pytorch_export_to_artifacts(tmp_path):
     accuracy = _load("pytorch_export_to_artifacts").main(tmp_path)
     assert accuracy > 0.95
     assert (tmp_path / "trained_checkpoint").exists()
+    from onnxtrain.runlog import summarize
+
+    run = summarize(tmp_path)  # its run log: 15 epochs of 28 steps, the loss went down
+    assert run.steps == 15 * 28 and run.finished and run.last_loss < run.first_loss / 4
 
 
 def test_ortmodule_minilm():

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tqdm import tqdm
+
 from bench import analysis, capacity, models, report
 from bench.cell import SYSTEMS, upstream_venv
 
@@ -263,19 +265,23 @@ def main(argv=None) -> int:
                 print(f"  {model}: {flops[model] and flops[model] / 1e9:.2f} GFLOP per step", flush=True)
 
         cells = []
+        bar = tqdm(total=args.rounds * len(args.models) * len(args.systems), desc="cells", unit="cell")
         for r in range(args.rounds):
             for model in args.models:
                 order = args.systems if r % 2 == 0 else list(reversed(args.systems))
                 for system in order:
+                    bar.set_postfix_str(f"round {r} {model} {system}")
                     cell = run_cell(model, system, args, workdir, env, round_index=r)
                     cell.pop("traceback", None)  # keep results.json small (the error stays)
                     cells.append(cell)
                     figure = (f"{cell['median_step_s'] * 1e3:.2f} ms/step, first step {cell['first_step_s']:.1f} s"
                               if cell["status"] == "ok" else f"ERROR {cell['error'][:200]}")
-                    print(f"  round {r} {model:10s} {system:10s} {figure}  ({cell['wall_s']:.0f} s)", flush=True)
+                    bar.write(f"  round {r} {model:10s} {system:10s} {figure}  ({cell['wall_s']:.0f} s)")
+                    bar.update()
             if r + 1 < args.rounds:  # a run stopped later still leaves the rounds it completed
                 write_outputs(args, argv, cells, r + 1, matmul, flops, onnxtrain_at, started, start, loadavg_start,
                               out, report_path, quiet=True)
+        bar.close()
         capacity_result = capacity_search(args, workdir, env) if args.memory_cap_mb else None
         if not args.no_flops:  # again at the end: the machine's state may have changed
             try:
@@ -339,6 +345,8 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, s
     plot_path = out / "speedup.png"
     if report.plot(results, plot_path):
         results["meta"]["plot"] = os.path.relpath(plot_path, report_path.parent)
+    if report.plot_losses(results, out / "losses.png"):
+        results["meta"]["loss_plot"] = os.path.relpath(out / "losses.png", report_path.parent)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     report_path.write_text(report.markdown(results, out))
     if not quiet:

@@ -215,3 +215,11 @@ def test_standalone_capacity_results_and_side_benchmarks_join_the_report(tmp_pat
     optim = json.loads((tmp_path / "optim_step.json").read_text())
     mixed = json.loads((tmp_path / "precision.json").read_text())
     assert optim_step.markdown(optim) in text and precision.markdown_table(mixed) in text
+
+
+def test_loss_plot_from_the_results(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = json.loads((ROOT / "bench" / "results" / "results.json").read_text())
+    assert report.plot_losses(results, tmp_path / "losses.png")
+    assert (tmp_path / "losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not report.plot_losses({"summary": {}}, tmp_path / "none.png")  # nothing to draw

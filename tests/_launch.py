@@ -12,6 +12,7 @@ that every rank exited with 0 (showing the tail of its log) and returns the load
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
@@ -21,6 +22,14 @@ from pathlib import Path
 import torch
 
 LOG_TAIL_CHARS = 6000  # enough for a traceback and the lines before it
+
+
+def load_worker(path: Path):
+    """The worker script at ``path`` as a module (its helpers and reference runs, in this process)."""
+    spec = importlib.util.spec_from_file_location(f"_onnxtrain_{Path(path).stem.lstrip('_')}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def free_port() -> int:

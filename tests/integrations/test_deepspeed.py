@@ -9,7 +9,6 @@ rest are one-process checks of the config translation.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 from pathlib import Path
 
@@ -21,7 +20,7 @@ pytest.importorskip("deepspeed", reason="deepspeed is not installed (the optiona
 
 from onnxtrain.integrations.deepspeed import DeepSpeedConfigError, fused_adam_from_config  # noqa: E402
 from onnxtrain.torch.optim import AdamWMode  # noqa: E402
-from tests._launch import launch_ranks  # noqa: E402
+from tests._launch import launch_ranks, load_worker  # noqa: E402
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 8
@@ -32,14 +31,7 @@ TIMEOUT_S = 300
 _WORKER = Path(__file__).with_name("_deepspeed_worker.py")
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("_onnxtrain_deepspeed_worker", _WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker(_WORKER)
 
 
 def _assert_close(actual, expected, what):

@@ -295,3 +295,19 @@ def test_bf16_on_cpu_follows_trainer_bf16(tmp_path, tokenizer):
             assert all(autocast == ("cpu", "bf16") for _, autocast in variant_keys)
     for loss, ref in zip(losses["ort"], losses["ref"]):
         assert abs(loss - ref) <= 1e-2 * abs(ref), (losses["ort"], losses["ref"])
+
+
+def test_seed_0_still_gives_a_fresh_dropout_mask_per_call(tmp_path):
+    """ONNX Runtime's CPU dropout engine treats seeds 0 and 1 alike; ORTTrainer(seed=0) must not
+    leave the generator where the next two runs draw the same mask."""
+    from onnxtrain.torch import ORTModule
+
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32)
+    args = ORTTrainingArguments(str(tmp_path), seed=0, report_to="none", use_cpu=True)
+    ORTTrainer(model=transformers.BertForSequenceClassification(config), args=args)
+    torch.manual_seed(0)
+    dropout = ORTModule(torch.nn.Sequential(torch.nn.Linear(8, 256), torch.nn.Dropout(0.5)),
+                        DebugOptions(fallback=False))
+    x = torch.randn(16, 8)
+    assert not torch.equal(dropout(x), dropout(x))

@@ -9,7 +9,6 @@ is also the DDP ranks' script.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from onnxtrain.integrations.lightning import (  # noqa: E402
 )
 from onnxtrain.torch import ORTModule  # noqa: E402
 from onnxtrain.torch.ortmodule import MemoryOptionsError  # noqa: E402
-from tests._launch import launch_ranks  # noqa: E402
+from tests._launch import launch_ranks, load_worker  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 # bf16-mixed: both runs round to bf16 where autocast does, but ORT sums in another order, so a
@@ -41,14 +40,7 @@ TIMEOUT_S = 240
 _WORKER = Path(__file__).with_name("_lightning_worker.py")
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("_onnxtrain_lightning_worker", _WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker(_WORKER)
 
 
 def _assert_close(actual, expected, what, rtol=RTOL, atol=ATOL):

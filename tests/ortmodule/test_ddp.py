@@ -14,7 +14,6 @@ state_dict() writes, for loading and for DDP's ignore list.
 from __future__ import annotations
 
 import copy
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
-from tests._launch import launch_ranks  # noqa: E402
+from tests._launch import launch_ranks, load_worker  # noqa: E402
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 8
@@ -38,15 +37,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with the gloo backend is not available")
 
 
-def _load_worker():
-    """The worker script as a module: the model, loss and training loop the ranks run."""
-    spec = importlib.util.spec_from_file_location("_onnxtrain_ddp_worker", _WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker(_WORKER)
 
 
 @pytest.fixture(scope="module")

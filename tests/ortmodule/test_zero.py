@@ -9,7 +9,6 @@ FusedAdam on the whole global batch, computed here. The rest are one-process tes
 from __future__ import annotations
 
 import copy
-import importlib.util
 import shutil
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from onnxtrain.torch.optim import (  # noqa: E402
     consolidate_state_dict,
     partition_parameters,
 )
-from tests._launch import launch_ranks  # noqa: E402
+from tests._launch import launch_ranks, load_worker  # noqa: E402
 
 WORLD_SIZE = 2
 GLOBAL_BATCH = 8
@@ -37,14 +36,7 @@ TIMEOUT_S = 300
 _WORKER = Path(__file__).with_name("_zero_worker.py")
 
 
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("_onnxtrain_zero_worker", _WORKER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker(_WORKER)
 needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with the gloo backend is not available")
 

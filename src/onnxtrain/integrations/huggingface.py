@@ -82,6 +82,10 @@ class ORTTrainingArguments(transformers.TrainingArguments):
         return self
 
 
+# See ORTTrainer.__init__: ONNX Runtime is seeded with args.seed + this.
+ORT_SEED_OFFSET = 1
+
+
 class ORTTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose model runs forward and backward in ONNX Runtime.
 
@@ -122,7 +126,10 @@ class ORTTrainer(transformers.Trainer):
         self._ort_memory = {"memory_opt_level": memory_opt_level, "memory_budget": memory_budget}
         self._ort_module: ORTModule | None = None
         super().__init__(model, args, *rest, **kwargs)
-        onnxruntime.set_seed(int(self.args.seed))  # ORTModule's dropout masks come from ORT's generator
+        # ORTModule's dropout masks come from ONNX Runtime's generator. It seeds each run's engine
+        # with the next integer, and its CPU engine (minstd) treats seeds 0 and 1 alike: from
+        # seed 0 the first two runs would draw the same masks. Starting one higher avoids that.
+        onnxruntime.set_seed(int(self.args.seed) + ORT_SEED_OFFSET)
 
     @property
     def ort_module(self) -> ORTModule | None:

@@ -9,19 +9,14 @@ model allows it. The result runs in a stock ``onnxruntime.InferenceSession``.
 
 from __future__ import annotations
 
-import logging
 import os
-import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.ir import io
-
-# The exporter logs environment facts (e.g. "torchvision is not installed") as warnings on
-# every export; quieted during ours (as ORTModule's export does).
-_NOISY_LOGGERS = ("torch.onnx._internal.exporter._registration", "torch.onnx._internal.exporter._core")
+from onnxtrain.torch._export import export_failure, quiet_exporter
 
 
 def _output_tensors(out) -> tuple[list[str], list[torch.Tensor]]:
@@ -73,28 +68,20 @@ def export_inference_onnx(module: torch.nn.Module, inputs: Mapping[str, torch.Te
     tensors = tuple(inputs[n] for n in names)
     was_training = module.training
     module.eval()
-    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
-    levels = [lg.level for lg in loggers]
     try:
         with torch.no_grad():
             output_names, _ = _output_tensors(module(**inputs))
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in tensors)
+        dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in tensors)
+        with quiet_exporter():
             program = torch.onnx.export(_KeywordCall(module, names), tensors, dynamo=True, verbose=False,
                                         optimize=optimize, input_names=names, output_names=output_names,
                                         dynamic_shapes=(dynamic,))
     except ExportError:
         raise
     except Exception as exc:  # the exporter raises many types; the reason is in the message
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"torch.onnx.export could not export {type(module).__name__} for inference: "
-                          f"{type(exc).__name__}: {first_line}") from exc
+        raise export_failure(f"torch.onnx.export could not export {type(module).__name__} for inference",
+                             exc) from exc
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
         module.train(was_training)
     io.save_model(program.model, path)
     return output_names

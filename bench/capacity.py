@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 MAX_DOUBLINGS = 6
-BISECT_STEPS = 2
+BISECT_STEPS = 3
 DEFAULT_CAP_MB = 2048
 DEFAULT_SYSTEMS = ["eager", "ortmodule", "ortmodule_recompute"]
 # Issue 7's target: with the memory optimizer, ORTModule fits this many times eager's batch.

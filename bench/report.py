@@ -19,8 +19,8 @@ def capacity_section(capacity: dict | None) -> list[str]:
         return []
     lines = [f"## Largest {capacity['model']} batch within {capacity['cap_mb']:.0f} MB", "",
              "Each batch size ran in its own process (one warm-up and one timed step); a batch fits when its "
-             "peak RSS (the whole process) stays within the cap. Doubling from the model's batch, then two "
-             "bisection steps.", "",
+             "peak RSS (the whole process) stays within the cap. Doubling from the model's batch, then "
+             f"{capacity.get('bisect_steps', 2)} bisection steps.", "",
              "| system | largest batch | peak RSS MB at it | tried (batch: peak MB) |", "|---|---:|---:|---|"]
     for system, found in capacity["systems"].items():
         tried = ", ".join(f"{t['batch']}: {_f(t['peak_rss_mb'], '{:.0f}')}" + ("" if t["status"] == "ok" else " error")

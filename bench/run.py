@@ -97,7 +97,7 @@ def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_inde
 def capacity_search(args, workdir: Path, env: dict) -> dict:
     """The largest batch of ``args.capacity_model`` within ``args.memory_cap_mb`` for each capacity system."""
     model = args.capacity_model
-    result = {"model": model, "cap_mb": args.memory_cap_mb, "systems": {},
+    result = {"model": model, "cap_mb": args.memory_cap_mb, "systems": {}, "bisect_steps": capacity.BISECT_STEPS,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     for system in args.capacity_systems:
         def run(batch: int, system=system) -> dict:

@@ -156,10 +156,10 @@ def test_capacity_search_finds_the_largest_fitting_batch():
         return {"status": "ok", "peak_rss_mb": need(batch)}
 
     found = capacity.largest_batch(run, start=4, cap_mb=700)  # batches up to 60 fit
-    assert runs == [4, 8, 16, 32, 64, 48, 56]  # doubling until 64 is over the cap, then two bisection steps
-    assert found["largest_batch"] == 56 and found["peak_rss_mb"] == need(56)
+    assert runs == [4, 8, 16, 32, 64, 48, 56, 60]  # doubling until 64 is over the cap, then bisection
+    assert capacity.BISECT_STEPS == 3 and found["largest_batch"] == 60 and found["peak_rss_mb"] == need(60)
     below = capacity.largest_batch(lambda b: {"status": "ok", "peak_rss_mb": need(b)}, start=64, cap_mb=300)
-    assert below["largest_batch"] == 20  # 64, 32 over the cap; 16 fits; bisection: 24 over, 20 fits (300 MB)
+    assert below["largest_batch"] == 20  # 64, 32 over the cap; 16 fits; bisection: 24 over, 20 fits, 22 over
     errored = capacity.largest_batch(lambda b: {"status": "error", "error": "boom"}, start=8, cap_mb=1e9)
     assert errored["largest_batch"] is None and errored["tried"][0]["error"] == "boom"
     roomy = capacity.largest_batch(lambda b: {"status": "ok", "peak_rss_mb": 1.0}, start=2, cap_mb=10)

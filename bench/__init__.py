@@ -8,3 +8,15 @@
 - ``analysis.py``: medians over rounds, loss check against eager, targets; ``report.py``: the report
   (``python -m bench.report`` renders it again from results.json).
 """
+
+
+def write_results(results: dict, out, table: str) -> None:
+    """Write a side benchmark's ``results`` as JSON to ``out`` (folders created) and print its table."""
+    import json
+    from pathlib import Path
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1))
+    print(table)
+    print(f"\nwritten to {out}")

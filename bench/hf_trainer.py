@@ -27,7 +27,6 @@ Writes ``bench/results/hf_trainer.json`` (``--out``) and prints :func:`markdown`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -36,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import models
+from bench import models, write_results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never download
 
@@ -200,11 +199,7 @@ def main(argv=None) -> int:
     preset = QUICK if args.quick else FULL
     results = measure(names, rounds=args.rounds or preset["rounds"], steps=args.steps or preset["steps"],
                       warmup=preset["warmup"] if args.warmup is None else args.warmup, threads=args.threads)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(markdown(results))
-    print(f"\nwritten to {out}")
+    write_results(results, args.out, markdown(results))
     return 0
 
 

@@ -19,7 +19,6 @@ with each system's time as a ratio to PyTorch's fastest AdamW.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -27,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from bench import models
+from bench import models, write_results
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "optim_step.json"
@@ -179,11 +178,7 @@ def main(argv=None) -> int:
     preset = QUICK if args.quick else FULL
     results = measure(args.model, rounds=args.rounds or preset["rounds"], steps=args.steps or preset["steps"],
                       warmup=preset["warmup"] if args.warmup is None else args.warmup, device=args.device)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
-    print(markdown(results))
-    print(f"\nwritten to {out}")
+    write_results(results, args.out, markdown(results))
     return 0
 
 

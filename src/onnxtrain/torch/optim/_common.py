@@ -31,6 +31,21 @@ def check_gradients(optimizer: str, param_groups: list[dict], sparse_hint: str =
                 raise OptimizerConfigError(f"{optimizer} updates floating-point parameters, got {p.dtype}")
 
 
+def adam_hyperparameter_problems(lr, betas, eps, weight_decay) -> list[str]:
+    """What is wrong with Adam-family hyperparameters (learning rate, betas, epsilon, weight
+    decay), one message each; empty when they are valid."""
+    problems = []
+    if not (isinstance(lr, (int, float)) and lr >= 0):
+        problems.append(f"lr must be a number >= 0, got {lr!r}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        problems.append(f"betas must be two numbers in [0, 1), got {betas!r}")
+    if not eps >= 0:
+        problems.append(f"eps must be >= 0, got {eps!r}")
+    if not weight_decay >= 0:
+        problems.append(f"weight_decay must be >= 0, got {weight_decay!r}")
+    return problems
+
+
 def by_device_and_dtype(params) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """``params`` grouped for multi-tensor kernels (one device and dtype per call)."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)

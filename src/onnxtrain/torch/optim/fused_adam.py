@@ -28,8 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_moments, by_device_and_dtype, check_gradients,
-                                           evaluate_closure)
+from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_hyperparameter_problems, adam_moments,
+                                           by_device_and_dtype, check_gradients, evaluate_closure)
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
@@ -153,15 +153,7 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    problems = []
-    if not (isinstance(lr, (int, float)) and lr >= 0):
-        problems.append(f"lr must be a number >= 0, got {lr!r}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        problems.append(f"betas must be two numbers in [0, 1), got {betas!r}")
-    if not eps >= 0:
-        problems.append(f"eps must be >= 0, got {eps!r}")
-    if not weight_decay >= 0:
-        problems.append(f"weight_decay must be >= 0, got {weight_decay!r}")
+    problems = adam_hyperparameter_problems(lr, betas, eps, weight_decay)
     if problems:
         raise OptimizerConfigError("FusedAdam: " + "; ".join(problems))
 

@@ -26,8 +26,8 @@ from collections import defaultdict
 
 import torch
 
-from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_moments, by_device_and_dtype, check_gradients,
-                                           evaluate_closure)
+from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_hyperparameter_problems, adam_moments,
+                                           by_device_and_dtype, check_gradients, evaluate_closure)
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 
@@ -155,16 +155,7 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
 
 
 def _check_group(group: dict) -> None:
-    problems = []
-    lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-    if not (isinstance(lr, (int, float)) and lr >= 0):
-        problems.append(f"lr must be a number >= 0, got {lr!r}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        problems.append(f"betas must be two numbers in [0, 1), got {betas!r}")
-    if not eps >= 0:
-        problems.append(f"eps must be >= 0, got {eps!r}")
-    if not wd >= 0:
-        problems.append(f"weight_decay must be >= 0, got {wd!r}")
+    problems = adam_hyperparameter_problems(group["lr"], group["betas"], group["eps"], group["weight_decay"])
     if not group["ratio_min"] <= group["ratio_max"]:
         problems.append(f"ratio_min must be <= ratio_max, got ratio_min={group['ratio_min']!r}, "
                         f"ratio_max={group['ratio_max']!r}")

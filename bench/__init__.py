@@ -20,3 +20,18 @@ def write_results(results: dict, out, table: str) -> None:
     out.write_text(json.dumps(results, indent=1))
     print(table)
     print(f"\nwritten to {out}")
+
+
+def package_versions(names) -> dict:
+    """Python's and each named package's version, from their metadata (no import: importing
+    transformers just for this would be slow); a package that is not installed is left out."""
+    import platform
+    from importlib import metadata
+
+    out = {"python": platform.python_version()}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out

@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 
 import numpy as np
 
-from bench import memory, models
+from bench import memory, models, package_versions
 
 SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ortmodule_recompute", "ondevice", "upstream"]
 # ORTModule with its memory optimizer at its most aggressive level: every deterministic op the
@@ -304,16 +303,8 @@ PREPARE = {"eager": prepare_eager, "eager_fused": prepare_eager_fused, "compile"
 # -- the cell ------------------------------------------------------------------------------------
 
 def versions() -> dict:
-    """Package versions from their metadata (importing transformers just for this would be slow)."""
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "onnxruntime", "onnx", "transformers", "onnxtrain", "numpy"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
+    """The versions of the packages a cell's figures depend on."""
+    return package_versions(("torch", "onnxruntime", "onnx", "transformers", "onnxtrain", "numpy"))
 
 
 def count_flops(spec, model, batches) -> int:

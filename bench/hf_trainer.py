@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench import models, write_results
+from bench import models, package_versions, write_results
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported: never download
 
@@ -149,7 +148,7 @@ def measure_model(name: str, rounds: int, steps: int, warmup: int, threads: int)
 def measure(names, rounds: int, steps: int, warmup: int, threads: int) -> dict:
     return {"models": [measure_model(n, rounds, steps, warmup, threads) for n in names],
             "rounds": rounds, "steps_per_round": steps, "warmup": warmup, "threads": threads,
-            "versions": _versions()}
+            "versions": package_versions(("torch", "transformers", "onnxruntime", "onnxtrain"))}
 
 
 def markdown(results: dict) -> str:
@@ -168,18 +167,6 @@ def markdown(results: dict) -> str:
         agrees = "yes" if all(entries[s]["first_loss_agrees"] for s in names) else "NO"
         lines.append(f"| {model['model']} | {times} | {ratios} | {agrees} |")
     return "\n".join(lines)
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "transformers", "onnxruntime", "onnxtrain"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 def main(argv=None) -> int:

@@ -19,14 +19,13 @@ with each system's time as a ratio to PyTorch's fastest AdamW.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Callable
 
-from bench import models, write_results
+from bench import models, package_versions, write_results
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "optim_step.json"
@@ -102,7 +101,7 @@ def measure(model: str = "gpt", rounds: int = FULL["rounds"], steps: int = FULL[
         "model": spec.name, "description": spec.description, "device": str(dev),
         "n_params": sum(p.numel() for p in reference), "n_tensors": len(reference),
         "threads": torch.get_num_threads(), "rounds": rounds, "steps_per_round": steps, "warmup": warmup,
-        "lr": LR, "weight_decay": WEIGHT_DECAY, "versions": _versions(),
+        "lr": LR, "weight_decay": WEIGHT_DECAY, "versions": package_versions(("torch", "onnxtrain")),
         "systems": {name: {"label": table[name][0], "median_step_ms": 1e3 * statistics.median(per_round[name]),
                            "best_step_ms": 1e3 * min(per_round[name]),
                            "round_step_ms": [1e3 * t for t in per_round[name]]} for name in names},
@@ -147,18 +146,6 @@ def markdown(results: dict) -> str:
         lines.append(f"| {entry['label']} | {entry['median_step_ms']:.2f} | {entry['best_step_ms']:.2f} | "
                      f"{'—' if ratio is None else f'{ratio:.2f}x'} | {'—' if paired is None else f'{paired:.2f}x'} |")
     return "\n".join(lines)
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in ("torch", "onnxtrain"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
 
 
 def main(argv=None) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -56,15 +57,12 @@ def _read_json(folder: Path | None, name: str) -> dict | None:
     path = folder and Path(folder) / name
     if not path or not path.exists():
         return None
-    import json
-
     return json.loads(path.read_text())
 
 
 def side_sections(results_dir: Path | None) -> list[str]:
     """Sections of the benchmarks that run on their own (bench/optim_step.py, bench/precision.py,
-    bench/hf_trainer.py),
-    from their JSON beside results.json; nothing for those that have not run."""
+    bench/hf_trainer.py), from their JSON beside results.json; nothing for those that have not run."""
     from bench import hf_trainer, optim_step, precision
 
     lines = []
@@ -269,7 +267,6 @@ def plot_losses(results: dict, path: Path) -> bool:
 def main(argv=None) -> int:
     """``python -m bench.report [results.json] [RESULTS.md]``: render the report and plot again."""
     import argparse
-    import json
     import os
 
     here = Path(__file__).resolve().parent

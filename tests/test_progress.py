@@ -11,11 +11,11 @@ from tests.test_artifacts import regression_model
 PHASES = ["training and eval graphs", "writing the models", "writing the checkpoint", "optimizer graph"]
 
 
-def test_should_show_follows_the_choice_and_the_model_size():
-    assert progress.should_show(True, 0) is False  # tqdm's `disable`
-    assert progress.should_show(False, 10**12) is True
-    assert progress.should_show(None, progress.BIG_MODEL_BYTES - 1) is True  # small: never
-    assert progress.should_show(None, progress.BIG_MODEL_BYTES) is None  # big: on a terminal
+def test_tqdm_disable_follows_the_choice_and_the_model_size():
+    assert progress.tqdm_disable(True, 0) is False  # tqdm's `disable`
+    assert progress.tqdm_disable(False, 10**12) is True
+    assert progress.tqdm_disable(None, progress.BIG_MODEL_BYTES - 1) is True  # small: never
+    assert progress.tqdm_disable(None, progress.BIG_MODEL_BYTES) is None  # big: on a terminal
 
 
 def test_generate_artifacts_shows_its_phases_and_logs_their_times(tmp_path, capsys, caplog):

@@ -19,7 +19,7 @@ from onnxtrain.onnxblock import blocks, loss as loss_blocks, optim as optim_bloc
 from onnxtrain.onnxblock._context import base, empty_base
 from onnxtrain.onnxblock.loss_scale import DynamicLossScale
 from onnxtrain.onnxblock.training_block import TrainingBlock
-from onnxtrain.progress import Phases, should_show
+from onnxtrain.progress import Phases, tqdm_disable
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ def generate_artifacts(
 
     model_bytes = sum(v.const_value.nbytes for v in base_model.graph.initializers.values() if v.const_value is not None)
     phases = 3 if optimizer is None else 4
-    with Phases("generate_artifacts", phases, should_show(progress, model_bytes), logger) as bar:
+    with Phases("generate_artifacts", phases, tqdm_disable(progress, model_bytes), logger) as bar:
         with bar.phase("training and eval graphs"), base(base_model):
             training_block(*output_names)
         training_model, eval_model = training_block.to_ir_models()

@@ -16,9 +16,10 @@ from contextlib import contextmanager
 BIG_MODEL_BYTES = 100 * 2**20
 
 
-def should_show(show: bool | None, model_bytes: int) -> bool | None:
-    """tqdm's ``disable`` argument for ``show`` (True: always; False: never; None: on a
-    terminal, for models of at least :data:`BIG_MODEL_BYTES`)."""
+def tqdm_disable(show: bool | None, model_bytes: int) -> bool | None:
+    """tqdm's ``disable`` argument (True hides the bar; None: hidden unless on a terminal) for
+    the choice ``show``: True always shows it, False never, None on a terminal for models of
+    at least :data:`BIG_MODEL_BYTES`."""
     if show is None:
         return None if model_bytes >= BIG_MODEL_BYTES else True
     return not show

@@ -120,8 +120,12 @@ class RunSummary:
     wall_seconds: float | None
     finished: bool
     evaluations: list[dict] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list, repr=False)
     step_records: list[dict] = field(default_factory=list, repr=False)
+
+    @property
+    def losses(self) -> list[float]:
+        """The loss of every step, in order."""
+        return [float(r["loss"]) for r in self.step_records]
 
     def text(self) -> str:
         """The summary as a few lines for a terminal."""
@@ -184,7 +188,7 @@ def summarize(directory: str | os.PathLike) -> RunSummary:
         wall_seconds=sum(r["wall_seconds"] for r in ends) if ends else None,
         finished=bool(ends) and records[-1]["kind"] == "end",
         evaluations=[{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "eval"],
-        losses=losses, step_records=steps)
+        step_records=steps)
 
 
 def _trailing_means(values: list[float], weights: list[float], window: int) -> list[float]:

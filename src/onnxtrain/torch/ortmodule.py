@@ -360,9 +360,10 @@ class ORTModule(torch.nn.Module):
         if programs is None:
             began = time.perf_counter()
             graphs = self._forward_backward(variant, wrt, inputs)
-            logger.info("built the forward (%d nodes) and backward (%d nodes) graphs in %.1f s; %s",
-                        len(graphs.forward.graph), len(graphs.backward.graph), time.perf_counter() - began,
-                        graphs.memory.explain(limit=0).splitlines()[0] if graphs.memory is not None else "")
+            if logger.isEnabledFor(logging.INFO):  # the memory summary is only worth building to be shown
+                logger.info("built the forward (%d nodes) and backward (%d nodes) graphs in %.1f s; %s",
+                            len(graphs.forward.graph), len(graphs.backward.graph), time.perf_counter() - began,
+                            graphs.memory.explain(limit=0).splitlines()[0] if graphs.memory is not None else "")
             variant.memory[wrt] = graphs.memory
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")

@@ -129,6 +129,101 @@ def test_live_peak_counts_values_until_their_last_reader():
     assert peak.bytes == 120 and peak.at_end == 40  # a, b and c alive while c runs
 
 
+def test_value_sizes_follow_shapes_computed_in_the_graph():
+    """Gradient graphs compute shapes and axes in the graph (here: which axes a broadcast
+    gradient sums over, Equal -> Not -> NonZero on two shapes, then a ConstantOfShape of the
+    summed shape); ONNX shape inference cannot follow them, but once the input shapes are
+    bound they fold to constants and every size is exact instead of guessed."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Shape", ["y"], ["y_shape"]),
+        helper.make_node("Equal", ["x_shape", "y_shape"], ["same"]),
+        helper.make_node("Not", ["same"], ["broadcast"]),
+        helper.make_node("NonZero", ["broadcast"], ["where"]),
+        helper.make_node("Reshape", ["where", "flat"], ["axes"]),
+        helper.make_node("ReduceSum", ["x", "axes"], ["summed"], keepdims=1),
+        helper.make_node("Shape", ["summed"], ["summed_shape"]),
+        helper.make_node("ConstantOfShape", ["summed_shape"], ["zeros"]),
+        helper.make_node("Add", ["zeros", "y"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "computed_shapes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "m"]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "m"])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        initializer=[helper.make_tensor("flat", TensorProto.INT64, [1], [-1])])
+    model = io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    sizes = memory.value_sizes(model, {"x": (700, 5), "y": (1, 5)})
+    for name in ("summed", "zeros", "out"):
+        assert sizes.bytes[name] == 5 * 4, name
+    assert all(sizes.bytes[name] <= 64 for name in ("x_shape", "same", "where", "axes"))
+    assert not sizes.guessed
+
+
+MiB = 2**20
+
+
+def test_arena_model_reuses_freed_chunks_and_grows_by_doubling_regions():
+    arena = memory.ArenaModel()
+    first = arena.allocate(256 * 1024)        # the 1 MiB first region, split
+    second = arena.allocate(256 * 1024)
+    assert arena.resident == 512 * 1024
+    arena.free(first)
+    again = arena.allocate(200 * 1024)        # best fit: the freed chunk, no new memory
+    assert arena.resident == 512 * 1024
+    big = arena.allocate(5 * MiB)             # a new region (2 MiB doubled to 8 MiB), written up to 5 MiB
+    assert arena.resident == 512 * 1024 + 5 * MiB
+    for chunk in (second, again, big):
+        arena.free(chunk)
+    arena.allocate(7 * MiB)                   # the 8 MiB region again, 2 MiB more of it written
+    assert arena.resident == arena.peak == 512 * 1024 + 7 * MiB
+
+
+def test_arena_model_fragmentation_costs_resident_memory_that_live_bytes_do_not_show():
+    """Two 3 MiB buffers freed around a held 1 MiB one cannot serve a 5 MiB request: the arena
+    takes a new region, so resident memory exceeds the live bytes' peak."""
+    arena = memory.ArenaModel()
+    arena.allocate(10)  # the first region
+    a, held, b = arena.allocate(3 * MiB), arena.allocate(1 * MiB), arena.allocate(3 * MiB)
+    arena.free(a)
+    arena.free(b)
+    arena.allocate(5 * MiB)
+    live_peak = 7 * MiB
+    assert arena.peak >= live_peak + 4 * MiB
+
+
+def test_arena_model_shrink_releases_wholly_free_regions_only():
+    arena = memory.ArenaModel()
+    kept = arena.allocate(600 * 1024)
+    held = arena.allocate(3 * MiB)
+    freed = arena.allocate(9 * MiB)
+    arena.free(freed)
+    resident = arena.resident
+    arena.shrink()
+    assert arena.resident == resident - 9 * MiB and arena.peak == resident
+    arena.free(held)
+    arena.free(kept)
+    arena.shrink()  # the first region stays, as ORT keeps it
+    assert arena.resident == 600 * 1024
+
+
+def test_simulated_run_keeps_graph_outputs_and_frees_the_rest():
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([10]))
+    a = ir.node("Neg", [x], num_outputs=1)
+    b = ir.node("Neg", [a.outputs[0]], num_outputs=1)
+    c = ir.node("Add", [a.outputs[0], b.outputs[0]], num_outputs=1)
+    graph = ir.Graph([x], c.outputs, nodes=[a, b, c])
+    sizes = memory.ValueSizes({v.name: MiB // 4 for v in [x, *a.outputs, *b.outputs, *c.outputs]}, frozenset())
+    arena = memory.ArenaModel()
+    held = memory.simulate_run(arena, graph, sizes)
+    assert set(held) == {c.outputs[0].name}
+    assert arena.peak == 3 * MiB // 4  # a, b and c at once; x is the caller's
+    before = arena.resident
+    arena.free(held[c.outputs[0].name])
+    memory.simulate_run(arena, graph, sizes)  # a second run fits in what the first touched
+    assert arena.resident == before
+
+
 def test_min_cut_saves_the_cheaper_side():
     """A chain x -> e -> r (small) -> g (big) whose g the backward reads: depending on the
     weight of recompute time against bytes, save g, or save r and recompute g, or recompute

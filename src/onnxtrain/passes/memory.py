@@ -11,14 +11,17 @@ the node that produces it until its last consumer has run; graph outputs live to
 from __future__ import annotations
 
 import ast
+import bisect
 import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
+from onnxscript.optimizer import fold_constants
 
 from onnxtrain.ir import io
+from onnxtrain.passes.fold import never_fold_random
 
 
 @dataclass(frozen=True)
@@ -127,19 +130,63 @@ def value_sizes(model: ir.Model, input_shapes: Mapping[str, Sequence[int]]) -> V
             shapes[value.name] = dims
     guessed: set[str] = set()
     if unknown:
-        inferred = io.infer_concrete_shapes(model, input_shapes)
+        inferred, folded = _shapes_after_folding(model, input_shapes)
+        if any(v.name not in inferred and v.name not in folded for v in unknown):
+            inferred = {**io.infer_concrete_shapes(model, input_shapes), **inferred}
         for value in unknown:
             found = inferred.get(value.name)
             if found is not None:
                 dtype, dims = found
                 sizes[value.name] = _bytes(dtype, dims)
                 shapes[value.name] = dims
+            elif value.name in folded:  # shape arithmetic: at most FOLDED_SIZE_LIMIT elements
+                sizes[value.name] = 0
         for node in graph:  # in order: a guess may use an earlier guess
             for out in node.outputs:
                 if out.name not in sizes:
                     sizes[out.name] = max((sizes.get(i.name, 0) for i in node.inputs if i is not None), default=0)
                     guessed.add(out.name)
     return ValueSizes(sizes, frozenset(guessed), shapes)
+
+
+# Values computed from shapes alone (Shape -> Slice -> Concat -> Reshape chains) are folded
+# into constants when the inputs' shapes are concrete; a folded value has at most this many
+# elements, so it is counted as 0 bytes.
+FOLDED_SIZE_LIMIT = 1024
+
+
+def _shapes_after_folding(model: ir.Model, input_shapes: Mapping[str, Sequence[int]]):
+    """Concrete ``(dtype, dims)`` of ``model``'s values when its inputs have ``input_shapes``,
+    found by folding everything computable from those shapes into constants (onnxscript's
+    folder, with ONNX shape inference on each node), and the names of the values folded away.
+
+    ONNX shape inference alone stops at a ``Reshape``/``Expand``/``ConstantOfShape`` whose
+    shape is computed in the graph (gradient graphs are full of them); after folding those
+    shapes are constants. ``model`` is not changed.
+    """
+    copy = ir.serde.deserialize_model(io.to_proto(model))
+    for value in copy.graph.inputs:
+        if value.name in input_shapes:
+            value.shape = ir.Shape([int(d) for d in input_shapes[value.name]])
+    produced = [out.name for node in copy.graph for out in node.outputs]
+    try:
+        fold_constants(copy, onnx_shape_inference=True, input_size_limit=FOLDED_SIZE_LIMIT,
+                       output_size_limit=FOLDED_SIZE_LIMIT,
+                       should_fold=never_fold_random)
+    except Exception:  # the folder is a best effort here: the caller falls back to shape inference
+        return {}, set()
+    found: dict[str, tuple[ir.DataType, list[int]]] = {}
+    remaining: set[str] = set()
+    for node in copy.graph:
+        for out in node.outputs:
+            remaining.add(out.name)
+            if out.dtype is not None and out.shape is not None and all(isinstance(d, int) for d in out.shape):
+                found[out.name] = (out.dtype, list(out.shape))
+    for name, value in copy.graph.initializers.items():
+        if value.const_value is not None:
+            found.setdefault(name, (value.const_value.dtype, list(value.const_value.shape)))
+    folded = {name for name in produced if name not in remaining and name not in found}
+    return found, folded
 
 
 def execution_order(graph: ir.Graph) -> list[ir.Node]:
@@ -242,3 +289,158 @@ def live_peak(graph: ir.Graph, sizes: ValueSizes, order: Sequence[ir.Node] | Non
             if last_use.get(value, -1) <= k:
                 live -= sizes.of(value)
     return LivePeak(peak, peak_node, live)
+
+
+@dataclass(eq=False)
+class _Chunk:
+    address: int
+    size: int
+    region: int
+    in_use: bool = False
+    before: _Chunk | None = None
+    after: _Chunk | None = None
+
+
+class ArenaModel:
+    """A model of ONNX Runtime's CPU arena (``BFCArena`` with its default settings), to tell
+    how much memory a sequence of allocations really makes resident.
+
+    The arena takes memory from the system in regions: the first of 1 MiB, each next one twice
+    the last (or the next power-of-two multiple large enough for the request that needed it),
+    and never gives it back unless shrunk. A request is rounded up to 256 bytes and served by
+    the smallest free chunk that fits (lowest address among equals), split unless the chunk is
+    less than twice the request and the rest under 128 MiB; a freed chunk merges with free neighbours of its own region.
+    Region memory becomes resident when first written, so the resident bytes are the union of
+    the spans every request ever used (a request served by a larger chunk touches only its own
+    size): fragmentation and regions sized by doubling both show in it, which a count of live
+    bytes misses.
+    """
+
+    GRANULE = 256
+    INITIAL_REGION = 1 << 20
+    GROWTH_AFTER_SHRINK = 2 << 20  # ORT's initial_growth_chunk_size_bytes default
+    MAX_DEAD_BYTES = 128 << 20     # a chunk is split anyway when it would waste this much
+
+    def __init__(self):
+        self._next_region = self.INITIAL_REGION
+        self._free: list[tuple[int, int]] = []   # (size, address) of free chunks, sorted
+        self._at: dict[int, _Chunk] = {}         # free chunks by address
+        self._regions: dict[int, tuple[int, int]] = {}  # id -> (base address, size)
+        self._touched: dict[int, list[tuple[int, int]]] = {}  # id -> disjoint [start, end) spans
+        self._top = 1 << 46  # regions are placed downwards, as the system's mmap does
+        self.resident = 0
+        self.peak = 0
+
+    def allocate(self, nbytes: int) -> _Chunk | None:
+        """Hand out a chunk for ``nbytes`` (``None`` for 0 bytes)."""
+        if nbytes <= 0:
+            return None
+        size = -(-nbytes // self.GRANULE) * self.GRANULE
+        k = bisect.bisect_left(self._free, (size, -1))
+        if k == len(self._free):
+            self._extend(size)
+            k = bisect.bisect_left(self._free, (size, -1))
+        _, address = self._free.pop(k)
+        chunk = self._at.pop(address)
+        if chunk.size >= 2 * size or chunk.size - size >= self.MAX_DEAD_BYTES:
+            rest = _Chunk(chunk.address + size, chunk.size - size, chunk.region, False, chunk, chunk.after)
+            if chunk.after is not None:
+                chunk.after.before = rest
+            chunk.after, chunk.size = rest, size
+            self._add_free(rest)
+        chunk.in_use = True
+        self._touch(chunk, size)
+        return chunk
+
+    def free(self, chunk: _Chunk | None) -> None:
+        """Give ``chunk`` back (merging it with free neighbours)."""
+        if chunk is None:
+            return
+        chunk.in_use = False
+        after = chunk.after
+        if after is not None and not after.in_use:
+            self._remove_free(after)
+            chunk.size += after.size
+            chunk.after = after.after
+            if after.after is not None:
+                after.after.before = chunk
+        before = chunk.before
+        if before is not None and not before.in_use:
+            self._remove_free(before)
+            before.size += chunk.size
+            before.after = chunk.after
+            if chunk.after is not None:
+                chunk.after.before = before
+            chunk = before
+        self._add_free(chunk)
+
+    def shrink(self) -> None:
+        """Release every wholly free region but the first (what ORT's arena shrinkage does)."""
+        for region, (base, size) in list(self._regions.items()):
+            chunk = self._at.get(base)
+            if region == 0 or chunk is None or chunk.size != size:
+                continue
+            self._remove_free(chunk)
+            del self._regions[region]
+            self.resident -= sum(end - start for start, end in self._touched.pop(region, []))
+        self._next_region = self.GROWTH_AFTER_SHRINK
+
+    def _extend(self, size: int) -> None:
+        grew = False
+        while size > self._next_region:
+            self._next_region *= 2
+            grew = True
+        nbytes = self._next_region
+        if not grew:
+            self._next_region *= 2
+        self._top -= nbytes + self.INITIAL_REGION
+        region = len(self._regions) and max(self._regions) + 1
+        self._regions[region] = (self._top, nbytes)
+        self._add_free(_Chunk(self._top, nbytes, region))
+
+    def _add_free(self, chunk: _Chunk) -> None:
+        self._at[chunk.address] = chunk
+        bisect.insort(self._free, (chunk.size, chunk.address))
+
+    def _remove_free(self, chunk: _Chunk) -> None:
+        del self._at[chunk.address]
+        self._free.pop(bisect.bisect_left(self._free, (chunk.size, chunk.address)))
+
+    def _touch(self, chunk: _Chunk, size: int) -> None:
+        start, end = chunk.address, chunk.address + size
+        kept, added = [], end - start
+        for a, b in self._touched.get(chunk.region, []):
+            if b < start or a > end:
+                kept.append((a, b))
+            else:
+                added -= max(0, min(end, b) - max(start, a))
+                start, end = min(start, a), max(end, b)
+        kept.append((start, end))
+        self._touched[chunk.region] = sorted(kept)
+        self.resident += added
+        self.peak = max(self.peak, self.resident)
+
+
+def simulate_run(arena: ArenaModel, graph: ir.Graph, sizes: ValueSizes,
+                 order: Sequence[ir.Node] | None = None) -> dict[str, _Chunk | None]:
+    """Run ``graph`` (in ``order``, default :func:`execution_order`) against ``arena``: each
+    node's outputs are allocated, then every value whose last reader it was is freed. Graph
+    inputs are the caller's (not allocated); the graph outputs' chunks are returned, still
+    allocated, keyed by name (the caller frees them when it lets go of the outputs)."""
+    order = execution_order(graph) if order is None else order
+    position = {node: k for k, node in enumerate(order)}
+    outputs = {value.name for value in graph.outputs}
+    last_use: dict[str, int] = {}
+    for node in order:
+        for value in node.inputs:
+            if value is not None and value.producer() in position:
+                last_use[value.name] = max(last_use.get(value.name, -1), position[node])
+    live: dict[str, _Chunk | None] = {}
+    for k, node in enumerate(order):
+        for value in node.outputs:
+            live[value.name] = arena.allocate(sizes.of(value))
+        for value in {*node.inputs, *node.outputs}:
+            if (value is not None and value.name in live and value.name not in outputs
+                    and last_use.get(value.name, -1) <= k):
+                arena.free(live.pop(value.name))
+    return {name: live.get(name) for name in outputs}

@@ -2,9 +2,10 @@
 
 :func:`estimate_memory` exports the module for one call's inputs, builds the forward and
 backward graphs exactly as :class:`~onnxtrain.torch.ORTModule` would (with the same memory
-options), sizes every value for those inputs and simulates both runs (a value lives from
-its producer to its last reader). Nothing is trained and no activation is allocated, so a
-user can try batch sizes against a memory cap.
+options), sizes every value for those inputs and simulates two training steps against a
+model of ONNX Runtime's CPU arena (a value lives from its producer to its last reader; the
+arena's regions and fragmentation decide what becomes resident). Nothing is trained and no
+activation is allocated, so a user can try batch sizes against a memory cap.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class MemoryEstimate:
         outputs: the module's outputs (the loss reads them; their gradients are as large).
         forward_peak: the most the forward run holds at once (its outputs included).
         backward_peak: the most the backward run holds at once beyond its inputs (gradients included).
+        arena_peak: what ONNX Runtime's arena makes resident over two steps (both runs, the
+            saved activations held in between): the live bytes plus fragmentation and growth.
         report: the forward/backward cut's :class:`~onnxtrain.passes.partition.MemoryReport`.
     """
 
@@ -47,6 +50,7 @@ class MemoryEstimate:
     outputs: int
     forward_peak: int
     backward_peak: int
+    arena_peak: int
     report: object = None
 
     @property
@@ -56,13 +60,11 @@ class MemoryEstimate:
 
     @property
     def step_peak(self) -> int:
-        """The most a step adds to :attr:`persistent`: the larger of the forward run (plus what
-        the loss computes from the outputs) and the backward run (its saved inputs; the outputs,
-        the loss's own saved tensor and the outputs' gradient, each counted output-sized; and
-        the backward's own peak, which includes the gradients)."""
-        forward = self.forward_peak + LOSS_OUTPUT_COPIES * self.outputs
-        backward = self.saved_activations + (LOSS_OUTPUT_COPIES + 2) * self.outputs + self.backward_peak
-        return max(forward, backward)
+        """The most a step adds to :attr:`persistent`: the arena's resident bytes (which hold the
+        outputs, the saved activations and both runs' intermediates) plus what PyTorch holds
+        during the backward: the loss's own saved tensor and the outputs' gradient, each
+        output-sized."""
+        return self.arena_peak + (LOSS_OUTPUT_COPIES + 1) * self.outputs
 
     @property
     def total(self) -> int:
@@ -73,6 +75,7 @@ class MemoryEstimate:
         rows = [("parameters and buffers", self.parameters), ("optimizer state", self.optimizer_state),
                 ("saved activations", self.saved_activations), ("module outputs", self.outputs),
                 ("forward run peak", self.forward_peak), ("backward run peak (gradients included)", self.backward_peak),
+                ("ONNX Runtime arena, resident", self.arena_peak),
                 ("step peak above persistent", self.step_peak), ("estimated peak", self.total)]
         return "\n".join(f"{name:40s} {size / _MB:10.1f} MB" for name, size in rows)
 
@@ -110,11 +113,33 @@ def estimate_memory(module: torch.nn.Module, *args, optimizer_states: int = 2, m
     order = list(graphs.backward.graph) if graphs.reverse_node_list_for_ort else None
     backward_peak = memory.live_peak(graphs.backward.graph, backward_sizes, order)
     outputs = graphs.forward.graph.outputs
+    arena_peak = _simulated_arena_peak(graphs, forward_sizes, backward_sizes, order,
+                                       shrink=wrapper._memory_options.active)
     return MemoryEstimate(
         parameters=parameter_bytes, gradients=trainable_bytes, optimizer_state=optimizer_states * trainable_bytes,
         saved_activations=sum(forward_sizes.of(v) for v in outputs[graphs.num_model_outputs:]),
         outputs=sum(forward_sizes.of(v) for v in outputs[:graphs.num_model_outputs]),
-        forward_peak=forward_peak.bytes, backward_peak=backward_peak.bytes, report=graphs.memory)
+        forward_peak=forward_peak.bytes, backward_peak=backward_peak.bytes, arena_peak=arena_peak,
+        report=graphs.memory)
+
+
+def _simulated_arena_peak(graphs: ForwardBackward, forward_sizes: memory.ValueSizes,
+                          backward_sizes: memory.ValueSizes, backward_order, shrink: bool) -> int:
+    """Resident bytes of ONNX Runtime's arena over two training steps from a fresh arena (the
+    second step shows what reuse leaves over). The forward's outputs stay allocated until the
+    backward has run (PyTorch holds them), the gradients until the optimizer step; with
+    ``shrink`` (ORTModule's memory options) each run ends by releasing the free regions."""
+    arena = memory.ArenaModel()
+    for _ in range(2):
+        held = memory.simulate_run(arena, graphs.forward.graph, forward_sizes)
+        if shrink:
+            arena.shrink()
+        gradients = memory.simulate_run(arena, graphs.backward.graph, backward_sizes, backward_order)
+        if shrink:
+            arena.shrink()
+        for chunk in [*held.values(), *gradients.values()]:
+            arena.free(chunk)
+    return arena.peak
 
 
 def _backward_shapes(graphs: ForwardBackward, forward_sizes: memory.ValueSizes) -> dict[str, list[int]]:

@@ -23,6 +23,7 @@ from onnxtrain import artifacts
 from onnxtrain.api import CheckpointState, Module, Optimizer
 from onnxtrain.demo import build_cnn, load_digits
 from onnxtrain.errors import ArtifactError, ModelError
+from tests.test_artifacts import batches as regression_batches, regression_model
 
 MODELS = ("training_model", "eval_model", "optimizer_model")
 STEPS = 10
@@ -59,6 +60,32 @@ def layernorm_gelu_mlp(seed: int = 0) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "layernorm_gelu_mlp",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 12])],
                               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def batchnorm_cnn(seed: int = 0) -> onnx.ModelProto:
+    """Conv -> training-mode BatchNormalization -> Relu -> Flatten -> Gemm on [N, 1, 8, 8]: the
+    training model also outputs the running statistics' new values (metadata buffer_updates)."""
+    rng = np.random.default_rng(seed)
+    inits = [
+        numpy_helper.from_array((rng.standard_normal((4, 1, 3, 3)) * 0.3).astype(np.float32), "conv.weight"),
+        numpy_helper.from_array(np.ones(4, np.float32), "bn.weight"),
+        numpy_helper.from_array(np.zeros(4, np.float32), "bn.bias"),
+        numpy_helper.from_array(np.zeros(4, np.float32), "bn.running_mean"),
+        numpy_helper.from_array(np.ones(4, np.float32), "bn.running_var"),
+        numpy_helper.from_array((rng.standard_normal((10, 256)) * 0.1).astype(np.float32), "fc.weight"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["image", "conv.weight"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var"],
+                         ["b", "mean", "var"], training_mode=1, momentum=0.9),
+        helper.make_node("Relu", ["b"], ["r"]),
+        helper.make_node("Flatten", ["r"], ["f"]),
+        helper.make_node("Gemm", ["f", "fc.weight"], ["logits"], transB=1),
+    ]
+    graph = helper.make_graph(nodes, "batchnorm_cnn",
+                              [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 1, 8, 8])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 10])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
 
 
@@ -101,18 +128,32 @@ def train(directory: pathlib.Path, extension: str, batches, export_output: str, 
     return losses, params, eval_loss, inference
 
 
-@pytest.mark.parametrize("case", ["digits_cnn", "layernorm_gelu_mlp"])
+def _case(name: str):
+    """(model, generate_artifacts options, batches, output to export) of a bit-identity case."""
+    crossentropy = {"loss": artifacts.LossType.CrossEntropyLoss}
+    if name == "digits_cnn":
+        return build_cnn(), crossentropy, digits_batches(STEPS), "logits"
+    if name == "layernorm_gelu_mlp":
+        return layernorm_gelu_mlp(), crossentropy, mlp_batches(STEPS), "logits"
+    if name == "batchnorm_cnn":  # running statistics written back after each step
+        return batchnorm_cnn(), {**crossentropy, "frozen_params": ["bn.running_mean", "bn.running_var"],
+                                 "requires_grad": ["conv.weight", "bn.weight", "bn.bias", "fc.weight"]}, \
+            digits_batches(STEPS), "logits"
+    # fp16 with dynamic loss scaling: loss_scale inputs, the optimizer's If on all_finite
+    return regression_model(), {"loss": artifacts.LossType.MSELoss, "precision": "fp16"}, \
+        list(regression_batches(0, STEPS)), "y"
+
+
+@pytest.mark.parametrize("case", ["digits_cnn", "layernorm_gelu_mlp", "batchnorm_cnn", "fp16_regression"])
 def test_training_from_ort_files_is_bit_identical_to_onnx(tmp_path, case):
-    model, batches = {"digits_cnn": (build_cnn(), digits_batches(STEPS)),
-                      "layernorm_gelu_mlp": (layernorm_gelu_mlp(), mlp_batches(STEPS))}[case]
+    model, options, batches, output = _case(case)
     directory = tmp_path / "artifacts"
-    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
-                                 ort_format=True)
+    artifacts.generate_artifacts(model, optimizer=artifacts.OptimType.AdamW, artifact_directory=directory,
+                                 ort_format=True, **options)
     for name in MODELS:
         assert (directory / f"{name}.ort").read_bytes()[4:8] == b"ORTM"  # ORT format flatbuffers
-    from_onnx = train(directory, "onnx", batches, "logits", tmp_path)
-    from_ort = train(directory, "ort", batches, "logits", tmp_path)
+    from_onnx = train(directory, "onnx", batches, output, tmp_path)
+    from_ort = train(directory, "ort", batches, output, tmp_path)
     losses, params, eval_loss, inference = from_onnx
     assert from_ort[0] == losses  # every loss, bit for bit
     assert losses[-1] < losses[0]  # it trained
@@ -121,6 +162,8 @@ def test_training_from_ort_files_is_bit_identical_to_onnx(tmp_path, case):
         assert np.array_equal(value, from_ort[1][name]), name
     assert from_ort[2] == eval_loss
     assert np.array_equal(from_ort[3], inference)
+    if case == "batchnorm_cnn":  # the training-mode statistics were written back, from both files
+        assert not np.array_equal(params["bn.running_mean"], np.zeros(4, np.float32))
 
 
 def test_metadata_and_io_survive_the_conversion(tmp_path):

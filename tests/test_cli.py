@@ -81,3 +81,6 @@ def test_ort_format_command_converts_a_folder_and_reports_errors(tmp_path):
     assert no_prefix.returncode == 2 and "holds no training model 'training_model.onnx'" in no_prefix.stderr
     bad_level = _onnxtrain("ort-format", "out", "--optimization-level", "max", cwd=tmp_path)
     assert bad_level.returncode == 2 and "invalid choice: 'max'" in bad_level.stderr
+    types_alone = _onnxtrain("artifacts", "model.onnx", "-o", "out2", "--enable-type-reduction", cwd=tmp_path)
+    assert types_alone.returncode == 2 and "--enable-type-reduction applies to --ort-format only" in types_alone.stderr
+    assert not (tmp_path / "out2").exists()

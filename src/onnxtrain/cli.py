@@ -30,6 +30,10 @@ def _demo(args) -> int:
 def _artifacts(args) -> int:
     from onnxtrain import artifacts
 
+    if args.enable_type_reduction and not args.ort_format:
+        print("onnxtrain: error: --enable-type-reduction applies to --ort-format only", file=sys.stderr)
+        return 2
+
     loss = None if args.loss == "none" else artifacts.LossType[_LOSSES[args.loss]]
     optimizer = None if args.optimizer == "none" else artifacts.OptimType[_OPTIMIZERS[args.optimizer]]
     artifacts.generate_artifacts(

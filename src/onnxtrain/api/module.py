@@ -330,8 +330,8 @@ class Module:
         """The eval graph as an ONNX file: the eval model itself, or for an ORT format eval model
         (``eval_model.ort``) the ``eval_model.onnx`` it was converted from, next to it."""
         path = self._eval_model_uri
-        if not is_ort_format(path):
-            return path
+        if not os.path.isfile(path) or not is_ort_format(path):
+            return path  # an ONNX file, or a missing one (reported when it is read)
         onnx_path = os.path.splitext(path)[0] + ".onnx"
         if not os.path.isfile(onnx_path):
             raise ModelError(f"exporting an inference model needs the eval graph in ONNX format, but the eval "

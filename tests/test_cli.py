@@ -46,3 +46,41 @@ def test_artifacts_command_reports_bad_parameter_names(tmp_path):
     result = _onnxtrain("artifacts", "model.onnx", "--requires-grad", "w9", "-o", "out", cwd=tmp_path)
     assert result.returncode != 0
     assert "no initializer named ['w9']" in result.stderr
+
+
+def test_artifacts_command_with_ort_format(tmp_path):
+    from onnxruntime.tools.reduced_build_config_parser import parse_config
+
+    onnx.save(regression_model(), tmp_path / "model.onnx")
+    result = _onnxtrain("artifacts", "model.onnx", "--loss", "mse", "-o", "out", "--ort-format", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # onnxruntime's config writer logs nothing through the root logger
+    out = tmp_path / "out"
+    for name in ("training_model", "eval_model", "optimizer_model"):
+        assert (out / f"{name}.onnx").exists() and (out / f"{name}.ort").read_bytes()[4:8] == b"ORTM"
+    assert "required operators for a minimal onnxruntime build: out/required_operators.config" in result.stdout
+    required, _ = parse_config(str(out / "required_operators.config"))
+    assert {"Gemm", "Sigmoid"} <= set().union(*required["ai.onnx"].values())
+
+
+def test_ort_format_command_converts_a_folder_and_reports_errors(tmp_path):
+    onnx.save(regression_model(), tmp_path / "model.onnx")
+    assert _onnxtrain("artifacts", "model.onnx", "--loss", "mse", "-o", "out", "--prefix", "reg_",
+                      cwd=tmp_path).returncode == 0
+    result = _onnxtrain("ort-format", "out", "--prefix", "reg_", "--enable-type-reduction",
+                        "--optimization-level", "basic", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "out" / "reg_training_model.ort").exists()
+    config = (tmp_path / "out" / "reg_required_operators_and_types.config").read_text()
+    assert 'Sigmoid{"inputs": {"0": ["float"]}}' in config and "com.microsoft" not in config
+
+    missing = _onnxtrain("ort-format", "nowhere", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert "onnxtrain: error: artifact directory 'nowhere' does not exist" in missing.stderr
+    no_prefix = _onnxtrain("ort-format", "out", cwd=tmp_path)  # the files have the prefix reg_
+    assert no_prefix.returncode == 2 and "holds no training model 'training_model.onnx'" in no_prefix.stderr
+    bad_level = _onnxtrain("ort-format", "out", "--optimization-level", "max", cwd=tmp_path)
+    assert bad_level.returncode == 2 and "invalid choice: 'max'" in bad_level.stderr
+    types_alone = _onnxtrain("artifacts", "model.onnx", "-o", "out2", "--enable-type-reduction", cwd=tmp_path)
+    assert types_alone.returncode == 2 and "--enable-type-reduction applies to --ort-format only" in types_alone.stderr
+    assert not (tmp_path / "out2").exists()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import pathlib
+import tempfile
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
@@ -136,7 +138,10 @@ def generate_artifacts(
         optimizer: an :class:`OptimType` or an ``onnxblock.optim`` block; None: no optimizer model.
         artifact_directory: output folder (created; default the current directory).
         prefix: prepended to every file name.
-        ort_format: not supported (stock onnxruntime loads the .onnx files directly).
+        ort_format: also write the training, eval and optimizer models in ORT format for mobile
+            and minimal onnxruntime builds (``training_model.ort`` ...) and the
+            ``required_operators.config`` of a reduced build: :func:`convert_to_ort_format` with its
+            defaults runs on ``artifact_directory`` afterwards. The ``.onnx`` files stay.
         custom_op_library: not supported (artifacts use standard ops only).
         additional_output_names: values to output besides the loss (e.g. logits).
         nominal_checkpoint: write a checkpoint with names, shapes and types but no values.
@@ -172,8 +177,6 @@ def generate_artifacts(
     """
     from onnxtrain.checkpoint import write_checkpoint
 
-    if ort_format:
-        raise ArtifactError("ort_format=True is not supported: stock onnxruntime loads the .onnx artifacts directly")
     if custom_op_library is not None:
         raise ArtifactError("custom_op_library is not supported: onnxtrain emits standard ONNX ops only")
     base_model = io.load_model(model)
@@ -197,7 +200,7 @@ def generate_artifacts(
     scaler = _precision(training_block, precision, loss_scale, precision_device)
 
     model_bytes = sum(v.const_value.nbytes for v in base_model.graph.initializers.values() if v.const_value is not None)
-    phases = 3 if optimizer is None else 4
+    phases = (3 if optimizer is None else 4) + bool(ort_format)
     with Phases("generate_artifacts", phases, tqdm_disable(progress, model_bytes), logger) as bar:
         with bar.phase("training and eval graphs"), base(base_model):
             training_block(*output_names)
@@ -214,13 +217,149 @@ def generate_artifacts(
                              requires_grad=set(params.trainable), nominal=nominal_checkpoint)
         logger.info("wrote training, eval models and checkpoint to %s", directory)
 
-        if optimizer is None:
-            return
-        if not params.trainable:
-            raise ArtifactError("an optimizer model needs at least one parameter that requires gradients")
-        with bar.phase("optimizer graph"):
-            optim_block = _optimizer_block(optimizer)
-            optim_block.loss_scale = scaler
-            with empty_base(opset_version=max(training_model.graph.opset_imports.get("", 18), 13)):
-                optim_block(list(params.trainable.items()))
-            io.save_model(optim_block.to_ir_model(), directory / f"{prefix}optimizer_model.onnx")
+        if optimizer is not None:
+            if not params.trainable:
+                raise ArtifactError("an optimizer model needs at least one parameter that requires gradients")
+            with bar.phase("optimizer graph"):
+                optim_block = _optimizer_block(optimizer)
+                optim_block.loss_scale = scaler
+                with empty_base(opset_version=max(training_model.graph.opset_imports.get("", 18), 13)):
+                    optim_block(list(params.trainable.items()))
+                io.save_model(optim_block.to_ir_model(), directory / f"{prefix}optimizer_model.onnx")
+        if ort_format:
+            with bar.phase("ORT format"):
+                convert_to_ort_format(directory, prefix=prefix)
+
+
+# The ORT format conversion (convert_to_ort_format) ----------------------------------------
+
+ORT_MODEL_NAMES = ("training_model", "eval_model", "optimizer_model")
+ORT_OPTIMIZATION_LEVELS = ("basic", "extended", "all")
+ORT_TARGET_PLATFORMS = ("arm", "amd64")
+
+
+@dataclass(frozen=True)
+class OrtFormatArtifacts:
+    """What :func:`convert_to_ort_format` wrote.
+
+    Attributes:
+        models: the ``.ort`` files, in the order training, eval, optimizer (those present).
+        config: the required-operators configuration of a reduced onnxruntime build
+            (``required_operators.config``, or ``required_operators_and_types.config`` with
+            type reduction).
+    """
+
+    models: tuple[pathlib.Path, ...]
+    config: pathlib.Path
+
+
+def convert_to_ort_format(
+    artifact_directory: str | os.PathLike,
+    prefix: str = "",
+    enable_type_reduction: bool = False,
+    optimization_level: str = "all",
+    target_platform: str | None = None,
+) -> OrtFormatArtifacts:
+    """Convert the training, eval and optimizer models of a folder of artifacts to ORT format.
+
+    For mobile and minimal onnxruntime builds, which load only ORT format models. Next to each
+    ``{prefix}<name>.onnx`` this writes ``{prefix}<name>.ort`` (the ``.onnx`` files are kept:
+    ``Module.export_model_for_inferencing`` needs the eval graph as ONNX), and one
+    ``{prefix}required_operators.config`` listing the operators of all the converted models, the
+    input of a reduced build (``--minimal_build --include_ops_by_config``). The conversion is the
+    one of onnxruntime's own ``python -m onnxruntime.tools.convert_onnx_models_to_ort
+    --optimization_style Fixed``: an onnxruntime session optimizes each model and saves the
+    optimized graph in ORT format, and the configuration comes from
+    ``onnxruntime.tools.ort_format_model.create_config_from_models``.
+
+    An ORT format model holds its optimized graph: onnxruntime does not optimize it again when
+    it loads it, whatever the session options say. With the default ``optimization_level="all"``
+    the ``.ort`` graphs are the ones onnxruntime's default session options (those of
+    :class:`onnxtrain.api.Module`) make from the ``.onnx`` files, less the x86-only NCHWc layout
+    (as the stock converter does), so training from either gives the same numbers.
+
+    Args:
+        artifact_directory: the folder :func:`generate_artifacts` wrote.
+        prefix: the ``prefix`` the artifacts were generated with.
+        enable_type_reduction: also record, per operator, the tensor types the models use
+            (``required_operators_and_types.config``, for a build with
+            ``--enable_reduced_operator_type_support``).
+        optimization_level: ``"basic"`` (only hardware-independent rewrites that keep standard
+            ONNX ops), ``"extended"`` (also fusions into onnxruntime's ``com.microsoft`` ops) or
+            ``"all"`` (also layout rewrites).
+        target_platform: as the stock converter's ``--target_platform``: None or ``"arm"`` for
+            a portable model (mobile), ``"amd64"`` to keep the x86-only NCHWc layout rewrites.
+
+    Returns:
+        :class:`OrtFormatArtifacts`: the ``.ort`` files and the configuration file.
+
+    Raises:
+        ArtifactError: the folder or its training model does not exist, an argument is not one
+            of the accepted values, or onnxruntime cannot convert a model.
+    """
+    import onnxruntime as ort
+
+    directory = pathlib.Path(artifact_directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"artifact directory {str(directory)!r} does not exist or is not a folder")
+    if optimization_level not in ORT_OPTIMIZATION_LEVELS:
+        raise ArtifactError(f"optimization_level must be one of {ORT_OPTIMIZATION_LEVELS}, "
+                            f"got {optimization_level!r}")
+    if target_platform is not None and target_platform not in ORT_TARGET_PLATFORMS:
+        raise ArtifactError(f"target_platform must be None or one of {ORT_TARGET_PLATFORMS}, "
+                            f"got {target_platform!r}")
+    sources = [directory / f"{prefix}{name}.onnx" for name in ORT_MODEL_NAMES]
+    if not sources[0].is_file():
+        raise ArtifactError(f"{str(directory)!r} holds no training model {sources[0].name!r}: expected the "
+                            f"files generate_artifacts writes (with prefix {prefix!r})")
+    sources = [path for path in sources if path.is_file()]
+
+    level = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+             "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+             "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}[optimization_level]
+    # NCHWc blocks Conv/pool tensors for x86 vector widths: such a model runs only on x86.
+    disabled = ["NchwcTransformer"] if optimization_level == "all" and target_platform != "amd64" else None
+    targets = []
+    # Write into a temporary folder, then rename: a failed conversion leaves no partial .ort files.
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".ort_format.") as scratch:
+        for source in sources:
+            options = ort.SessionOptions()
+            options.graph_optimization_level = level
+            options.log_severity_level = 3
+            options.optimized_model_filepath = str(pathlib.Path(scratch) / source.with_suffix(".ort").name)
+            options.add_session_config_entry("session.save_model_format", "ORT")
+            options.add_session_config_entry("session.qdqisint8allowed", "1" if target_platform == "arm" else "0")
+            try:
+                ort.InferenceSession(str(source), sess_options=options, providers=["CPUExecutionProvider"],
+                                     disabled_optimizers=disabled)
+            except Exception as exc:  # onnxruntime raises several pybind exception types
+                raise ArtifactError(f"onnxruntime could not convert {str(source)!r} to ORT format: {exc}") from exc
+        for source in sources:
+            target = source.with_suffix(".ort")
+            os.replace(pathlib.Path(scratch) / target.name, target)
+            targets.append(target)
+    config_name = "required_operators_and_types.config" if enable_type_reduction else "required_operators.config"
+    config = directory / f"{prefix}{config_name}"
+    _write_required_operators_config(targets, config, enable_type_reduction)
+    logger.info("wrote %s and %s", ", ".join(t.name for t in targets), config)
+    return OrtFormatArtifacts(tuple(targets), config)
+
+
+def _write_required_operators_config(models: list[pathlib.Path], config: pathlib.Path, with_types: bool) -> None:
+    """onnxruntime's ``create_config_from_models``, without its logging side effects: its logger
+    module calls ``logging.basicConfig()`` when imported (a handler on the root logger of the
+    user's program) and it logs "Created config" at INFO through that handler."""
+    root = logging.getLogger()
+    root_handlers = list(root.handlers)
+    from onnxruntime.tools.ort_format_model import create_config_from_models
+    from onnxruntime.tools.ort_format_model import utils as ort_config_utils
+
+    for handler in [h for h in root.handlers if h not in root_handlers]:
+        root.removeHandler(handler)
+    ort_logger = ort_config_utils.log
+    level = ort_logger.level
+    ort_logger.setLevel(logging.WARNING)
+    try:
+        create_config_from_models(models, config, with_types)
+    finally:
+        ort_logger.setLevel(level)

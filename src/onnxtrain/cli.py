@@ -30,6 +30,10 @@ def _demo(args) -> int:
 def _artifacts(args) -> int:
     from onnxtrain import artifacts
 
+    if args.enable_type_reduction and not args.ort_format:
+        print("onnxtrain: error: --enable-type-reduction applies to --ort-format only", file=sys.stderr)
+        return 2
+
     loss = None if args.loss == "none" else artifacts.LossType[_LOSSES[args.loss]]
     optimizer = None if args.optimizer == "none" else artifacts.OptimType[_OPTIMIZERS[args.optimizer]]
     artifacts.generate_artifacts(
@@ -39,7 +43,24 @@ def _artifacts(args) -> int:
         loss_input_names=args.loss_input or None,
     )
     print(f"artifacts written to {args.output}")
+    if args.ort_format:
+        _print_ort_format(artifacts.convert_to_ort_format(
+            args.output, prefix=args.prefix, enable_type_reduction=args.enable_type_reduction))
     return 0
+
+
+def _ort_format(args) -> int:
+    from onnxtrain import artifacts
+
+    _print_ort_format(artifacts.convert_to_ort_format(
+        args.directory, prefix=args.prefix, enable_type_reduction=args.enable_type_reduction,
+        optimization_level=args.optimization_level, target_platform=args.target_platform))
+    return 0
+
+
+def _print_ort_format(result) -> None:
+    print(f"ORT format models written: {', '.join(str(path) for path in result.models)}")
+    print(f"required operators for a minimal onnxruntime build: {result.config}")
 
 
 def _report(args) -> int:
@@ -84,7 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     art.add_argument("--additional-output", nargs="*", default=[], help="values to output besides the loss")
     art.add_argument("--loss-input", nargs="*", default=[], help="model outputs fed to the loss")
     art.add_argument("--nominal", action="store_true", help="write a nominal checkpoint (no values)")
+    art.add_argument("--ort-format", action="store_true",
+                     help="also write the models in ORT format (mobile, minimal builds) and required_operators.config"
+                          " (the same as `onnxtrain ort-format OUTPUT` afterwards)")
+    art.add_argument("--enable-type-reduction", action="store_true",
+                     help="with --ort-format: list the operators' types too (required_operators_and_types.config)")
     art.set_defaults(run=_artifacts)
+
+    from onnxtrain.artifacts import ORT_OPTIMIZATION_LEVELS, ORT_TARGET_PLATFORMS
+
+    ort_format = sub.add_parser(
+        "ort-format", help="convert a folder of artifacts to ORT format and write the required-operators config")
+    ort_format.add_argument("directory", help="the artifacts' folder (training_model.onnx, eval_model.onnx, ...)")
+    ort_format.add_argument("--prefix", default="", help="the prefix the artifacts were generated with")
+    ort_format.add_argument("--enable-type-reduction", action="store_true",
+                            help="list the operators' types too (required_operators_and_types.config)")
+    ort_format.add_argument("--optimization-level", choices=ORT_OPTIMIZATION_LEVELS, default="all",
+                            help="graph optimizations saved in the .ort files (default: all, as the runtime's)")
+    ort_format.add_argument("--target-platform", choices=ORT_TARGET_PLATFORMS, default=None,
+                            help="amd64 keeps x86-only layout optimizations (default: portable)")
+    ort_format.set_defaults(run=_ort_format)
     return parser
 
 

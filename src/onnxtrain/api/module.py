@@ -20,7 +20,7 @@ from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
 from onnxtrain.runtime.binding import BindingCache
 from onnxtrain.runtime.device import parse_device, providers_for
 from onnxtrain.runtime.inputs import gather_inputs, to_ortvalues
-from onnxtrain.runtime.session import IOSpec, create_session, input_specs, output_specs
+from onnxtrain.runtime.session import IOSpec, create_session, input_specs, is_ort_format, output_specs
 from onnxtrain.runtime.values import from_numpy
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
@@ -112,10 +112,15 @@ class Module:
     are numpy arrays (outputs are numpy) or OrtValues (outputs are OrtValues), positional in
     the order of :meth:`input_names`, or by name.
 
+    The models may be the ``.onnx`` files of the artifacts or their ORT format conversions
+    (``training_model.ort``..., :func:`onnxtrain.artifacts.convert_to_ort_format`); both train
+    alike. An ORT format model is already optimized: the ``graph_optimization_level`` of
+    ``session_options`` does not apply to it.
+
     Args:
-        train_model_uri: path to ``training_model.onnx``.
+        train_model_uri: path to ``training_model.onnx`` (or ``.ort``).
         state: the :class:`CheckpointState` holding the parameters.
-        eval_model_uri: path to ``eval_model.onnx`` (needed for ``eval()`` and export).
+        eval_model_uri: path to ``eval_model.onnx`` (or ``.ort``; needed for ``eval()`` and export).
         device: ``"cpu"`` or ``"cuda[:id]"``: where parameters and gradients live.
         session_options: ``onnxruntime.SessionOptions`` for the sessions.
         providers: explicit execution providers (default: from ``device``).
@@ -304,7 +309,10 @@ class Module:
                                      graph_output_names: list[str]) -> None:
         """Write an inference model: the eval model pruned to the nodes that compute
         ``graph_output_names``, without loss inputs, with the current parameter values
-        embedded as initializers. It runs in a plain ``onnxruntime.InferenceSession``."""
+        embedded as initializers. It runs in a plain ``onnxruntime.InferenceSession``.
+
+        With an ORT format eval model (``eval_model.ort``) the graph is read from the
+        ``eval_model.onnx`` next to it (ModelError when there is none)."""
         from onnxtrain.api._export import export_inference_model
 
         if self._eval_model_uri is None:
@@ -315,8 +323,29 @@ class Module:
         if missing:
             raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint)")
         values = {n: self._state._value(s).numpy() for n, s in self._state._slots.items()}
-        export_inference_model(self._eval_model_uri, inference_model_uri, list(graph_output_names), values,
+        export_inference_model(self._onnx_eval_model(), inference_model_uri, list(graph_output_names), values,
                                self._eval.loss_inputs)
+
+    def _onnx_eval_model(self) -> str:
+        """The eval graph as an ONNX file: the eval model itself, or for an ORT format eval model
+        (``eval_model.ort``) the ``eval_model.onnx`` it was converted from, next to it."""
+        path = self._eval_model_uri
+        if not os.path.isfile(path) or not is_ort_format(path):
+            return path  # an ONNX file, or a missing one (reported when it is read)
+        onnx_path = os.path.splitext(path)[0] + ".onnx"
+        if not os.path.isfile(onnx_path):
+            raise ModelError(f"exporting an inference model needs the eval graph in ONNX format, but the eval "
+                             f"model {path!r} is in ORT format (an optimized graph that cannot be edited) and "
+                             f"{onnx_path!r} does not exist: keep the eval_model.onnx of the artifacts next to "
+                             f"the .ort file")
+        from onnxtrain.ir.io import graph_io_names
+
+        session_io = ([a.name for a in self._eval_session.get_inputs()],
+                      [a.name for a in self._eval_session.get_outputs()])
+        if graph_io_names(onnx_path) != session_io:
+            raise ModelError(f"{onnx_path!r} does not have the inputs and outputs of the ORT format eval model "
+                             f"{path!r}: it is not the eval model that file was converted from")
+        return onnx_path
 
 
 def _common_dtype(slots) -> np.dtype:

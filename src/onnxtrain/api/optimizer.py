@@ -34,7 +34,7 @@ class Optimizer:
     when it was saved with ``include_optimizer_state=True``, so training resumes exactly.
 
     Args:
-        optimizer_uri: path to ``optimizer_model.onnx``.
+        optimizer_uri: path to ``optimizer_model.onnx`` (or its ORT format conversion ``.ort``).
         module: the :class:`Module` whose trainable parameters are updated.
 
     Example (``artifacts`` is a folder of training artifacts, ``x``, ``y`` a batch):

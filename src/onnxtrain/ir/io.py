@@ -60,6 +60,15 @@ def load_model(model: ModelLike) -> ir.Model:
     return ir.from_proto(proto)
 
 
+def graph_io_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """The input and output names of the ONNX model file at ``path`` (its tensors are not loaded)."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises several unrelated types
+        raise ModelError(f"could not read ONNX model {str(path)!r}: {exc}") from exc
+    return [v.name for v in proto.graph.input], [v.name for v in proto.graph.output]
+
+
 def _default_opset(proto: onnx.ModelProto) -> int:
     for entry in proto.opset_import:
         if entry.domain in ("", "ai.onnx"):

@@ -71,6 +71,17 @@ def create_session(model: str | os.PathLike | bytes, providers: list,
         raise ModelError(f"onnxruntime could not load the {what} {label!r}: {exc}") from exc
 
 
+# ORT format models are flatbuffers whose file identifier (bytes 4 to 8) is "ORTM".
+_ORT_FORMAT_IDENTIFIER = b"ORTM"
+
+
+def is_ort_format(path: str | os.PathLike) -> bool:
+    """Whether the file at ``path`` is an ORT format model (not an ONNX protobuf)."""
+    with open(path, "rb") as file:
+        head = file.read(8)
+    return head[4:8] == _ORT_FORMAT_IDENTIFIER
+
+
 @functools.cache
 def register_shared_cpu_arena() -> None:
     """Register one CPU arena allocator in ONNX Runtime's process-wide environment.

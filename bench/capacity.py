@@ -13,6 +13,12 @@ own::
 
     python -m bench.capacity                     # GPT, 2048 MB, eager / ORTModule / + recompute
     python -m bench.capacity --model tiny-gpt --cap-mb 600 --out /tmp/capacity.json
+    python -m bench.capacity --loss-outside      # the loss computed by PyTorch outside the module
+
+By default every PyTorch system trains the model and its loss as one module
+(``bench.models.with_loss``, the way Hugging Face models take labels): the same module for
+eager and ORTModule, and ORTModule then runs the loss inside its graph, so the logits and
+their gradient never cross to PyTorch (three logits-sized tensors fewer at the peak).
 
 writes ``bench/results/capacity.json`` and prints the table and the target of issue 7 (the
 memory optimizer fits at least 1.5x eager's batch).
@@ -113,11 +119,13 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--loss-outside", action="store_true",
+                        help="compute the loss in PyTorch outside the module (default: the module returns it)")
     args = parser.parse_args(argv)
     models.get(args.model)
     cell_args = types.SimpleNamespace(threads=args.threads, timeout=args.timeout, upstream_venv=None,
                                       capacity_model=args.model, memory_cap_mb=args.cap_mb,
-                                      capacity_systems=args.systems.split(","))
+                                      capacity_systems=args.systems.split(","), capacity_loss_outside=args.loss_outside)
     with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
         env = run.bench_env(args.threads)
         (Path(tmp) / "snapshot").mkdir()

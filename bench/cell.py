@@ -40,6 +40,7 @@ import numpy as np
 from bench import memory, models, package_versions
 
 SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ortmodule_recompute", "ondevice", "upstream"]
+TORCH_SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ortmodule_recompute"]
 # ORTModule with its memory optimizer at its most aggressive level: every deterministic op the
 # backward reads is recomputed where that saves bytes (the memory-cap search compares it).
 RECOMPUTE_LEVEL = 2
@@ -59,6 +60,8 @@ def _torch_batches(spec: models.Spec, batches):
 def _torch_loss(spec: models.Spec, model, batch):
     import torch.nn.functional as F
 
+    if spec.extra.get("loss_in_module") and spec.kind != "hf":  # models.with_loss: the module returns the loss
+        return model(batch[spec.input_names[0]], batch["labels"])
     if spec.kind == "classifier":
         return F.cross_entropy(model(batch["x"]), batch["labels"])
     if spec.kind == "lm":
@@ -324,6 +327,8 @@ def run_cell(args) -> dict:
     spec = models.get(args.model)
     if args.batch:
         spec = dataclasses.replace(spec, batch=args.batch)
+    if args.loss_in_module:
+        spec = dataclasses.replace(spec, extra={**spec.extra, "loss_in_module": True})
     result: dict = {"model": spec.name, "system": args.system, "status": "ok", "error": None,
                     "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "pid": os.getpid(),
                     "notes": [], "phases_s": {}}
@@ -332,11 +337,17 @@ def run_cell(args) -> dict:
 
         torch.set_num_threads(args.threads)
         result["versions"] = versions()
-        model = spec.build()
+        if args.loss_in_module and args.system not in TORCH_SYSTEMS:
+            raise ValueError(f"--loss-in-module is for the PyTorch systems {TORCH_SYSTEMS}, not {args.system!r}")
+        def build():
+            built = spec.build()
+            return models.with_loss(spec, built) if args.loss_in_module else built
+
+        model = build()
         batches = spec.batches()
         if args.count_flops:
             result["flops_per_step"] = count_flops(spec, model, batches)
-            model = spec.build()  # fresh weights (and BatchNorm statistics) for the measurement
+            model = build()  # fresh weights (and BatchNorm statistics) for the measurement
         with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-{args.system}-") as workdir:
             if args.system == "upstream":
                 result.update(run_upstream(spec, model, batches, workdir, args, result))
@@ -378,6 +389,9 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--count-flops", action="store_true", help="also count one eager step's FLOPs")
     parser.add_argument("--batch", type=int, default=None, help="override the model's batch size")
+    parser.add_argument("--loss-in-module", action="store_true",
+                        help="PyTorch systems: the module computes its own loss from the labels (bench.models."
+                             "with_loss), so ORTModule runs the loss inside its graph")
     parser.add_argument("--upstream-venv", default=None)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the upstream worker")
     parser.add_argument("--out", default=None, help="write the JSON here (default: stdout)")

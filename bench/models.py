@@ -121,7 +121,20 @@ def _define_modules():
         def forward(self, input_ids, attention_mask):
             return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
 
-    return {"MLP": MLP, "CNN": CNN, "GPT": GPT, "HFLogits": HFLogits}
+    class WithLoss(nn.Module):
+        """A classifier or language model and its cross-entropy loss in one module: called with
+        the model's input and the labels, it returns the loss (as Hugging Face models do when
+        given labels), so a wrapper such as ORTModule runs the loss inside its graph."""
+
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, inputs, labels):
+            logits = self.model(inputs)
+            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+    return {"MLP": MLP, "CNN": CNN, "GPT": GPT, "HFLogits": HFLogits, "WithLoss": WithLoss}
 
 
 _MODULES: dict | None = None
@@ -137,6 +150,12 @@ def modules() -> dict:
 
 def hf_logits(model):
     return modules()["HFLogits"](model)
+
+
+def with_loss(spec: "Spec", model):
+    """``model`` and its loss as one module (see ``WithLoss``); Hugging Face models already
+    compute their loss from labels, so they are returned as they are."""
+    return model if spec.kind == "hf" else modules()["WithLoss"](model)
 
 
 def _bert_mini(hidden=256, layers=4, heads=4, intermediate=1024, max_len=128, vocab=30522):

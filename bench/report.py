@@ -21,7 +21,10 @@ def capacity_section(capacity: dict | None) -> list[str]:
     lines = [f"## Largest {capacity['model']} batch within {capacity['cap_mb']:.0f} MB", "",
              "Each batch size ran in its own process (one warm-up and one timed step); a batch fits when its "
              "peak RSS (the whole process) stays within the cap. Doubling from the model's batch, then "
-             f"{capacity.get('bisect_steps', 2)} bisection steps.", "",
+             f"{capacity.get('bisect_steps', 2)} bisection steps. "
+             + ("Every PyTorch system trains the model and its loss as one module (`bench.models.with_loss`): "
+                "ORTModule runs the loss inside its graph." if capacity.get("loss_in_module")
+                else "The loss is computed by PyTorch outside the module."), "",
              "| system | largest batch | peak RSS MB at it | tried (batch: peak MB) |", "|---|---:|---:|---|"]
     for system, found in capacity["systems"].items():
         tried = ", ".join(f"{t['batch']}: {_f(t['peak_rss_mb'], '{:.0f}')}" + ("" if t["status"] == "ok" else " error")

@@ -32,7 +32,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench import analysis, capacity, models, report
-from bench.cell import SYSTEMS, upstream_venv
+from bench.cell import SYSTEMS, TORCH_SYSTEMS, upstream_venv
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -70,7 +70,7 @@ def run_subprocess_json(cmd: list[str], out_file: Path, timeout: float, env: dic
 
 def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_index: int | str = 0,
              count_flops: bool = False, batch: int | None = None, steps: int | None = None,
-             warmup: int | None = None) -> dict:
+             warmup: int | None = None, loss_in_module: bool = False) -> dict:
     out_file = workdir / f"{model}-{system}-r{round_index}{'-flops' if count_flops else ''}.json"
     steps = 0 if count_flops else (args.steps if steps is None else steps)
     warmup = 0 if count_flops else (args.warmup if warmup is None else warmup)
@@ -81,6 +81,8 @@ def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_inde
         cmd.append("--count-flops")
     if batch:
         cmd += ["--batch", str(batch)]
+    if loss_in_module:
+        cmd.append("--loss-in-module")
     if args.upstream_venv:
         cmd += ["--upstream-venv", str(args.upstream_venv)]
     if system == "compile":  # a cold compile every time: the first-step latency of a fresh script
@@ -97,12 +99,15 @@ def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_inde
 def capacity_search(args, workdir: Path, env: dict) -> dict:
     """The largest batch of ``args.capacity_model`` within ``args.memory_cap_mb`` for each capacity system."""
     model = args.capacity_model
+    loss_in_module = not getattr(args, "capacity_loss_outside", False)
     result = {"model": model, "cap_mb": args.memory_cap_mb, "systems": {}, "bisect_steps": capacity.BISECT_STEPS,
+              "loss_in_module": loss_in_module,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
     for system in args.capacity_systems:
         def run(batch: int, system=system) -> dict:
+            # the on-device system has its loss in its training graph anyway
             cell = run_cell(model, system, args, workdir, env, round_index=f"cap{batch}", batch=batch, steps=1,
-                            warmup=1)
+                            warmup=1, loss_in_module=loss_in_module and system in TORCH_SYSTEMS)
             figure = f"peak RSS {cell.get('peak_rss_mb', float('nan')):.0f} MB" if cell["status"] == "ok" else \
                 f"ERROR {str(cell.get('error'))[:200]}"
             print(f"  memory cap {args.memory_cap_mb:.0f} MB: {model} {system:10s} batch {batch:5d} {figure}",
@@ -200,6 +205,9 @@ def parse_args(argv=None):
     parser.add_argument("--capacity-model", default="gpt", help="model of the memory-cap search")
     parser.add_argument("--capacity-systems", default=",".join(CAPACITY_SYSTEMS),
                         help="systems of the memory-cap search")
+    parser.add_argument("--capacity-loss-outside", action="store_true",
+                        help="memory-cap search: compute the loss in PyTorch outside the module (default: the "
+                             "module returns its loss, bench.models.with_loss, for every PyTorch system)")
     parser.add_argument("--no-snapshot", action="store_true",
                         help="import onnxtrain from where it is installed in every cell (default: a copy taken "
                              "at the start, so edits to the source during the run do not mix versions)")

@@ -166,12 +166,36 @@ def test_capacity_search_finds_the_largest_fitting_batch():
     assert roomy["largest_batch"] == 2 * 2 ** capacity.MAX_DOUBLINGS and roomy["capped_by_search"]
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-gpt"])
+def test_loss_in_module_trains_the_same_model(model):
+    """--loss-in-module (the memory-cap search's default) wraps the model and its loss in one
+    module: eager's losses are those of the loss computed outside, ORTModule's match them."""
+    threads = torch.get_num_threads()
+    try:
+        def losses(system, *flags):
+            args = cell.parse_args(["--model", model, "--system", system, "--steps", "1", "--warmup", "1",
+                                    "--threads", "2", *flags])
+            result = cell.run_cell(args)
+            assert result["status"] == "ok", (system, flags, result["error"], result.get("traceback"))
+            return result["losses"]
+
+        outside = losses("eager")
+        assert losses("eager", "--loss-in-module") == outside
+        assert losses("ortmodule_recompute", "--loss-in-module") == pytest.approx(outside, rel=1e-4)
+        refused = cell.run_cell(cell.parse_args(["--model", model, "--system", "ondevice", "--loss-in-module"]))
+        assert refused["status"] == "error" and "PyTorch systems" in refused["error"]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_capacity_section_in_the_report():
     capacity = {"model": "gpt", "cap_mb": 2048, "systems": {
         "eager": {"largest_batch": 96, "peak_rss_mb": 1900.0, "capped_by_search": False,
                   "tried": [{"batch": 64, "peak_rss_mb": 1500.0, "status": "ok", "fits": True}]}}}
     text = "\n".join(report.capacity_section(capacity))
     assert "Largest gpt batch within 2048 MB" in text and "| eager (PyTorch) | 96 | 1900 |" in text
+    assert "outside the module" in text
+    assert "loss inside its graph" in "\n".join(report.capacity_section({**capacity, "loss_in_module": True}))
 
 
 def _found(largest, capped=False):

@@ -1,0 +1,88 @@
+"""Fixtures the JavaScript tests compare against, made with the Python runtime.
+
+    python tests/js/fixtures.py OUT_DIR
+
+writes into ``OUT_DIR`` the digits CNN, its artifacts and data (``examples/digits_for_js.py``),
+``fixture.json`` (the run's settings), and two checkpoints of an uninterrupted Python run
+(``onnxtrain.api``, constant learning rate, batch ``k`` = training samples
+``[k*B, (k+1)*B)``), both with optimizer state: ``python_step20`` after 20 steps and
+``python_step40`` after 40. The Node test trains the first 20 steps itself and must match
+``python_step20``; its checkpoint ``node_step20`` is then resumed by Python (``resume``) and
+must match ``python_step40``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SETTINGS = {"batch_size": 32, "learning_rate": 3e-3, "steps": 20, "tolerance": 1e-4}
+
+
+def digits_for_js():
+    """examples/digits_for_js.py, imported by path (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location("digits_for_js", ROOT / "examples" / "digits_for_js.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_data(out_dir: pathlib.Path) -> dict[str, np.ndarray]:
+    """The arrays of digits.bin as the JavaScript side reads them (through digits.json)."""
+    index = json.loads((out_dir / "digits.json").read_text())
+    raw = (out_dir / "digits.bin").read_bytes()
+    arrays = {}
+    for split, entries in index.items():
+        for name, entry in entries.items():
+            count = int(np.prod(entry["dims"]))
+            arrays[f"{split}_{name}"] = np.frombuffer(raw, dtype=np.dtype(entry["dtype"]).newbyteorder("<"),
+                                                      count=count, offset=entry["offset"]).reshape(entry["dims"])
+    return arrays
+
+
+def train(out_dir: pathlib.Path, checkpoint: pathlib.Path, first_batch: int, steps: int, save_to: pathlib.Path) -> None:
+    """Resume from ``checkpoint`` (with or without optimizer state), run ``steps`` steps from
+    batch ``first_batch`` and save the state with its optimizer state to ``save_to``."""
+    from onnxtrain.api import CheckpointState, Module, Optimizer
+
+    data = load_data(out_dir)
+    artifacts = out_dir / "artifacts"
+    state = CheckpointState.load_checkpoint(checkpoint)
+    module = Module(artifacts / "training_model.onnx", state, artifacts / "eval_model.onnx")
+    optimizer = Optimizer(artifacts / "optimizer_model.onnx", module)
+    if optimizer.step_count == 0:
+        optimizer.set_learning_rate(SETTINGS["learning_rate"])
+    size = SETTINGS["batch_size"]
+    for k in range(first_batch, first_batch + steps):
+        module(data["train_images"][k * size:(k + 1) * size], data["train_labels"][k * size:(k + 1) * size])
+        optimizer.step()
+        module.lazy_reset_grad()
+    CheckpointState.save_checkpoint(state, save_to, include_optimizer_state=True)
+
+
+def make_fixtures(out_dir: str | pathlib.Path) -> pathlib.Path:
+    out_dir = pathlib.Path(out_dir)
+    digits_for_js().write_all(out_dir)
+    (out_dir / "fixture.json").write_text(json.dumps(SETTINGS))
+    steps = SETTINGS["steps"]
+    initial = out_dir / "artifacts" / "checkpoint"
+    train(out_dir, initial, 0, steps, out_dir / "python_step20")
+    train(out_dir, initial, 0, 2 * steps, out_dir / "python_step40")
+    return out_dir
+
+
+def resume(out_dir: str | pathlib.Path, checkpoint: str | pathlib.Path, save_to: str | pathlib.Path) -> None:
+    """Continue the run saved in ``checkpoint`` (after ``steps`` steps) for ``steps`` more."""
+    train(pathlib.Path(out_dir), pathlib.Path(checkpoint), SETTINGS["steps"], SETTINGS["steps"], pathlib.Path(save_to))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/js/fixtures.py OUT_DIR")
+    make_fixtures(sys.argv[1])
+    print(f"fixtures written to {sys.argv[1]}")

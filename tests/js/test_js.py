@@ -1,0 +1,138 @@
+"""The JavaScript runtime (js/, npm package onnxtrain-web) against the Python runtime.
+
+Python makes the fixtures (tests/js/fixtures.py: artifacts, data, an uninterrupted Python
+run), Node's test runner trains the same steps on onnxruntime-node and onnxruntime-web
+(js/test/), Python resumes the checkpoint Node wrote, and headless Chromium trains the digits
+page (examples/web/) served on localhost. Needs ``node`` with ``npm ci`` done in js/ and
+Debian's ``chromium``; without them these tests skip, except in CI (``CI=true``), where a
+missing tool is a failure.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.js import fixtures
+
+ROOT = Path(__file__).resolve().parents[2]
+JS = ROOT / "js"
+ARTIFACTS_DIR = ROOT / "test-artifacts"
+CHROMIUM = Path(os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium"))
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+NODE_TIMEOUT_S = 180
+PAGE_MIN_ACCURACY = 0.9
+
+
+def _missing(what: str) -> None:
+    message = f"{what} (see README, 'Web and Node')"
+    if IN_CI:
+        pytest.fail(f"CI must run the JavaScript tests, but {message}")
+    pytest.skip(message)
+
+
+def _node() -> str:
+    node = shutil.which("node")
+    if node is None:
+        _missing("node is not installed")
+    if not (JS / "node_modules" / "onnxruntime-node").is_dir() or not (JS / "node_modules" / "onnxruntime-web").is_dir():
+        _missing("js/node_modules is missing: run `npm ci` in js/")
+    return node
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), str(ROOT), env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def _run(command: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=NODE_TIMEOUT_S, **kwargs)
+
+
+def _report(run: subprocess.CompletedProcess) -> str:
+    return f"exit code {run.returncode}\n--- stdout\n{run.stdout[-6000:]}\n--- stderr\n{run.stderr[-6000:]}"
+
+
+@pytest.fixture(scope="module")
+def node_run(tmp_path_factory):
+    """Fixtures by Python, then `node --test` on them (js/test/*.test.js)."""
+    node = _node()
+    out = fixtures.make_fixtures(tmp_path_factory.mktemp("js_fixtures"))
+    tests = sorted(str(p.relative_to(JS)) for p in (JS / "test").glob("*.test.js"))
+    run = _run([node, "--test", *tests], cwd=JS, env=_env(ONNXTRAIN_JS_FIXTURES=str(out)))
+    return out, run
+
+
+def test_node_test_runner_passes(node_run):
+    """Node: 20 steps equal Python's within 1e-4, wasm equals native, exports and errors (js/test/)."""
+    _, run = node_run
+    assert run.returncode == 0, _report(run)
+    assert "# fail 0" in run.stdout and "# pass" in run.stdout, _report(run)
+
+
+def test_checkpoint_python_node_python_continues_identically(node_run):
+    """Python reads what Node wrote (with optimizer state) and continues as if never interrupted."""
+    from onnxtrain.checkpoint import read_checkpoint
+
+    out, run = node_run
+    assert (out / "node_step20").exists(), _report(run)
+    steps, tolerance = fixtures.SETTINGS["steps"], fixtures.SETTINGS["tolerance"]
+    from_node = read_checkpoint(out / "node_step20")
+    from_python = read_checkpoint(out / "python_step20")
+    assert from_node.optimizer.step == steps
+    assert from_node.optimizer.learning_rate == pytest.approx(fixtures.SETTINGS["learning_rate"])
+    assert from_node.optimizer.states == ["momentum0", "momentum1"]
+    for name, record in from_python.parameters.items():
+        assert from_node.parameters[name].requires_grad == record.requires_grad
+        np.testing.assert_allclose(from_node.parameters[name].value, record.value, rtol=0, atol=tolerance)
+        for state in ("momentum0", "momentum1"):
+            np.testing.assert_allclose(from_node.optimizer.values[name][state], from_python.optimizer.values[name][state],
+                                       rtol=0, atol=tolerance)
+
+    fixtures.resume(out, out / "node_step20", out / "resumed_step40")
+    resumed = read_checkpoint(out / "resumed_step40")
+    uninterrupted = read_checkpoint(out / "python_step40")
+    initial = read_checkpoint(out / "artifacts" / "checkpoint")
+    assert resumed.optimizer.step == uninterrupted.optimizer.step == 2 * steps
+    for name, record in uninterrupted.parameters.items():
+        np.testing.assert_allclose(resumed.parameters[name].value, record.value, rtol=0, atol=tolerance)
+        assert np.abs(record.value - initial.parameters[name].value).max() > 100 * tolerance  # it did train
+
+
+def test_browser_page_trains_digits_to_90_percent(tmp_path):
+    """Headless Chromium on the served page: trains, reports >= 90% test accuracy, screenshot saved."""
+    node = _node()
+    if not CHROMIUM.exists():
+        _missing(f"{CHROMIUM} is missing: apt-get install chromium")
+    if not (JS / "node_modules" / "playwright-core").is_dir():
+        _missing("playwright-core is missing: run `npm ci` in js/")
+    spec = importlib.util.spec_from_file_location("web_prepare", ROOT / "examples" / "web" / "prepare.py")
+    prepare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare)
+    site = prepare.prepare(tmp_path / "site")
+    server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "web" / "serve.py"), "--port", "0", str(site)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), f"serve.py printed {url!r}; stderr: {server.stderr.read()}"
+        screenshot = ARTIFACTS_DIR / "digits_page.png"
+        run = _run([node, "test-browser/digits_page.mjs", url, str(screenshot), str(PAGE_MIN_ACCURACY)], cwd=JS,
+                   env=_env(CHROMIUM_PATH=str(CHROMIUM)))
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert run.returncode == 0, _report(run)
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["state"] == "done" and result["epochs"] == 8, result
+    assert result["accuracy"] >= PAGE_MIN_ACCURACY, result
+    assert screenshot.stat().st_size > 10_000

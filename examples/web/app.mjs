@@ -90,9 +90,9 @@ async function main() {
   const data = decodeDigits(bytes, index);
   const losses = [];
   let lastDraw = 0;
-  const result = await trainDigits({
+  const train = (executionProviders) => trainDigits({
     api, data, epochs, artifact: (name) => `data/artifacts/${name}`,
-    sessionOptions: { executionProviders: backend.executionProviders },
+    sessionOptions: { executionProviders },
     onProgress: ({ epoch, epochs: total, step, steps, loss, testAccuracy }) => {
       if (testAccuracy === undefined) {
         losses.push(loss);
@@ -112,6 +112,19 @@ async function main() {
       $('accuracy').textContent = `${(100 * testAccuracy).toFixed(1)}%`;
     },
   });
+  let result;
+  try {
+    result = await train(backend.executionProviders);
+  } catch (error) {
+    if (!backend.executionProviders.includes('webgpu')) throw error;
+    // onnxruntime-web 1.30's WebGPU EP takes MaxPool nodes with an Indices output (the
+    // MaxPool gradient needs it) and then fails to run them: train on wasm instead
+    console.warn('WebGPU training failed, falling back to wasm:', error);
+    $('backend').textContent = `wasm, 1 thread (WebGPU failed: ${error.message.slice(0, 160)})`;
+    losses.length = 0;
+    $('epochs').tBodies[0].replaceChildren();
+    result = await train(['wasm']);
+  }
   drawLoss(losses);
   const [images, labels] = gather(ort, data.test, Array.from({ length: data.test.count }, (_, i) => i));
   const { logits } = await result.module.evalStep(images, labels);

@@ -19,7 +19,9 @@ const executablePath = process.env.CHROMIUM_PATH ?? '/usr/bin/chromium';
 const TIMEOUT_MS = Number(process.env.PAGE_TIMEOUT_MS ?? 120_000);
 
 const started = Date.now();
-const browser = await chromium.launch({ executablePath, args: ['--no-sandbox'] });
+// extra flags, e.g. CHROMIUM_ARGS=--enable-unsafe-webgpu to try the page's ?ep=webgpu on a GPU-less machine
+const extraArgs = (process.env.CHROMIUM_ARGS ?? '').split(' ').filter(Boolean);
+const browser = await chromium.launch({ executablePath, args: ['--no-sandbox', ...extraArgs] });
 let failed = true;
 try {
   const page = await browser.newPage({ viewport: { width: 1000, height: 900 } });

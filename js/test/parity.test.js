@@ -115,3 +115,14 @@ test('getContiguousParameters and copyBufferToParameters round-trip in the train
   assert.deepEqual(Array.from(state.parameters.get('conv1.weight').data), Array.from(doubled.subarray(0, 72)));
   assert.throws(() => module.copyBufferToParameters(new Float32Array(5)), /has 5 elements; expected 1898/);
 });
+
+test('ORT-format artifacts (.ort, without the ONNX metadata) train exactly like the .onnx ones', async () => {
+  const ortFormat = (name) => fixturePath(`ort_format/${name.replace('.onnx', '.ort')}`);
+  const fromOrt = await trainSteps(node, (name) => (name === 'checkpoint' ? artifact(name) : ortFormat(name)), 3);
+  const fromOnnx = await trainSteps(node, artifact, 3);
+  assert.deepEqual(fromOrt.module.inputNames(), ['image', 'labels']);
+  for (const name of fromOnnx.state.parameters.keys()) {
+    assert.deepEqual(fromOrt.state.parameters.get(name).data, fromOnnx.state.parameters.get(name).data, name);
+  }
+  await assert.rejects(fromOrt.module.exportModelForInferencing(['logits']), /needs the eval model as ONNX \(\.onnx\), not ORT format/);
+});

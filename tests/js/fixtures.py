@@ -6,7 +6,8 @@ writes into ``OUT_DIR`` the digits CNN, its artifacts and data (``examples/digit
 ``fixture.json`` (the run's settings), and two checkpoints of an uninterrupted Python run
 (``onnxtrain.api``, constant learning rate, batch ``k`` = training samples
 ``[k*B, (k+1)*B)``), both with optimizer state: ``python_step20`` after 20 steps and
-``python_step40`` after 40. The Node test trains the first 20 steps itself and must match
+``python_step40`` after 40; and ``ort_format/`` holds the three graphs converted to ORT format
+(``.ort``) by onnxruntime's own converter. The Node test trains the first 20 steps itself and must match
 ``python_step20``; its checkpoint ``node_step20`` is then resumed by Python (``resume``) and
 must match ``python_step40``.
 """
@@ -16,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -73,7 +76,17 @@ def make_fixtures(out_dir: str | pathlib.Path) -> pathlib.Path:
     initial = out_dir / "artifacts" / "checkpoint"
     train(out_dir, initial, 0, steps, out_dir / "python_step20")
     train(out_dir, initial, 0, 2 * steps, out_dir / "python_step40")
+    write_ort_format(out_dir / "artifacts", out_dir / "ort_format")
     return out_dir
+
+
+def write_ort_format(artifacts: pathlib.Path, out: pathlib.Path) -> None:
+    """The training, eval and optimizer models as ORT-format files (``<name>.ort``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("training_model", "eval_model", "optimizer_model"):
+        shutil.copy2(artifacts / f"{name}.onnx", out / f"{name}.onnx")
+    subprocess.run([sys.executable, "-m", "onnxruntime.tools.convert_onnx_models_to_ort", str(out),
+                    "--optimization_style", "Fixed"], check=True, capture_output=True, text=True)
 
 
 def resume(out_dir: str | pathlib.Path, checkpoint: str | pathlib.Path, save_to: str | pathlib.Path) -> None:

@@ -205,23 +205,27 @@ export class Module {
     const state = this._state;
     this._checkValues();
     const { Tensor } = this._platform.ort;
-    for (const name of sig.params) feeds[name] = this._tensorOf(state._slot(name).value, name);
-    for (const p of sig.trainable) {
-      feeds[names.accumulationBufferName(p)] = this._tensorOf(/** @type {ArrayBufferView} */ (state._slot(p).grad), p);
-    }
-    feeds[names.LAZY_RESET_GRAD] = new Tensor('bool', Uint8Array.of(this._resetGrad ? 1 : 0), []);
-    if (sig.lossScaled) {
-      feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(Number(state.properties.get(names.LOSS_SCALE))), []);
-    }
-    const outputs = await state._exclusive('a training step', () => this._train.session.run(feeds));
-    // only after a successful run do the new gradients and statistics become current
-    for (const p of sig.trainable) {
-      const slot = state._slot(p);
-      slot.grad = outputs[names.accumulationOutName(p)].data;
-      slot.hasGrad = true;
-    }
-    for (const [out, param] of sig.bufferUpdates) state._slot(param).value = outputs[out].data;
-    this._resetGrad = false;
+    // reading the state, running and writing back happen as one exclusive section
+    const outputs = await state._exclusive('a training step', async () => {
+      for (const name of sig.params) feeds[name] = this._tensorOf(state._slot(name).value, name);
+      for (const p of sig.trainable) {
+        feeds[names.accumulationBufferName(p)] = this._tensorOf(/** @type {ArrayBufferView} */ (state._slot(p).grad), p);
+      }
+      feeds[names.LAZY_RESET_GRAD] = new Tensor('bool', Uint8Array.of(this._resetGrad ? 1 : 0), []);
+      if (sig.lossScaled) {
+        feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(Number(state.properties.get(names.LOSS_SCALE))), []);
+      }
+      const results = await this._train.session.run(feeds);
+      // only after a successful run do the new gradients and statistics become current
+      for (const p of sig.trainable) {
+        const slot = state._slot(p);
+        slot.grad = results[names.accumulationOutName(p)].data;
+        slot.hasGrad = true;
+      }
+      for (const [out, param] of sig.bufferUpdates) state._slot(param).value = results[out].data;
+      this._resetGrad = false;
+      return results;
+    });
     return Object.fromEntries(sig.userOutputs.map((o) => [o, outputs[o]]));
   }
 
@@ -235,9 +239,11 @@ export class Module {
     const sig = this._evalSignatureOrThrow('an eval step');
     const feeds = gatherInputs(sig.userInputs, inputs, 'eval step');
     this._checkValues();
-    for (const name of sig.params) feeds[name] = this._tensorOf(this._state._slot(name).value, name);
-    const eval_ = /** @type {any} */ (this._eval);
-    const outputs = await this._state._exclusive('an eval step', () => eval_.session.run(feeds));
+    const evaluation = /** @type {any} */ (this._eval);
+    const outputs = await this._state._exclusive('an eval step', () => {
+      for (const name of sig.params) feeds[name] = this._tensorOf(this._state._slot(name).value, name);
+      return evaluation.session.run(feeds);
+    });
     return Object.fromEntries(sig.userOutputs.map((o) => [o, outputs[o]]));
   }
 

@@ -10,6 +10,11 @@
 import { ModelError } from './errors.js';
 import { dtypeInfo } from './dtypes.js';
 
+/** The metadata key holding the training/eval models' description (docs/artifacts.md). */
+export const TRAINING_METADATA_KEY = 'onnxtrain.training';
+/** The metadata key holding the optimizer model's description. */
+export const OPTIMIZER_METADATA_KEY = 'onnxtrain.optimizer';
+
 const MODEL = { graph: 7, metadataProps: 14 };
 const GRAPH = { node: 1, initializer: 5, input: 11, output: 12, valueInfo: 13, metadataProps: 16 };
 const NODE = { input: 1, output: 2, attribute: 5 };
@@ -296,8 +301,3 @@ export function buildInferenceModel(evalModel, outputNames, parameters, lossInpu
 function isTrainingEntry(entry) {
   return stringField(entry, ENTRY.key) === TRAINING_METADATA_KEY;
 }
-
-/** The metadata key holding the training/eval models' description (docs/artifacts.md). */
-export const TRAINING_METADATA_KEY = 'onnxtrain.training';
-/** The metadata key holding the optimizer model's description. */
-export const OPTIMIZER_METADATA_KEY = 'onnxtrain.optimizer';

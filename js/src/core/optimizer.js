@@ -126,38 +126,41 @@ export class Optimizer {
     const { Tensor } = this._module._platform.ort;
     const state = this._state;
     const opt = this._opt;
-    /** @type {Record<string, any>} */
-    const feeds = {
-      [names.LEARNING_RATE]: new Tensor('float32', Float32Array.of(opt.learningRate), []),
-      // the number of this update (1 for the first): AdamW's bias corrections use it as a power
-      [names.STEP]: new Tensor('int64', BigInt64Array.of(BigInt(opt.step + 1)), []),
-    };
-    if (this._lossScaled) {
-      feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(Number(state.properties.get(names.LOSS_SCALE))), []);
-      feeds[names.LOSS_SCALE_GROWTH_TRACKER] = new Tensor('int64',
-        BigInt64Array.of(BigInt(state.properties.get(names.LOSS_SCALE_GROWTH_TRACKER) ?? 0)), []);
-    }
-    for (const p of this._params) {
-      const slot = state._slot(p);
-      feeds[p] = new Tensor(slot.dtype, slot.value, slot.shape);
-      feeds[names.gradName(p)] = new Tensor(slot.dtype, slot.grad ?? zerosOf(slot.dtype, slot.shape), slot.shape);
-      const perState = /** @type {Map<string, ArrayBufferView>} */ (opt.values.get(p));
-      for (const s of this._states) feeds[names.stateName(p, s)] = new Tensor(slot.dtype, perState.get(s), slot.shape);
-    }
-    const outputs = await state._exclusive('an optimizer step', () => this._model.session.run(feeds));
-    for (const p of this._params) {
-      state._slot(p).value = outputs[names.updatedName(p)].data;
-      const perState = /** @type {Map<string, ArrayBufferView>} */ (opt.values.get(p));
-      for (const s of this._states) perState.set(s, outputs[names.updatedName(names.stateName(p, s))].data);
-    }
-    if (this._lossScaled) {
-      state.properties.set(names.LOSS_SCALE, Number(outputs[names.updatedName(names.LOSS_SCALE)].data[0]));
-      state.properties.set(names.LOSS_SCALE_GROWTH_TRACKER, Number(outputs[names.updatedName(names.LOSS_SCALE_GROWTH_TRACKER)].data[0]));
-      // a skipped step leaves the step count as it was, as GradScaler.step skips optimizer.step()
-      this.lastStepSkipped = !outputs[names.ALL_FINITE].data[0];
-      if (this.lastStepSkipped) return;
-    }
-    opt.step += 1;
+    // reading the state, running and writing back happen as one exclusive section
+    await state._exclusive('an optimizer step', async () => {
+      /** @type {Record<string, any>} */
+      const feeds = {
+        [names.LEARNING_RATE]: new Tensor('float32', Float32Array.of(opt.learningRate), []),
+        // the number of this update (1 for the first): AdamW's bias corrections use it as a power
+        [names.STEP]: new Tensor('int64', BigInt64Array.of(BigInt(opt.step + 1)), []),
+      };
+      if (this._lossScaled) {
+        feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(Number(state.properties.get(names.LOSS_SCALE))), []);
+        feeds[names.LOSS_SCALE_GROWTH_TRACKER] = new Tensor('int64',
+          BigInt64Array.of(BigInt(state.properties.get(names.LOSS_SCALE_GROWTH_TRACKER) ?? 0)), []);
+      }
+      for (const p of this._params) {
+        const slot = state._slot(p);
+        feeds[p] = new Tensor(slot.dtype, slot.value, slot.shape);
+        feeds[names.gradName(p)] = new Tensor(slot.dtype, slot.grad ?? zerosOf(slot.dtype, slot.shape), slot.shape);
+        const perState = /** @type {Map<string, ArrayBufferView>} */ (opt.values.get(p));
+        for (const s of this._states) feeds[names.stateName(p, s)] = new Tensor(slot.dtype, perState.get(s), slot.shape);
+      }
+      const outputs = await this._model.session.run(feeds);
+      for (const p of this._params) {
+        state._slot(p).value = outputs[names.updatedName(p)].data;
+        const perState = /** @type {Map<string, ArrayBufferView>} */ (opt.values.get(p));
+        for (const s of this._states) perState.set(s, outputs[names.updatedName(names.stateName(p, s))].data);
+      }
+      if (this._lossScaled) {
+        state.properties.set(names.LOSS_SCALE, Number(outputs[names.updatedName(names.LOSS_SCALE)].data[0]));
+        state.properties.set(names.LOSS_SCALE_GROWTH_TRACKER, Number(outputs[names.updatedName(names.LOSS_SCALE_GROWTH_TRACKER)].data[0]));
+        // a skipped step leaves the step count as it was, as GradScaler.step skips optimizer.step()
+        this.lastStepSkipped = !outputs[names.ALL_FINITE].data[0];
+        if (this.lastStepSkipped) return;
+      }
+      opt.step += 1;
+    });
   }
 
   /** Number of updates done so far (restored from a checkpoint with optimizer state). */

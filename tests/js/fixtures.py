@@ -7,7 +7,11 @@ writes into ``OUT_DIR`` the digits CNN, its artifacts and data (``examples/digit
 (``onnxtrain.api``, constant learning rate, batch ``k`` = training samples
 ``[k*B, (k+1)*B)``), both with optimizer state: ``python_step20`` after 20 steps and
 ``python_step40`` after 40; and ``ort_format/`` holds the three graphs converted to ORT format
-(``.ort``) by onnxruntime's own converter. The Node test trains the first 20 steps itself and must match
+(``.ort``) by onnxruntime's own converter. ``small/`` holds two small MLPs that exercise the
+rest of the contract, with Python runs of ``SMALL_STEPS`` steps (``small/<name>/python_steps``):
+``batchnorm`` (training-mode BatchNormalization: running statistics written back each step)
+and ``fp16`` (``precision="fp16"``: dynamic loss scaling, with an overflowing scale forced
+before step ``OVERFLOW_STEP`` so that the step is skipped and the scale backs off). The Node test trains the first 20 steps itself and must match
 ``python_step20``; its checkpoint ``node_step20`` is then resumed by Python (``resume``) and
 must match ``python_step40``.
 """
@@ -25,6 +29,7 @@ import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETTINGS = {"batch_size": 32, "learning_rate": 3e-3, "steps": 20, "tolerance": 1e-4}
+SMALL = {"steps": 8, "rows": 16, "learning_rate": 1e-2, "overflow_step": 2, "overflow_scale": 2.0 ** 20}
 
 
 def digits_for_js():
@@ -77,7 +82,65 @@ def make_fixtures(out_dir: str | pathlib.Path) -> pathlib.Path:
     train(out_dir, initial, 0, steps, out_dir / "python_step20")
     train(out_dir, initial, 0, 2 * steps, out_dir / "python_step40")
     write_ort_format(out_dir / "artifacts", out_dir / "ort_format")
+    write_small_models(out_dir / "small")
     return out_dir
+
+
+def _small_mlp(rng: np.random.Generator, batchnorm: bool):
+    """x [N, 12] -> Gemm 16 -> (BatchNormalization, training mode) -> Relu -> Gemm 5."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def init(name, array):
+        return numpy_helper.from_array(np.asarray(array, np.float32), name)
+
+    inits = [init("fc1.weight", rng.standard_normal((16, 12)) * 0.3), init("fc1.bias", np.zeros(16)),
+             init("fc2.weight", rng.standard_normal((5, 16)) * 0.3), init("fc2.bias", np.zeros(5))]
+    nodes = [helper.make_node("Gemm", ["x", "fc1.weight", "fc1.bias"], ["hidden"], transB=1)]
+    last = "hidden"
+    if batchnorm:
+        inits += [init("bn.weight", np.ones(16)), init("bn.bias", np.zeros(16)),
+                  init("bn.running_mean", np.zeros(16)), init("bn.running_var", np.ones(16))]
+        nodes.append(helper.make_node("BatchNormalization", ["hidden", "bn.weight", "bn.bias", "bn.running_mean",
+                                                             "bn.running_var"], ["normed", "batch_mean", "batch_var"],
+                                      training_mode=1, momentum=0.9))
+        last = "normed"
+    nodes += [helper.make_node("Relu", [last], ["relu"]),
+              helper.make_node("Gemm", ["relu", "fc2.weight", "fc2.bias"], ["logits"], transB=1)]
+    graph = helper.make_graph(nodes, "small_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 12])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 5])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def write_small_models(out: pathlib.Path) -> None:
+    """Artifacts, data (data.json) and a Python run for the batchnorm and fp16 MLPs."""
+    from onnxtrain import artifacts
+    from onnxtrain.api import CheckpointState, Module, Optimizer
+
+    rng = np.random.default_rng(0)
+    out.mkdir(parents=True, exist_ok=True)
+    x = rng.standard_normal((64, 12)).astype(np.float32)
+    y = rng.integers(0, 5, 64).astype(np.int32)
+    # float32 -> Python float -> JSON is exact, and Float32Array.from() rounds it back to the same value
+    (out / "data.json").write_text(json.dumps({"x": x.reshape(-1).tolist(), "x_dims": list(x.shape),
+                                               "y": y.tolist(), **SMALL}))
+    for name, batchnorm, precision in (("batchnorm", True, "fp32"), ("fp16", False, "fp16")):
+        folder = out / name
+        artifacts.generate_artifacts(_small_mlp(rng, batchnorm), loss=artifacts.LossType.CrossEntropyLoss,
+                                     optimizer=artifacts.OptimType.AdamW, artifact_directory=folder,
+                                     precision=precision)
+        state = CheckpointState.load_checkpoint(folder / "checkpoint")
+        module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
+        optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+        optimizer.set_learning_rate(SMALL["learning_rate"])
+        rows = SMALL["rows"]
+        for k in range(SMALL["steps"]):
+            if precision == "fp16" and k == SMALL["overflow_step"]:
+                state.properties["loss_scale"] = SMALL["overflow_scale"]
+            start = (k * rows) % len(x)
+            module(x[start:start + rows], y[start:start + rows])
+            optimizer.step()
+            module.lazy_reset_grad()
+        CheckpointState.save_checkpoint(state, folder / "python_steps", include_optimizer_state=True)
 
 
 def write_ort_format(artifacts: pathlib.Path, out: pathlib.Path) -> None:

@@ -126,3 +126,24 @@ test('ORT-format artifacts (.ort, without the ONNX metadata) train exactly like 
   }
   await assert.rejects(fromOrt.module.exportModelForInferencing(['logits']), /needs the eval model as ONNX \(\.onnx\), not ORT format/);
 });
+
+test('a Python checkpoint with optimizer state resumes in Node exactly where Python would have continued', async () => {
+  const { batch_size: size, steps, tolerance } = settings();
+  const data = await digits();
+  const state = await node.CheckpointState.load(fixturePath('python_step20'));
+  const module = await node.Module.create(artifact('training_model.onnx'), state);
+  const optimizer = await node.Optimizer.create(artifact('optimizer_model.onnx'), module);
+  assert.equal(optimizer.stepCount, steps, 'the step count comes from the checkpoint');
+  assert.equal(optimizer.getLearningRate(), settings().learning_rate, 'so does the learning rate');
+  for (let k = steps; k < 2 * steps; k++) {
+    await module.trainStep(...batch(node.ort, data.train, k * size, size));
+    await optimizer.step();
+    module.lazyResetGrad();
+  }
+  const uninterrupted = await node.CheckpointState.load(fixturePath('python_step40'));
+  for (const [name, parameter] of uninterrupted.parameters) {
+    const diff = maxAbsDiff(state.parameters.get(name).data, parameter.data);
+    assert.ok(diff <= tolerance, `parameter ${name}: max |resumed in node - python| = ${diff}`);
+  }
+  assert.equal(optimizer.stepCount, 2 * steps);
+});

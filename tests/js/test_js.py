@@ -135,4 +135,7 @@ def test_browser_page_trains_digits_to_90_percent(tmp_path):
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["state"] == "done" and result["epochs"] == 8, result
     assert result["accuracy"] >= PAGE_MIN_ACCURACY, result
+    # the page loaded every file it asked for (no CDN, all vendored) and threw no error
+    assert not [p for p in result["problems"] if p.startswith(("page error", "request failed"))], result["problems"]
+    assert not [p for p in result["problems"] if "404" in p], result["problems"]
     assert screenshot.stat().st_size > 10_000

@@ -114,7 +114,8 @@ export function readCheckpoint(bytes, source = '<bytes>') {
         throw new CheckpointError(`${where} holds optimizer tensor ${JSON.stringify(key)} for an unknown parameter or state`);
       }
       if (!optimizer.values.has(param)) optimizer.values.set(param, new Map());
-      optimizer.values.get(param).set(stateName, checked(where, key, tensor, parameters.get(param)));
+      const record = /** @type {ParameterRecord} */ (parameters.get(param));
+      /** @type {Map<string, ArrayBufferView>} */ (optimizer.values.get(param)).set(stateName, checked(where, key, tensor, record));
       used.add(key);
     }
     for (const [param, perState] of optimizer.values) {
@@ -195,6 +196,7 @@ export function encodeCheckpoint(data) {
     state.optimizer = { step, learning_rate: learningRate, states };
     for (const [param, perState] of values) {
       const record = data.parameters.get(param);
+      if (!record) throw new CheckpointError(`optimizer state for ${JSON.stringify(param)}, which is not a parameter of the checkpoint`);
       for (const [stateName, value] of perState) {
         tensors.push([`${OPTIMIZER_PREFIX}${param}/${stateName}`, { dtype: record.dtype, shape: record.shape, data: value }]);
       }

@@ -104,7 +104,10 @@ function stringField(message, number) {
   return field === undefined ? undefined : stringOf(message, field);
 }
 
-/** Whether `bytes` is an ORT-format (flatbuffers) model rather than an ONNX protobuf. */
+/**
+ * Whether `bytes` is an ORT-format (flatbuffers) model rather than an ONNX protobuf.
+ * @param {Uint8Array} bytes
+ */
 export function isOrtFormat(bytes) {
   // ORT-format files carry the flatbuffers file identifier "ORTM" at bytes 4..8
   return bytes.length >= 8 && new TextDecoder().decode(bytes.subarray(4, 8)) === 'ORTM';

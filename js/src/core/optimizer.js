@@ -83,13 +83,16 @@ export class Optimizer {
 
   /** @returns {string[]} the optimizer state names */
   _readSignature() {
-    const inputs = this._model.inputs.map((/** @type {any} */ s) => s.name);
-    const outputs = new Set(this._model.outputs.map((/** @type {any} */ s) => s.name));
+    /** @type {string[]} */
+    const inputs = this._model.inputs.map((/** @type {{name: string}} */ s) => s.name);
+    /** @type {Set<string>} */
+    const outputs = new Set(this._model.outputs.map((/** @type {{name: string}} */ s) => s.name));
     if (inputs[0] !== names.LEARNING_RATE || inputs[1] !== names.STEP) {
       throw new ModelError(`the optimizer model's first inputs must be ${JSON.stringify([names.LEARNING_RATE, names.STEP])}, ` +
         `got ${JSON.stringify(inputs.slice(0, 2))}`);
     }
     const meta = jsonMetadata(this._model.metadata, OPTIMIZER_METADATA_KEY, 'optimizer model');
+    /** @type {string[]} */
     let states;
     if (Array.isArray(meta.states)) {
       states = [...meta.states];

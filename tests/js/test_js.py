@@ -139,3 +139,33 @@ def test_browser_page_trains_digits_to_90_percent(tmp_path):
     assert not [p for p in result["problems"] if p.startswith(("page error", "request failed"))], result["problems"]
     assert not [p for p in result["problems"] if "404" in p], result["problems"]
     assert screenshot.stat().st_size > 10_000
+
+
+def test_node_example_trains_and_its_exports_work_in_python(node_run):
+    """examples/node/train_digits.mjs: >= 90% test accuracy; Python reads its checkpoint and
+    runs its inference model (exported by the JS side) with the same accuracy."""
+    import onnx
+    import onnxruntime as ort
+
+    from onnxtrain.checkpoint import read_checkpoint
+
+    out, _ = node_run
+    run = _run([_node(), str(ROOT / "examples" / "node" / "train_digits.mjs"), str(out), "8"], cwd=ROOT, env=_env())
+    assert run.returncode == 0, _report(run)
+    accuracies = [float(line.rsplit(" ", 1)[1].rstrip("%")) / 100 for line in run.stdout.splitlines()
+                  if line.startswith("epoch 8/8")]
+    assert accuracies and accuracies[0] >= PAGE_MIN_ACCURACY, run.stdout
+
+    trained = read_checkpoint(out / "trained_checkpoint")
+    assert trained.optimizer.step == 8 * 45  # 1437 training digits in batches of 32
+    model = onnx.load(out / "inference_model.onnx")
+    onnx.checker.check_model(model, full_check=True)
+    assert [i.name for i in model.graph.input] == ["image"] and [o.name for o in model.graph.output] == ["logits"]
+    data = fixtures.load_data(out)
+    session = ort.InferenceSession(str(out / "inference_model.onnx"), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"image": np.ascontiguousarray(data["test_images"])})
+    python_accuracy = float(np.mean(np.argmax(logits, axis=1) == data["test_labels"]))
+    assert python_accuracy == pytest.approx(accuracies[0], abs=1e-3)
+    # the inference model holds the trained weights
+    weights = {init.name: onnx.numpy_helper.to_array(init) for init in model.graph.initializer}
+    np.testing.assert_array_equal(weights["fc.weight"], trained.parameters["fc.weight"].value)

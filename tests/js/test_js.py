@@ -126,8 +126,9 @@ def test_browser_page_trains_digits_to_90_percent(tmp_path):
         url = server.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), f"serve.py printed {url!r}; stderr: {server.stderr.read()}"
         screenshot = ARTIFACTS_DIR / "digits_page.png"
-        run = _run([node, "test-browser/digits_page.mjs", url, str(screenshot), str(PAGE_MIN_ACCURACY)], cwd=JS,
-                   env=_env(CHROMIUM_PATH=str(CHROMIUM)))
+        downloads = tmp_path / "downloads"
+        run = _run([node, "test-browser/digits_page.mjs", url, str(screenshot), str(PAGE_MIN_ACCURACY), str(downloads)],
+                   cwd=JS, env=_env(CHROMIUM_PATH=str(CHROMIUM)))
     finally:
         server.terminate()
         server.wait(timeout=10)
@@ -138,6 +139,18 @@ def test_browser_page_trains_digits_to_90_percent(tmp_path):
     # the page loaded every file it asked for (no CDN, all vendored) and threw no error
     assert not [p for p in result["problems"] if p.startswith(("page error", "request failed"))], result["problems"]
     assert not [p for p in result["problems"] if "404" in p], result["problems"]
+
+    # what the page offers for download: a checkpoint Python reads, an inference model Python runs
+    import onnxruntime as ort
+
+    from onnxtrain.checkpoint import read_checkpoint
+
+    trained = read_checkpoint(downloads / "checkpoint")
+    assert trained.optimizer.step == 8 * 45 and trained.optimizer.states == ["momentum0", "momentum1"]
+    data = fixtures.load_data(site / "data")
+    session = ort.InferenceSession(str(downloads / "inference_model.onnx"), providers=["CPUExecutionProvider"])
+    (logits,) = session.run(None, {"image": np.ascontiguousarray(data["test_images"])})
+    assert float(np.mean(np.argmax(logits, axis=1) == data["test_labels"])) == pytest.approx(result["accuracy"])
     assert screenshot.stat().st_size > 10_000
 
 

@@ -15,7 +15,8 @@ split is already shuffled (``onnxtrain.demo.load_digits``, seed 0), so batch ``k
 Example:
     >>> import tempfile, json, pathlib
     >>> out = pathlib.Path(tempfile.mkdtemp())
-    >>> index = write_all(out)
+    >>> index = write_all(out)  # doctest: +ELLIPSIS
+    artifacts written to .../artifacts
     >>> index["train"]["images"]["dims"], index["test"]["labels"]["dims"]
     ([1437, 1, 8, 8], [360])
 """

@@ -8,7 +8,8 @@ writes into ``OUT_DIR`` the digits CNN, its artifacts and data (``examples/digit
 ``[k*B, (k+1)*B)``), both with optimizer state: ``python_step20`` after 20 steps and
 ``python_step40`` after 40; and ``ort_format/`` holds the three graphs converted to ORT format
 (``.ort``) by onnxruntime's own converter. ``small/`` holds two small MLPs that exercise the
-rest of the contract, with Python runs of ``SMALL_STEPS`` steps (``small/<name>/python_steps``):
+rest of the contract, with Python runs of ``SMALL["steps"]`` steps (``small/<name>/python_steps``):
+``plain`` (Gemm, Relu, Gemm: ops every onnxruntime-web backend has, WebGPU included),
 ``batchnorm`` (training-mode BatchNormalization: running statistics written back each step)
 and ``fp16`` (``precision="fp16"``: dynamic loss scaling, with an overflowing scale forced
 before step ``OVERFLOW_STEP`` so that the step is skipped and the scale backs off). The Node test trains the first 20 steps itself and must match
@@ -112,7 +113,7 @@ def _small_mlp(rng: np.random.Generator, batchnorm: bool):
 
 
 def write_small_models(out: pathlib.Path) -> None:
-    """Artifacts, data (data.json) and a Python run for the batchnorm and fp16 MLPs."""
+    """Artifacts, data (data.json) and a Python run for the plain, batchnorm and fp16 MLPs."""
     from onnxtrain import artifacts
     from onnxtrain.api import CheckpointState, Module, Optimizer
 
@@ -123,7 +124,7 @@ def write_small_models(out: pathlib.Path) -> None:
     # float32 -> Python float -> JSON is exact, and Float32Array.from() rounds it back to the same value
     (out / "data.json").write_text(json.dumps({"x": x.reshape(-1).tolist(), "x_dims": list(x.shape),
                                                "y": y.tolist(), **SMALL}))
-    for name, batchnorm, precision in (("batchnorm", True, "fp32"), ("fp16", False, "fp16")):
+    for name, batchnorm, precision in (("plain", False, "fp32"), ("batchnorm", True, "fp32"), ("fp16", False, "fp16")):
         folder = out / name
         artifacts.generate_artifacts(_small_mlp(rng, batchnorm), loss=artifacts.LossType.CrossEntropyLoss,
                                      optimizer=artifacts.OptimType.AdamW, artifact_directory=folder,

@@ -2,8 +2,9 @@
 
 Python makes the fixtures (tests/js/fixtures.py: artifacts, data, an uninterrupted Python
 run), Node's test runner trains the same steps on onnxruntime-node and onnxruntime-web
-(js/test/), Python resumes the checkpoint Node wrote, and headless Chromium trains the digits
-page (examples/web/) served on localhost. Needs ``node`` with ``npm ci`` done in js/ and
+(js/test/), Python resumes the checkpoint Node wrote and runs what the Node example exported,
+and headless Chromium trains the digits page (examples/web/) served on localhost, and the small
+contract models on wasm and on WebGPU (its software adapter where there is no GPU). Needs ``node`` with ``npm ci`` done in js/ and
 Debian's ``chromium``; without them these tests skip, except in CI (``CI=true``), where a
 missing tool is a failure.
 """
@@ -109,29 +110,45 @@ def test_checkpoint_python_node_python_continues_identically(node_run):
         assert np.abs(record.value - initial.parameters[name].value).max() > 100 * tolerance  # it did train
 
 
-def test_browser_page_trains_digits_to_90_percent(tmp_path):
-    """Headless Chromium on the served page: trains, reports >= 90% test accuracy, screenshot saved."""
+def _browser_tools() -> str:
     node = _node()
     if not CHROMIUM.exists():
         _missing(f"{CHROMIUM} is missing: apt-get install chromium")
     if not (JS / "node_modules" / "playwright-core").is_dir():
         _missing("playwright-core is missing: run `npm ci` in js/")
+    return node
+
+
+@pytest.fixture(scope="module")
+def served_site(node_run, tmp_path_factory):
+    """examples/web/prepare.py's site plus the small models and the contract page, served by
+    examples/web/serve.py on a free localhost port; yields (site folder, base URL)."""
+    _browser_tools()
+    out, _ = node_run
     spec = importlib.util.spec_from_file_location("web_prepare", ROOT / "examples" / "web" / "prepare.py")
     prepare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(prepare)
-    site = prepare.prepare(tmp_path / "site")
+    site = prepare.prepare(tmp_path_factory.mktemp("web") / "site")
+    shutil.copytree(out / "small", site / "data" / "small")
+    shutil.copy2(JS / "test-browser" / "contract_page.html", site / "contract_page.html")
     server = subprocess.Popen([sys.executable, str(ROOT / "examples" / "web" / "serve.py"), "--port", "0", str(site)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), f"serve.py printed {url!r}; stderr: {server.stderr.read()}"
-        screenshot = ARTIFACTS_DIR / "digits_page.png"
-        downloads = tmp_path / "downloads"
-        run = _run([node, "test-browser/digits_page.mjs", url, str(screenshot), str(PAGE_MIN_ACCURACY), str(downloads)],
-                   cwd=JS, env=_env(CHROMIUM_PATH=str(CHROMIUM)))
+        yield site, url
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+def test_browser_page_trains_digits_to_90_percent(served_site, tmp_path):
+    """Headless Chromium on the served page: trains, reports >= 90% test accuracy, screenshot saved."""
+    site, url = served_site
+    screenshot = ARTIFACTS_DIR / "digits_page.png"
+    downloads = tmp_path / "downloads"
+    run = _run([_browser_tools(), "test-browser/digits_page.mjs", url, str(screenshot), str(PAGE_MIN_ACCURACY),
+                str(downloads)], cwd=JS, env=_env(CHROMIUM_PATH=str(CHROMIUM)))
     assert run.returncode == 0, _report(run)
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["state"] == "done" and result["epochs"] == 8, result
@@ -152,6 +169,36 @@ def test_browser_page_trains_digits_to_90_percent(tmp_path):
     (logits,) = session.run(None, {"image": np.ascontiguousarray(data["test_images"])})
     assert float(np.mean(np.argmax(logits, axis=1) == data["test_labels"])) == pytest.approx(result["accuracy"])
     assert screenshot.stat().st_size > 10_000
+
+
+def _small_models(url: str, execution_provider: str, models: list[str]) -> dict:
+    run = _run([_browser_tools(), "test-browser/small_models.mjs", url + "contract_page.html", execution_provider,
+                *models], cwd=JS, env=_env(CHROMIUM_PATH=str(CHROMIUM)))
+    assert run.returncode == 0, _report(run)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_browser_wasm_matches_python_on_batchnorm_and_fp16_models(served_site):
+    """In Chromium (wasm): plain, BatchNorm and fp16 loss-scaled MLPs train as the Python runtime does."""
+    _, url = served_site
+    report = _small_models(url, "wasm", ["plain", "batchnorm", "fp16"])
+    for model, result in report["results"].items():
+        assert "error" not in result, (model, result)
+        assert result["steps"] == result["expectedSteps"], (model, result)
+        assert result["maxAbsDiff"] <= fixtures.SETTINGS["tolerance"], (model, result)
+
+
+def test_browser_webgpu_trains_like_python(served_site):
+    """In Chromium with WebGPU (the software adapter where there is no GPU): the plain MLP
+    trains on onnxruntime-web's WebGPU execution provider as the Python runtime does."""
+    _, url = served_site
+    report = _small_models(url, "webgpu", ["plain"])
+    if report["adapter"] is None:
+        _missing("Chromium offers no WebGPU adapter, even with --enable-unsafe-webgpu")
+    result = report["results"]["plain"]
+    assert "error" not in result, result
+    assert result["steps"] == result["expectedSteps"], result
+    assert result["maxAbsDiff"] <= fixtures.SETTINGS["tolerance"], result
 
 
 def test_node_example_trains_and_its_exports_work_in_python(node_run):

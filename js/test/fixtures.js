@@ -2,7 +2,7 @@
 // $ONNXTRAIN_JS_FIXTURES (pytest's tests/js/test_js.py sets it), or, when the Node tests run on
 // their own (`npm test`), a fresh one made by running that script with python3.
 import { spawnSync } from 'node:child_process';
-import { mkdtempSync, readFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { delimiter, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -15,6 +15,7 @@ export function fixtureDir() {
   if (process.env.ONNXTRAIN_JS_FIXTURES) return process.env.ONNXTRAIN_JS_FIXTURES;
   if (cached) return cached;
   const dir = mkdtempSync(join(tmpdir(), 'onnxtrain-js-'));
+  process.on('exit', () => rmSync(dir, { recursive: true, force: true }));
   const python = process.env.PYTHON ?? 'python3';
   const env = { ...process.env, PYTHONPATH: [join(REPO, 'src'), REPO, process.env.PYTHONPATH].filter(Boolean).join(delimiter) };
   const run = spawnSync(python, [join(REPO, 'tests', 'js', 'fixtures.py'), dir], { env, encoding: 'utf8' });

@@ -1,0 +1,208 @@
+/**
+ * The onnxtrain checkpoint file (docs/artifacts.md), read and written exactly as the Python
+ * side does (src/onnxtrain/checkpoint.py): one safetensors file with tensors
+ * `param/<name>` and `optimizer/<param>/<state>`, and metadata `format` =
+ * `onnxtrain.checkpoint`, `version` = `1` and `state`, a JSON object holding the parameter
+ * list (name, requires_grad, dtype, shape), `nominal`, the optional `optimizer` section
+ * (step, learning_rate, states) and the user `properties`.
+ * @module
+ */
+
+import { CheckpointError } from './errors.js';
+import { dtypeInfo, formatShape } from './dtypes.js';
+import { encodeSafetensors, parseSafetensors } from './safetensors.js';
+
+export const FORMAT = 'onnxtrain.checkpoint';
+export const VERSION = 1;
+export const PARAM_PREFIX = 'param/';
+export const OPTIMIZER_PREFIX = 'optimizer/';
+
+/**
+ * @typedef {object} ParameterRecord
+ * @property {string} name
+ * @property {boolean} requiresGrad
+ * @property {string} dtype
+ * @property {number[]} shape
+ * @property {ArrayBufferView | null} value  null in a nominal checkpoint
+ */
+
+/**
+ * @typedef {object} OptimizerRecord
+ * @property {number} step  updates done so far
+ * @property {number} learningRate
+ * @property {string[]} states  e.g. ["momentum0", "momentum1"]
+ * @property {Map<string, Map<string, ArrayBufferView>>} values  param -> state -> tensor
+ */
+
+/**
+ * @typedef {object} CheckpointData
+ * @property {Map<string, ParameterRecord>} parameters  in checkpoint order
+ * @property {boolean} nominal
+ * @property {OptimizerRecord | null} optimizer
+ * @property {Record<string, number | string>} properties
+ */
+
+/**
+ * Read and validate checkpoint bytes.
+ * @param {Uint8Array} bytes
+ * @param {string} [source]  a name for the messages (path or URL)
+ * @returns {CheckpointData}
+ */
+export function readCheckpoint(bytes, source = '<bytes>') {
+  const where = `checkpoint ${JSON.stringify(source)}`;
+  const { metadata, tensors } = parseSafetensors(bytes, where);
+  if (metadata.format !== FORMAT) {
+    throw new CheckpointError(`${where} is a safetensors file but not an onnxtrain checkpoint ` +
+      `(metadata format=${JSON.stringify(metadata.format ?? null)}, expected ${JSON.stringify(FORMAT)})`);
+  }
+  if (String(Number.parseInt(metadata.version, 10)) !== metadata.version || Number(metadata.version) !== VERSION) {
+    throw new CheckpointError(`${where} has format version ${JSON.stringify(metadata.version ?? null)}; ` +
+      `this onnxtrain-web reads version ${VERSION}`);
+  }
+  if (metadata.state === undefined) throw new CheckpointError(`${where} has no 'state' metadata`);
+  let state;
+  try {
+    state = JSON.parse(metadata.state);
+  } catch (error) {
+    throw new CheckpointError(`${where}: the 'state' metadata is not valid JSON: ${/** @type {Error} */ (error).message}`);
+  }
+  if (state === null || typeof state !== 'object' || !Array.isArray(state.parameters)) {
+    throw new CheckpointError(`${where}: the 'state' metadata has no parameter list`);
+  }
+  const nominal = Boolean(state.nominal);
+  /** @type {Map<string, ParameterRecord>} */
+  const parameters = new Map();
+  for (const entry of state.parameters) {
+    const { name, requires_grad: requiresGrad, dtype, shape } = entry ?? {};
+    if (typeof name !== 'string' || typeof requiresGrad !== 'boolean' || typeof dtype !== 'string' ||
+        !Array.isArray(shape) || !shape.every((d) => Number.isInteger(d) && d >= 0)) {
+      throw new CheckpointError(`${where}: malformed parameter entry in the metadata: ${JSON.stringify(entry)} ` +
+        '(expected name, requires_grad, dtype and shape)');
+    }
+    dtypeInfo(dtype, `${where}: parameter ${JSON.stringify(name)}`);
+    if (parameters.has(name)) throw new CheckpointError(`${where} lists parameter ${JSON.stringify(name)} twice`);
+    parameters.set(name, { name, requiresGrad, dtype, shape: [...shape], value: null });
+  }
+  const used = new Set();
+  if (!nominal) {
+    for (const [name, record] of parameters) {
+      const key = PARAM_PREFIX + name;
+      const tensor = tensors.get(key);
+      if (tensor === undefined) {
+        throw new CheckpointError(`${where} lists parameter ${JSON.stringify(name)} but holds no tensor ${JSON.stringify(key)}`);
+      }
+      record.value = checked(where, key, tensor, record);
+      used.add(key);
+    }
+  }
+  let optimizer = null;
+  if (state.optimizer !== undefined && state.optimizer !== null) {
+    const { step, learning_rate: learningRate, states } = state.optimizer;
+    if (!Number.isInteger(step) || typeof learningRate !== 'number' || !Array.isArray(states) ||
+        !states.every((s) => typeof s === 'string')) {
+      throw new CheckpointError(`${where}: malformed optimizer metadata ${JSON.stringify(state.optimizer)} ` +
+        '(expected an integer step, a numeric learning_rate and a list of state names)');
+    }
+    optimizer = { step, learningRate, states: [...states], values: new Map() };
+    for (const [key, tensor] of tensors) {
+      if (!key.startsWith(OPTIMIZER_PREFIX)) continue;
+      const rest = key.slice(OPTIMIZER_PREFIX.length);
+      const cut = rest.lastIndexOf('/');
+      const param = rest.slice(0, Math.max(cut, 0));
+      const stateName = rest.slice(cut + 1);
+      if (cut < 0 || !parameters.has(param) || !states.includes(stateName)) {
+        throw new CheckpointError(`${where} holds optimizer tensor ${JSON.stringify(key)} for an unknown parameter or state`);
+      }
+      if (!optimizer.values.has(param)) optimizer.values.set(param, new Map());
+      const record = /** @type {ParameterRecord} */ (parameters.get(param));
+      /** @type {Map<string, ArrayBufferView>} */ (optimizer.values.get(param)).set(stateName, checked(where, key, tensor, record));
+      used.add(key);
+    }
+    for (const [param, perState] of optimizer.values) {
+      const missing = states.filter((s) => !perState.has(s));
+      if (missing.length) {
+        throw new CheckpointError(`${where}: optimizer state ${JSON.stringify(missing)} of parameter ${JSON.stringify(param)} is missing`);
+      }
+    }
+  }
+  const extra = [...tensors.keys()].filter((k) => !used.has(k)).sort();
+  if (extra.length) {
+    throw new CheckpointError(`${where} holds tensors its metadata does not describe: ${JSON.stringify(extra.slice(0, 8))}`);
+  }
+  const properties = state.properties ?? {};
+  if (typeof properties !== 'object' || Array.isArray(properties)) {
+    throw new CheckpointError(`${where}: 'properties' must be a JSON object`);
+  }
+  for (const [name, value] of Object.entries(properties)) checkProperty(name, value, CheckpointError);
+  return { parameters, nominal, optimizer, properties: { ...properties } };
+}
+
+/**
+ * @param {string} where
+ * @param {string} key
+ * @param {import('./safetensors.js').SafetensorsTensor} tensor
+ * @param {ParameterRecord} record
+ */
+function checked(where, key, tensor, record) {
+  if (tensor.dtype !== record.dtype || formatShape(tensor.shape) !== formatShape(record.shape)) {
+    throw new CheckpointError(`${where}: tensor ${JSON.stringify(key)} has shape ${formatShape(tensor.shape)} and dtype ` +
+      `${tensor.dtype}, the metadata says ${formatShape(record.shape)} and ${record.dtype}`);
+  }
+  return tensor.data;
+}
+
+/**
+ * Properties are numbers (int or float) or strings, as upstream's; anything else is an error
+ * of class `ErrorClass` naming the property.
+ * @param {string} name
+ * @param {unknown} value
+ * @param {new (message: string) => Error} ErrorClass
+ * @returns {number | string}
+ */
+export function checkProperty(name, value, ErrorClass) {
+  if (typeof value === 'string') return value;
+  if (typeof value === 'number' && Number.isFinite(value)) return value;
+  if (typeof value === 'bigint') return Number(value);
+  const got = value === null ? 'null' : typeof value;
+  throw new ErrorClass(`property ${JSON.stringify(name)} must be a finite number or a string, got ${got}`);
+}
+
+/**
+ * Serialize a checkpoint record to safetensors bytes (what the Python side reads back).
+ * @param {CheckpointData} data
+ * @returns {Uint8Array}
+ */
+export function encodeCheckpoint(data) {
+  /** @type {Array<[string, import('./safetensors.js').SafetensorsTensor]>} */
+  const tensors = [];
+  const parameterList = [];
+  for (const [name, record] of data.parameters) {
+    const info = dtypeInfo(record.dtype, `parameter ${JSON.stringify(name)}`);
+    parameterList.push({ name, requires_grad: record.requiresGrad, dtype: record.dtype, shape: record.shape });
+    if (data.nominal) continue;
+    if (record.value === null) {
+      throw new CheckpointError(`parameter ${JSON.stringify(name)} has no value; save a nominal checkpoint instead`);
+    }
+    if (!(record.value instanceof info.array)) {
+      throw new CheckpointError(`parameter ${JSON.stringify(name)}: value is a ${record.value.constructor.name}, ` +
+        `expected a ${info.array.name} for ${record.dtype}`);
+    }
+    tensors.push([PARAM_PREFIX + name, { dtype: record.dtype, shape: record.shape, data: record.value }]);
+  }
+  /** @type {Record<string, unknown>} */
+  const state = { parameters: parameterList, nominal: data.nominal };
+  if (data.optimizer) {
+    const { step, learningRate, states, values } = data.optimizer;
+    state.optimizer = { step, learning_rate: learningRate, states };
+    for (const [param, perState] of values) {
+      const record = data.parameters.get(param);
+      if (!record) throw new CheckpointError(`optimizer state for ${JSON.stringify(param)}, which is not a parameter of the checkpoint`);
+      for (const [stateName, value] of perState) {
+        tensors.push([`${OPTIMIZER_PREFIX}${param}/${stateName}`, { dtype: record.dtype, shape: record.shape, data: value }]);
+      }
+    }
+  }
+  state.properties = Object.fromEntries(Object.entries(data.properties)
+    .map(([name, value]) => [name, checkProperty(name, value, CheckpointError)]));
+  return encodeSafetensors(tensors, { format: FORMAT, version: String(VERSION), state: JSON.stringify(state) });
+}

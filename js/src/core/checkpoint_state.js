@@ -1,0 +1,344 @@
+/**
+ * CheckpointState: parameters (with their accumulated gradients), optimizer state and user
+ * properties, read from and written to the checkpoint format the Python side uses. Mirrors
+ * `onnxtrain.api.CheckpointState` (and upstream's `onnxruntime.training.api.CheckpointState`).
+ * @module
+ */
+
+import { CheckpointError, InputMismatchError, OnnxTrainError } from './errors.js';
+import { copyOf, elementCount, formatShape, zerosOf, dtypeInfo } from './dtypes.js';
+import { checkProperty, encodeCheckpoint, readCheckpoint } from './checkpoint.js';
+import { describeSource, platformOf, readSource } from './platform.js';
+
+/** Upstream's learning rate when neither the checkpoint nor the user set one. */
+export const DEFAULT_LEARNING_RATE = 1e-3;
+
+/**
+ * Storage of one parameter. Typed arrays are replaced, never written in place, so a tensor
+ * handed to onnxruntime or to the user never changes under them.
+ * @typedef {object} Slot
+ * @property {string} name
+ * @property {boolean} requiresGrad
+ * @property {string} dtype
+ * @property {number[]} shape
+ * @property {ArrayBufferView} value
+ * @property {ArrayBufferView | null} grad  the accumulated gradient (trainable parameters, once a Module adopts the state)
+ * @property {boolean} hasValue  false for a parameter of a nominal checkpoint that was never set
+ * @property {boolean} hasGrad  true once a training step wrote the gradient
+ */
+
+/**
+ * @typedef {object} OptimizerState
+ * @property {number} step
+ * @property {number} learningRate
+ * @property {string[]} states
+ * @property {Map<string, Map<string, ArrayBufferView>>} values  param -> state -> tensor
+ */
+
+/** A model parameter held by a {@link CheckpointState} (a snapshot: arrays are copies). */
+export class Parameter {
+  /** @param {Slot} slot */
+  constructor(slot) {
+    /** @type {string} */ this.name = slot.name;
+    /** @type {boolean} */ this.requiresGrad = slot.requiresGrad;
+    /** @type {string} */ this.dtype = slot.dtype;
+    /** @type {number[]} */ this.dims = [...slot.shape];
+    /** The value (zeros for a nominal parameter that was never set). @type {ArrayBufferView} */
+    this.data = copyOf(slot.dtype, /** @type {any} */ (slot.value));
+    /** The accumulated gradient, or null before the first training step. @type {ArrayBufferView | null} */
+    this.grad = slot.hasGrad && slot.grad ? copyOf(slot.dtype, /** @type {any} */ (slot.grad)) : null;
+  }
+}
+
+/**
+ * The parameters by name, in checkpoint order: `get(name)` gives a {@link Parameter},
+ * `set(name, data)` replaces a value (same dtype and element count), iteration yields
+ * `[name, Parameter]` pairs.
+ */
+export class Parameters {
+  /** @param {CheckpointState} state */
+  constructor(state) {
+    this._state = state;
+  }
+
+  /** @param {string} name */
+  get(name) {
+    return new Parameter(this._state._slot(name));
+  }
+
+  /**
+   * Replace the value of parameter `name` by a copy of `data` (a typed array of the
+   * parameter's dtype, or an onnxruntime Tensor, with as many elements as the parameter).
+   * @param {string} name
+   * @param {ArrayBufferView | {type: string, data: ArrayBufferView, dims: readonly number[]}} data
+   */
+  set(name, data) {
+    const slot = this._state._slot(name);
+    let values = data;
+    if (data && !ArrayBuffer.isView(data) && typeof data === 'object' && 'data' in data) {
+      if (data.type !== slot.dtype) {
+        throw new InputMismatchError(`parameter ${JSON.stringify(name)} has dtype ${slot.dtype}; got a tensor of ${data.type}`);
+      }
+      if (formatShape(data.dims) !== formatShape(slot.shape)) {
+        throw new InputMismatchError(`parameter ${JSON.stringify(name)} has shape ${formatShape(slot.shape)}; ` +
+          `got a tensor of shape ${formatShape(data.dims)}`);
+      }
+      values = data.data;
+    }
+    const expected = dtypeInfo(slot.dtype, `parameter ${JSON.stringify(name)}`).array;
+    if (!(values instanceof expected)) {
+      const got = values?.constructor?.name ?? typeof values;
+      throw new InputMismatchError(`parameter ${JSON.stringify(name)} has dtype ${slot.dtype}; expected a ` +
+        `${expected.name}, got ${got}`);
+    }
+    const typed = /** @type {any} */ (values);
+    if (typed.length !== elementCount(slot.shape)) {
+      throw new InputMismatchError(`parameter ${JSON.stringify(name)} has shape ${formatShape(slot.shape)} ` +
+        `(${elementCount(slot.shape)} elements); got ${typed.length} values`);
+    }
+    slot.value = copyOf(slot.dtype, typed);
+    slot.hasValue = true;
+  }
+
+  /** @param {string} name */
+  has(name) {
+    return this._state._slots.has(name);
+  }
+
+  /** Parameter names in checkpoint order. */
+  keys() {
+    return [...this._state._slots.keys()];
+  }
+
+  /** `[name, Parameter]` pairs in checkpoint order. */
+  entries() {
+    return this.keys().map((name) => /** @type {[string, Parameter]} */ ([name, this.get(name)]));
+  }
+
+  get size() {
+    return this._state._slots.size;
+  }
+
+  [Symbol.iterator]() {
+    return this.entries()[Symbol.iterator]();
+  }
+}
+
+/**
+ * User properties (finite numbers or strings), saved with the checkpoint. Note: JSON does
+ * not keep the difference between 3 and 3.0, so the Python side reads an integral float
+ * written here as an int.
+ */
+export class Properties {
+  /** @param {CheckpointState} state */
+  constructor(state) {
+    this._state = state;
+  }
+
+  /** @param {string} name @returns {number | string | undefined} */
+  get(name) {
+    return this._state._properties[name];
+  }
+
+  /** @param {string} name @param {number | string} value */
+  set(name, value) {
+    if (typeof name !== 'string') throw new TypeError(`property names are strings, got ${typeof name}`);
+    this._state._properties[name] = checkProperty(name, value, TypeError);
+  }
+
+  /** @param {string} name */
+  has(name) {
+    return Object.prototype.hasOwnProperty.call(this._state._properties, name);
+  }
+
+  /** @param {string} name */
+  delete(name) {
+    return delete this._state._properties[name];
+  }
+
+  keys() {
+    return Object.keys(this._state._properties);
+  }
+
+  entries() {
+    return Object.entries(this._state._properties);
+  }
+
+  get size() {
+    return this.keys().length;
+  }
+
+  [Symbol.iterator]() {
+    return this.entries()[Symbol.iterator]();
+  }
+
+  /** A plain-object copy. */
+  toObject() {
+    return { ...this._state._properties };
+  }
+}
+
+/**
+ * The training state. Create it with {@link CheckpointState.load}; a `Module` and an
+ * `Optimizer` then read and update it.
+ *
+ * @example
+ * const state = await CheckpointState.load('artifacts/checkpoint');
+ * state.properties.set('epoch', 3);
+ * await CheckpointState.save(state, 'artifacts/checkpoint', { includeOptimizerState: true });
+ */
+export class CheckpointState {
+  /** The platform (onnxruntime binding, file access) of this class; set by the entry points. */
+  static platform = /** @type {import('./platform.js').Platform | null} */ (null);
+
+  /**
+   * @param {import('./checkpoint.js').CheckpointData} data  use `load` or `fromBytes` instead
+   */
+  constructor(data) {
+    if (!data || !(data.parameters instanceof Map)) {
+      throw new TypeError('use CheckpointState.load(source) or CheckpointState.fromBytes(bytes) to make a CheckpointState');
+    }
+    /** @type {Map<string, Slot>} */
+    this._slots = new Map();
+    for (const [name, record] of data.parameters) {
+      this._slots.set(name, {
+        name, requiresGrad: record.requiresGrad, dtype: record.dtype, shape: [...record.shape],
+        value: record.value ?? zerosOf(record.dtype, record.shape), grad: null,
+        hasValue: record.value !== null, hasGrad: false,
+      });
+    }
+    /** @type {Record<string, number | string>} */
+    this._properties = { ...data.properties };
+    /** @type {OptimizerState | null} */
+    this._optimizer = data.optimizer ? { ...data.optimizer, states: [...data.optimizer.states] } : null;
+    /** the step (Module or Optimizer run) now in flight, if any */
+    this._busy = /** @type {string | null} */ (null);
+    this._parameters = new Parameters(this);
+    this._propertyView = new Properties(this);
+  }
+
+  /**
+   * Load a checkpoint (complete or nominal) from a path, a URL or its bytes.
+   * @param {string | URL | ArrayBuffer | ArrayBufferView} source
+   * @returns {Promise<CheckpointState>}
+   */
+  static async load(source) {
+    const bytes = await readSource(platformOf(this), source, 'checkpoint');
+    return this.fromBytes(bytes, describeSource(source));
+  }
+
+  /**
+   * Read a checkpoint from its bytes (synchronous; needs no platform).
+   * @param {ArrayBuffer | ArrayBufferView} bytes
+   * @param {string} [source]  a name for error messages
+   */
+  static fromBytes(bytes, source = '<bytes>') {
+    if (!(bytes instanceof ArrayBuffer) && !ArrayBuffer.isView(bytes)) {
+      throw new TypeError(`checkpoint: expected bytes (Uint8Array or ArrayBuffer), got ${typeof bytes}`);
+    }
+    const view = bytes instanceof ArrayBuffer ? new Uint8Array(bytes)
+      : new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+    return new this(readCheckpoint(view, source));
+  }
+
+  /**
+   * Serialize `state` (with `includeOptimizerState`, also the optimizer's step count, learning
+   * rate and state tensors); write it to `target` when given (atomically, where the platform
+   * has a file system) and return the bytes.
+   * @param {CheckpointState} state
+   * @param {string | URL | null} [target]
+   * @param {{includeOptimizerState?: boolean}} [options]
+   * @returns {Promise<Uint8Array>}
+   */
+  static async save(state, target = null, { includeOptimizerState = false } = {}) {
+    if (!(state instanceof CheckpointState)) {
+      throw new TypeError(`expected a CheckpointState, got ${state === null ? 'null' : typeof state}`);
+    }
+    const bytes = state.toBytes({ includeOptimizerState });
+    if (target !== null && target !== undefined) {
+      const platform = platformOf(this);
+      if (!platform.writeBytes) {
+        throw new OnnxTrainError(`the ${platform.name} platform cannot write files; call CheckpointState.save(state) ` +
+          'without a target (or state.toBytes()) and store the returned bytes');
+      }
+      await platform.writeBytes(target, bytes, 'checkpoint');
+    }
+    return bytes;
+  }
+
+  /**
+   * The checkpoint bytes of this state.
+   * @param {{includeOptimizerState?: boolean}} [options]
+   * @returns {Uint8Array}
+   */
+  toBytes({ includeOptimizerState = false } = {}) {
+    const missing = this._missingValues();
+    const nominal = missing.length > 0 && missing.length === this._slots.size;
+    if (missing.length && !nominal) {
+      throw new CheckpointError(`cannot save: parameters ${JSON.stringify(missing.slice(0, 8))} have no value ` +
+        '(they came from a nominal checkpoint and were never set)');
+    }
+    const parameters = new Map();
+    for (const [name, slot] of this._slots) {
+      parameters.set(name, { name, requiresGrad: slot.requiresGrad, dtype: slot.dtype, shape: slot.shape,
+        value: nominal ? null : slot.value });
+    }
+    const optimizer = includeOptimizerState && this._optimizer ? this._optimizer : null;
+    return encodeCheckpoint({ parameters, nominal, optimizer, properties: this._properties });
+  }
+
+  /** The parameters, by name. */
+  get parameters() {
+    return this._parameters;
+  }
+
+  /** User properties (numbers and strings), saved with the checkpoint. */
+  get properties() {
+    return this._propertyView;
+  }
+
+  /** True while some parameter has no value (loaded from a nominal checkpoint). */
+  get nominal() {
+    return this._missingValues().length > 0;
+  }
+
+  /** Optimizer step count and learning rate, or null when the state holds no optimizer state. */
+  get optimizerState() {
+    return this._optimizer ? { step: this._optimizer.step, learningRate: this._optimizer.learningRate,
+      states: [...this._optimizer.states] } : null;
+  }
+
+  /** @param {string} name */
+  _slot(name) {
+    const slot = this._slots.get(name);
+    if (!slot) {
+      throw new CheckpointError(`parameter ${JSON.stringify(name)} is not in the checkpoint; it holds ` +
+        `${JSON.stringify([...this._slots.keys()].slice(0, 8))}`);
+    }
+    return slot;
+  }
+
+  _missingValues() {
+    return [...this._slots.values()].filter((s) => !s.hasValue).map((s) => s.name);
+  }
+
+  /**
+   * Mark the state busy for the duration of `run`: two steps on one state must not overlap.
+   * @template T
+   * @param {string} what
+   * @param {() => Promise<T>} run
+   * @returns {Promise<T>}
+   */
+  async _exclusive(what, run) {
+    if (this._busy) {
+      throw new OnnxTrainError(`cannot start ${what}: ${this._busy} on the same state is still running; ` +
+        'await it before starting the next step');
+    }
+    this._busy = what;
+    try {
+      return await run();
+    } finally {
+      this._busy = null;
+    }
+  }
+}

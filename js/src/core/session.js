@@ -1,0 +1,156 @@
+/**
+ * Session creation and the description of a session's inputs and outputs.
+ * @module
+ */
+
+import { InputMismatchError, ModelError } from './errors.js';
+import { formatShape } from './dtypes.js';
+import { readModelMetadata } from './onnx_proto.js';
+import { describeSource, readSource } from './platform.js';
+
+/**
+ * @typedef {object} IOSpec
+ * @property {string} name
+ * @property {string | null} type  tensor element type ("float32", "int64", ...) or null if unknown
+ * @property {Array<number | string> | null} shape  dims (strings or -1 are symbolic) or null if unknown
+ */
+
+/**
+ * @typedef {object} LoadedModel
+ * @property {any} session  an onnxruntime InferenceSession
+ * @property {Uint8Array} bytes
+ * @property {Record<string, string>} metadata  the model's metadata_props
+ * @property {IOSpec[]} inputs
+ * @property {IOSpec[]} outputs
+ */
+
+/**
+ * Read a model (path, URL or bytes; ONNX or ORT format) and create its session.
+ * @param {import('./platform.js').Platform} platform
+ * @param {string | URL | ArrayBuffer | ArrayBufferView} source
+ * @param {object | undefined} sessionOptions  onnxruntime InferenceSession options
+ * @param {string} what  e.g. "training model"
+ * @returns {Promise<LoadedModel>}
+ */
+export async function loadModel(platform, source, sessionOptions, what) {
+  const bytes = await readSource(platform, source, what);
+  const metadata = readModelMetadata(bytes, what);
+  let session;
+  try {
+    session = await platform.ort.InferenceSession.create(bytes, sessionOptions ?? {});
+  } catch (error) {
+    throw new ModelError(`onnxruntime (${platform.name}) cannot load the ${what} ${JSON.stringify(describeSource(source))}: ` +
+      `${/** @type {Error} */ (error).message}`);
+  }
+  return { session, bytes, metadata, inputs: specs(session.inputNames, session.inputMetadata),
+    outputs: specs(session.outputNames, session.outputMetadata) };
+}
+
+/**
+ * @param {readonly string[]} names
+ * @param {readonly any[] | undefined} metadata  onnxruntime's input/output metadata (absent in old versions)
+ * @returns {IOSpec[]}
+ */
+function specs(names, metadata) {
+  return names.map((name, i) => {
+    const meta = metadata?.[i];
+    const isTensor = meta && meta.isTensor;
+    return { name, type: isTensor ? meta.type : null, shape: isTensor && Array.isArray(meta.shape) ? [...meta.shape] : null };
+  });
+}
+
+/** @param {IOSpec} spec */
+export function describeSpec(spec) {
+  const shape = spec.shape ? `[${spec.shape.map((d) => (typeof d === 'string' ? JSON.stringify(d) : d)).join(', ')}]` : 'any shape';
+  return `${spec.type ?? 'any type'} ${shape}`;
+}
+
+/** Whether a declared dim is a fixed size (not symbolic). @param {number | string} dim */
+export const isStaticDim = (dim) => typeof dim === 'number' && dim >= 0;
+
+/**
+ * The metadata entry `key` as a JSON object ({} when absent).
+ * @param {Record<string, string>} metadata
+ * @param {string} key
+ * @param {string} what
+ * @returns {Record<string, any>}
+ */
+export function jsonMetadata(metadata, key, what) {
+  const text = metadata[key];
+  if (!text) return {};
+  let value;
+  try {
+    value = JSON.parse(text);
+  } catch (error) {
+    throw new ModelError(`the ${what}'s metadata ${JSON.stringify(key)} is not valid JSON: ${/** @type {Error} */ (error).message}`);
+  }
+  return value !== null && typeof value === 'object' && !Array.isArray(value) ? value : {};
+}
+
+/**
+ * Map user inputs (positional, or one object by name) onto `specs` and check each: an
+ * onnxruntime Tensor of the declared type, rank and fixed dims.
+ * @param {IOSpec[]} specs
+ * @param {unknown[]} args
+ * @param {string} what  e.g. "training step"
+ * @returns {Record<string, any>} feeds by name
+ */
+export function gatherInputs(specs, args, what) {
+  const names = specs.map((s) => s.name);
+  /** @type {Record<string, any>} */
+  let byName;
+  if (args.length === 1 && isPlainObject(args[0])) {
+    byName = /** @type {Record<string, any>} */ (args[0]);
+    const unknown = Object.keys(byName).filter((n) => !names.includes(n));
+    if (unknown.length) {
+      throw new InputMismatchError(`${what}: unknown inputs ${JSON.stringify(unknown)}; the model takes ${JSON.stringify(names)}`);
+    }
+  } else {
+    if (args.length !== specs.length) {
+      throw new InputMismatchError(`${what}: got ${args.length} inputs, expected ${specs.length} ` +
+        `(${JSON.stringify(names)}), positionally or as one object by name`);
+    }
+    byName = Object.fromEntries(names.map((n, i) => [n, args[i]]));
+  }
+  /** @type {Record<string, any>} */
+  const feeds = {};
+  for (const spec of specs) {
+    const value = byName[spec.name];
+    if (value === undefined) throw new InputMismatchError(`${what}: input ${JSON.stringify(spec.name)} is missing`);
+    if (!isTensorLike(value)) {
+      throw new InputMismatchError(`${what}: input ${JSON.stringify(spec.name)} must be an onnxruntime Tensor ` +
+        `(${describeSpec(spec)}), got ${value === null ? 'null' : value.constructor?.name ?? typeof value}`);
+    }
+    const problem = mismatch(spec, value);
+    if (problem) {
+      throw new InputMismatchError(`${what}: input ${JSON.stringify(spec.name)} is ${value.type} ` +
+        `${formatShape(value.dims)}; expected ${describeSpec(spec)} (${problem})`);
+    }
+    feeds[spec.name] = value;
+  }
+  return feeds;
+}
+
+/** @param {unknown} value */
+function isPlainObject(value) {
+  return value !== null && typeof value === 'object' && !isTensorLike(value) &&
+    (Object.getPrototypeOf(value) === Object.prototype || Object.getPrototypeOf(value) === null);
+}
+
+/** @param {any} value */
+function isTensorLike(value) {
+  return value !== null && typeof value === 'object' && typeof value.type === 'string' && Array.isArray(value.dims);
+}
+
+/**
+ * Why `tensor` does not fit `spec`, or null.
+ * @param {IOSpec} spec
+ * @param {{type: string, dims: readonly number[]}} tensor
+ */
+function mismatch(spec, tensor) {
+  if (spec.type !== null && spec.type !== tensor.type) return `element type ${tensor.type} instead of ${spec.type}`;
+  if (spec.shape === null) return null;
+  if (spec.shape.length !== tensor.dims.length) return `rank ${tensor.dims.length} instead of ${spec.shape.length}`;
+  const axis = spec.shape.findIndex((d, i) => isStaticDim(d) && d !== tensor.dims[i]);
+  return axis < 0 ? null : `dim ${axis} is ${tensor.dims[axis]}, the model fixes it to ${spec.shape[axis]}`;
+}

@@ -1,0 +1,72 @@
+/**
+ * onnxtrain-web for Node.js, on `onnxruntime-node`: models and checkpoints load from paths
+ * (or file:/http(s): URLs, or bytes) and save atomically to files.
+ *
+ * @example
+ * import { CheckpointState, Module, Optimizer, ort } from 'onnxtrain-web/node';
+ * @module
+ */
+
+import { open, readFile, rename, unlink } from 'node:fs/promises';
+import { basename, dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import * as ort from 'onnxruntime-node';
+import { bindPlatform, CheckpointError, ModelError } from './core/index.js';
+
+export * from './core/index.js';
+export { ort };
+
+/** @param {string} what */
+const errorFor = (what) => (what === 'checkpoint' ? CheckpointError : ModelError);
+
+/**
+ * @param {string | URL} source
+ * @param {string} what
+ */
+async function readBytes(source, what) {
+  const text = source instanceof URL ? source.href : source;
+  if (/^https?:\/\//.test(text)) {
+    const response = await fetch(text);
+    if (!response.ok) throw new (errorFor(what))(`cannot fetch the ${what} ${JSON.stringify(text)}: HTTP ${response.status}`);
+    return new Uint8Array(await response.arrayBuffer());
+  }
+  const path = text.startsWith('file:') ? fileURLToPath(text) : text;
+  try {
+    return new Uint8Array(await readFile(path));
+  } catch (error) {
+    const code = /** @type {NodeJS.ErrnoException} */ (error).code;
+    const reason = code === 'ENOENT' ? 'does not exist' : code === 'EISDIR' ? 'is a directory, expected a file'
+      : `cannot be read (${/** @type {Error} */ (error).message})`;
+    throw new (errorFor(what))(`the ${what} ${JSON.stringify(path)} ${reason}`);
+  }
+}
+
+/**
+ * Write `bytes` to a temporary file in the destination folder, fsync it and rename it over
+ * the destination, so an interrupted write leaves the previous file intact (as the Python side).
+ * @param {string | URL} target
+ * @param {Uint8Array} bytes
+ * @param {string} what
+ */
+async function writeBytes(target, bytes, what) {
+  const path = target instanceof URL ? fileURLToPath(target) : target.startsWith('file:') ? fileURLToPath(target) : target;
+  const temporary = join(dirname(path), `.${basename(path)}.${process.pid}.${Date.now()}.tmp`);
+  let handle;
+  try {
+    handle = await open(temporary, 'w');
+    await handle.writeFile(bytes);
+    await handle.sync();
+    await handle.close();
+    handle = undefined;
+    await rename(temporary, path);
+  } catch (error) {
+    await handle?.close().catch(() => {});
+    await unlink(temporary).catch(() => {});
+    throw new (errorFor(what))(`cannot write the ${what} ${JSON.stringify(path)}: ${/** @type {Error} */ (error).message}`);
+  }
+}
+
+/** The Node.js platform: onnxruntime-node and the file system. */
+export const platform = { name: 'node', ort, readBytes, writeBytes };
+
+export const { CheckpointState, Module, Optimizer } = bindPlatform(platform);

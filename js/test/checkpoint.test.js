@@ -1,0 +1,162 @@
+// The checkpoint format (read what Python wrote, write what Python reads), CheckpointState,
+// LinearLRScheduler and the errors bad input gets.
+import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
+import { test } from 'node:test';
+import {
+  CheckpointError, CheckpointState, InputMismatchError, LinearLRScheduler, Module, ModelError, OnnxTrainError,
+  Optimizer, encodeCheckpoint, ort, readCheckpoint,
+} from 'onnxtrain-web/node';
+import { fixturePath } from './fixtures.js';
+
+const artifact = (name) => fixturePath(`artifacts/${name}`);
+const checkpointBytes = () => new Uint8Array(readFileSync(artifact('checkpoint')));
+const isError = (ErrorClass, pattern) => (error) => {
+  assert.ok(error instanceof ErrorClass, `expected ${ErrorClass.name}, got ${error?.constructor?.name}: ${error?.message}`);
+  assert.ok(error instanceof OnnxTrainError);
+  assert.match(error.message, pattern);
+  return true;
+};
+
+test('a checkpoint Python wrote reads with its parameters, optimizer state and properties', async () => {
+  const state = await CheckpointState.load(fixturePath('python_step20'));
+  assert.deepEqual(state.parameters.keys(), ['conv1.weight', 'conv1.bias', 'conv2.weight', 'conv2.bias', 'fc.weight', 'fc.bias']);
+  const weight = state.parameters.get('conv1.weight');
+  assert.deepEqual(weight.dims, [8, 1, 3, 3]);
+  assert.equal(weight.dtype, 'float32');
+  assert.equal(weight.requiresGrad, true);
+  assert.ok(weight.data instanceof Float32Array && weight.data.length === 72);
+  assert.deepEqual(state.optimizerState, { step: 20, learningRate: 0.003, states: ['momentum0', 'momentum1'] });
+  assert.equal(state.nominal, false);
+});
+
+test('toBytes and fromBytes round-trip, byte for byte and value for value', () => {
+  const state = CheckpointState.fromBytes(readFileSync(fixturePath('python_step20')));
+  state.properties.set('epoch', 3);
+  state.properties.set('note', 'from node');
+  state.properties.set('best', 0.875);
+  const bytes = state.toBytes({ includeOptimizerState: true });
+  const again = CheckpointState.fromBytes(bytes);
+  assert.deepEqual(again.properties.toObject(), { epoch: 3, note: 'from node', best: 0.875 });
+  assert.deepEqual(again.optimizerState, state.optimizerState);
+  for (const [name, parameter] of state.parameters) assert.deepEqual(again.parameters.get(name).data, parameter.data);
+  assert.deepEqual(again.toBytes({ includeOptimizerState: true }), bytes);
+  const data = readCheckpoint(bytes);
+  assert.equal(data.optimizer.values.get('fc.bias').get('momentum1').length, 10);
+  assert.equal(CheckpointState.fromBytes(state.toBytes()).optimizerState, null, 'optimizer state only when asked');
+});
+
+test('bad checkpoint bytes get a CheckpointError that says what is wrong', async () => {
+  const good = checkpointBytes();
+  assert.throws(() => CheckpointState.fromBytes(good.subarray(0, 5)), isError(CheckpointError, /not a safetensors file: 5 bytes/));
+  assert.throws(() => CheckpointState.fromBytes(good.subarray(0, good.length - 4)), isError(CheckpointError, /corrupt/));
+  assert.throws(() => CheckpointState.fromBytes(new TextEncoder().encode('definitely not a checkpoint')), isError(CheckpointError, /header length/));
+  const garbledHeader = good.slice();
+  garbledHeader[9] = 0x00;
+  assert.throws(() => CheckpointState.fromBytes(garbledHeader), isError(CheckpointError, /header is not JSON/));
+  // a safetensors file from elsewhere: same container, another format tag (same length)
+  const renamed = good.slice();
+  const tag = new TextEncoder().encode('onnxtrain.checkpoint');
+  const at = Buffer.from(renamed).indexOf(Buffer.from(tag));
+  assert.ok(at > 0);
+  renamed.set(new TextEncoder().encode('someone.elses.file00'), at);
+  assert.throws(() => CheckpointState.fromBytes(renamed), isError(CheckpointError, /not an onnxtrain checkpoint/));
+  await assert.rejects(CheckpointState.load(fixturePath('no_such_checkpoint')), isError(CheckpointError, /does not exist/));
+  await assert.rejects(CheckpointState.load(fixturePath('artifacts')), isError(CheckpointError, /is a directory/));
+});
+
+test('a checkpoint that lacks a parameter the training model takes is refused, naming it', async () => {
+  const data = readCheckpoint(checkpointBytes());
+  data.parameters.delete('fc.bias');
+  const state = CheckpointState.fromBytes(encodeCheckpoint(data));
+  await assert.rejects(Module.create(artifact('training_model.onnx'), state),
+    isError(CheckpointError, /takes parameters \["fc\.bias"\] that the checkpoint does not hold/));
+});
+
+test('a parameter whose dtype or shape differs from the model is refused, naming both', async () => {
+  const data = readCheckpoint(checkpointBytes());
+  data.parameters.set('fc.bias', { ...data.parameters.get('fc.bias'), shape: [5, 2] });
+  await assert.rejects(Module.create(artifact('training_model.onnx'), CheckpointState.fromBytes(encodeCheckpoint(data))),
+    isError(CheckpointError, /"fc\.bias" has shape \[5, 2\] in the checkpoint; the training model expects float32 \[10\]/));
+  const wide = readCheckpoint(checkpointBytes());
+  const record = wide.parameters.get('fc.bias');
+  wide.parameters.set('fc.bias', { ...record, dtype: 'float64', value: Float64Array.from(record.value) });
+  await assert.rejects(Module.create(artifact('training_model.onnx'), CheckpointState.fromBytes(encodeCheckpoint(wide))),
+    isError(CheckpointError, /"fc\.bias" is float64 in the checkpoint; the training model expects float32/));
+});
+
+test('inputs of the wrong type, rank, count or name get an InputMismatchError', async () => {
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  const module = await Module.create(artifact('training_model.onnx'), state);
+  const images = new ort.Tensor('float32', new Float32Array(2 * 64), [2, 1, 8, 8]);
+  const labels = new ort.Tensor('int32', Int32Array.of(1, 2), [2]);
+  await assert.rejects(module.trainStep(images, new ort.Tensor('int64', BigInt64Array.of(1n, 2n), [2])),
+    isError(InputMismatchError, /input "labels" is int64 \[2\]; expected int32 \["batch"\] \(element type int64 instead of int32\)/));
+  await assert.rejects(module.trainStep(new ort.Tensor('float32', new Float32Array(2 * 64), [2, 64]), labels),
+    isError(InputMismatchError, /input "image" is float32 \[2, 64\]; expected float32 \["batch", 1, 8, 8\] \(rank 2 instead of 4\)/));
+  await assert.rejects(module.trainStep(new ort.Tensor('float32', new Float32Array(2 * 81), [2, 1, 9, 9]), labels),
+    isError(InputMismatchError, /dim 2 is 9, the model fixes it to 8/));
+  await assert.rejects(module.trainStep(images), isError(InputMismatchError, /got 1 inputs, expected 2 \(\["image","labels"\]\)/));
+  await assert.rejects(module.trainStep({ image: images, label: labels }), isError(InputMismatchError, /unknown inputs \["label"\]/));
+  await assert.rejects(module.trainStep(images, Int32Array.of(1, 2)), isError(InputMismatchError, /"labels" must be an onnxruntime Tensor/));
+  const { loss } = await module.trainStep({ image: images, labels });
+  assert.ok(Number.isFinite(loss.data[0]));
+  await assert.rejects(module.evalStep(images, labels), isError(ModelError, /needs the eval model/));
+});
+
+test('setting a parameter checks its dtype and size; steps on one state must not overlap', async () => {
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  assert.throws(() => state.parameters.set('fc.bias', new Float32Array(3)), isError(InputMismatchError, /shape \[10\] \(10 elements\); got 3 values/));
+  assert.throws(() => state.parameters.set('fc.bias', new Float64Array(10)), isError(InputMismatchError, /expected a Float32Array, got Float64Array/));
+  assert.throws(() => state.parameters.get('fc.weights'), isError(CheckpointError, /parameter "fc.weights" is not in the checkpoint/));
+  state.parameters.set('fc.bias', new Float32Array(10).fill(0.5));
+  assert.equal(state.parameters.get('fc.bias').data[3], 0.5);
+  assert.throws(() => state.properties.set('flag', true), /property "flag" must be a finite number or a string, got boolean/);
+
+  const module = await Module.create(artifact('training_model.onnx'), state);
+  const optimizer = await Optimizer.create(artifact('optimizer_model.onnx'), module);
+  const images = new ort.Tensor('float32', new Float32Array(2 * 64), [2, 1, 8, 8]);
+  const labels = new ort.Tensor('int32', Int32Array.of(1, 2), [2]);
+  const first = module.trainStep(images, labels);
+  await assert.rejects(optimizer.step(), isError(OnnxTrainError, /a training step on the same state is still running/));
+  await first;
+  await optimizer.step();
+  assert.equal(optimizer.stepCount, 1);
+});
+
+test('a nominal checkpoint needs its values before a step; saving it keeps it nominal', async () => {
+  const data = readCheckpoint(checkpointBytes());
+  const state = CheckpointState.fromBytes(encodeCheckpoint({ ...data, nominal: true }));
+  assert.equal(state.nominal, true);
+  assert.equal(readCheckpoint(state.toBytes()).nominal, true);
+  const module = await Module.create(artifact('training_model.onnx'), state);
+  const images = new ort.Tensor('float32', new Float32Array(64), [1, 1, 8, 8]);
+  const labels = new ort.Tensor('int32', Int32Array.of(3), [1]);
+  await assert.rejects(module.trainStep(images, labels), isError(CheckpointError, /have no value \(nominal checkpoint\)/));
+  state.parameters.set('fc.bias', data.parameters.get('fc.bias').value);
+  assert.throws(() => state.toBytes(), isError(CheckpointError, /cannot save: parameters \["conv1.weight"/));
+  module.copyBufferToParameters(Float32Array.from({ length: module.getParametersSize() }, (_, i) => Math.sin(i) / 10));
+  const { loss } = await module.trainStep(images, labels);
+  assert.ok(Number.isFinite(loss.data[0]));
+});
+
+test('an optimizer model that does not fit the training model is refused', async () => {
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  const module = await Module.create(artifact('training_model.onnx'), state);
+  await assert.rejects(Optimizer.create(artifact('training_model.onnx'), module),
+    isError(ModelError, /optimizer model's first inputs must be \["learning_rate","step"\], got \["image","labels"\]/));
+  await assert.rejects(Module.create(new Uint8Array([1, 2, 3, 4]), state), isError(ModelError, /training model/));
+});
+
+test('LinearLRScheduler warms up linearly, then decays linearly to 0 (same values as Python)', () => {
+  const optimizer = { stepCount: 0, lr: NaN, setLearningRate(lr) { this.lr = lr; } };
+  const scheduler = new LinearLRScheduler(optimizer, 2, 6, 0.1);
+  const seen = [];
+  for (let i = 0; i < 7; i++) {
+    seen.push(Math.round(optimizer.lr * 1e4) / 1e4);
+    optimizer.stepCount += 1;
+    scheduler.step();
+  }
+  assert.deepEqual(seen, [0, 0.05, 0.1, 0.075, 0.05, 0.025, 0]);
+  assert.throws(() => new LinearLRScheduler(optimizer, -1, 6, 0.1), /warmupStepCount must be an integer >= 0/);
+});

@@ -1,0 +1,63 @@
+// The rest of the graph contract against the Python runtime: training-mode BatchNormalization
+// (running statistics written back into frozen parameters) and fp16 artifacts (dynamic loss
+// scaling: skipped steps, scale backoff and growth tracking in the state's properties).
+import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
+import { test } from 'node:test';
+import { CheckpointState, Module, Optimizer, ort } from 'onnxtrain-web/node';
+import { fixturePath, maxAbsDiff, settings } from './fixtures.js';
+
+/** Train the small MLP `name` as tests/js/fixtures.py does; return the state and skip flags. */
+async function trainSmall(name) {
+  const small = JSON.parse(readFileSync(fixturePath('small/data.json'), 'utf8'));
+  const artifact = (file) => fixturePath(`small/${name}/${file}`);
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  const module = await Module.create(artifact('training_model.onnx'), state, artifact('eval_model.onnx'));
+  const optimizer = await Optimizer.create(artifact('optimizer_model.onnx'), module);
+  optimizer.setLearningRate(small.learning_rate);
+  const x = Float32Array.from(small.x);
+  const y = Int32Array.from(small.y);
+  const [count, features] = small.x_dims;
+  const skipped = [];
+  for (let k = 0; k < small.steps; k++) {
+    if (name === 'fp16' && k === small.overflow_step) state.properties.set('loss_scale', small.overflow_scale);
+    const start = (k * small.rows) % count;
+    await module.trainStep(new ort.Tensor('float32', x.slice(start * features, (start + small.rows) * features), [small.rows, features]),
+      new ort.Tensor('int32', y.slice(start, start + small.rows), [small.rows]));
+    await optimizer.step();
+    module.lazyResetGrad();
+    skipped.push(optimizer.lastStepSkipped);
+  }
+  return { state, optimizer, skipped, small };
+}
+
+/** Every parameter (trainable and frozen) and the optimizer moments equal Python's run. */
+async function assertMatchesPython(name, state) {
+  const expected = await CheckpointState.load(fixturePath(`small/${name}/python_steps`));
+  const { tolerance } = settings();
+  for (const [param, parameter] of expected.parameters) {
+    const diff = maxAbsDiff(state.parameters.get(param).data, parameter.data);
+    assert.ok(diff <= tolerance, `${name}: parameter ${param} differs from Python's by ${diff}`);
+  }
+  assert.deepEqual(state.optimizerState, expected.optimizerState);
+  return expected;
+}
+
+test('training-mode BatchNormalization: running statistics are written back as in Python', async () => {
+  const { state } = await trainSmall('batchnorm');
+  const initial = await CheckpointState.load(fixturePath('small/batchnorm/checkpoint'));
+  assert.equal(state.parameters.get('bn.running_mean').requiresGrad, false);
+  assert.ok(maxAbsDiff(state.parameters.get('bn.running_mean').data, initial.parameters.get('bn.running_mean').data) > 1e-3,
+    'the running mean moved');
+  await assertMatchesPython('batchnorm', state);
+});
+
+test('fp16 artifacts: overflowing steps are skipped, the scale backs off and grows as in Python', async () => {
+  const { state, optimizer, skipped, small } = await trainSmall('fp16');
+  const expected = await assertMatchesPython('fp16', state);
+  assert.deepEqual(state.properties.toObject(), expected.properties.toObject());
+  assert.ok(skipped.slice(0, small.overflow_step).every((s) => !s), 'no skip before the forced overflow');
+  assert.equal(skipped[small.overflow_step], true, 'the step with the overflowing scale is skipped');
+  assert.equal(skipped.at(-1), false, 'training recovers once the scale has backed off');
+  assert.equal(optimizer.stepCount, skipped.filter((s) => !s).length, 'skipped steps do not count');
+});

@@ -118,13 +118,19 @@ def test_value_sizes_bind_symbolic_dims_and_infer_missing_shapes():
     assert not sizes.guessed
 
 
-def test_live_peak_counts_values_until_their_last_reader():
+def _neg_neg_add(value_bytes: int) -> tuple[ir.Graph, memory.ValueSizes]:
+    """x -> a = -x -> b = -a -> c = a + b (c the output), every value ``value_bytes`` large."""
     x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([10]))
     a = ir.node("Neg", [x], num_outputs=1)
     b = ir.node("Neg", [a.outputs[0]], num_outputs=1)
     c = ir.node("Add", [a.outputs[0], b.outputs[0]], num_outputs=1)
     graph = ir.Graph([x], c.outputs, nodes=[a, b, c])
-    sizes = memory.ValueSizes({v.name: 40 for v in [x, *a.outputs, *b.outputs, *c.outputs]}, frozenset())
+    return graph, memory.ValueSizes({v.name: value_bytes for v in [x, *a.outputs, *b.outputs, *c.outputs]},
+                                    frozenset())
+
+
+def test_live_peak_counts_values_until_their_last_reader():
+    graph, sizes = _neg_neg_add(40)
     peak = memory.live_peak(graph, sizes)
     assert peak.bytes == 120 and peak.at_end == 40  # a, b and c alive while c runs
 
@@ -208,18 +214,14 @@ def test_arena_model_shrink_releases_wholly_free_regions_only():
 
 
 def test_simulated_run_keeps_graph_outputs_and_frees_the_rest():
-    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([10]))
-    a = ir.node("Neg", [x], num_outputs=1)
-    b = ir.node("Neg", [a.outputs[0]], num_outputs=1)
-    c = ir.node("Add", [a.outputs[0], b.outputs[0]], num_outputs=1)
-    graph = ir.Graph([x], c.outputs, nodes=[a, b, c])
-    sizes = memory.ValueSizes({v.name: MiB // 4 for v in [x, *a.outputs, *b.outputs, *c.outputs]}, frozenset())
+    graph, sizes = _neg_neg_add(MiB // 4)
     arena = memory.ArenaModel()
     held = memory.simulate_run(arena, graph, sizes)
-    assert set(held) == {c.outputs[0].name}
+    output = graph.outputs[0].name
+    assert set(held) == {output}
     assert arena.peak == 3 * MiB // 4  # a, b and c at once; x is the caller's
     before = arena.resident
-    arena.free(held[c.outputs[0].name])
+    arena.free(held[output])
     memory.simulate_run(arena, graph, sizes)  # a second run fits in what the first touched
     assert arena.resident == before
 

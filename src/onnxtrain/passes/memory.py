@@ -357,22 +357,23 @@ class ArenaModel:
         if chunk is None:
             return
         chunk.in_use = False
-        after = chunk.after
-        if after is not None and not after.in_use:
-            self._remove_free(after)
-            chunk.size += after.size
-            chunk.after = after.after
-            if after.after is not None:
-                after.after.before = chunk
-        before = chunk.before
-        if before is not None and not before.in_use:
-            self._remove_free(before)
-            before.size += chunk.size
-            before.after = chunk.after
-            if chunk.after is not None:
-                chunk.after.before = before
-            chunk = before
+        if chunk.after is not None and not chunk.after.in_use:
+            self._absorb_next(chunk)
+        if chunk.before is not None and not chunk.before.in_use:
+            chunk = chunk.before
+            self._absorb_next(chunk)
         self._add_free(chunk)
+
+    def _absorb_next(self, chunk: _Chunk) -> None:
+        """Merge the free chunk after ``chunk`` into it (whichever of the two is listed free)."""
+        after = chunk.after
+        for listed in (chunk, after):
+            if listed.address in self._at and self._at[listed.address] is listed:
+                self._remove_free(listed)
+        chunk.size += after.size
+        chunk.after = after.after
+        if after.after is not None:
+            after.after.before = chunk
 
     def shrink(self) -> None:
         """Release every wholly free region but the first (what ORT's arena shrinkage does)."""

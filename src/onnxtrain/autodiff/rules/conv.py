@@ -241,8 +241,72 @@ def _max_pool_indices(ctx) -> ir.Value:
     return indices
 
 
-@grad("MaxPool", versions=(13, None))
-def _max_pool(ctx):
+def _tiles_the_input(ctx) -> bool:
+    """Whether the MaxPool's windows tile its input without overlap or padding.
+
+    That is strides == kernel_shape, dilations 1, no pads (``auto_pad`` NOTSET with zero
+    ``pads``, or VALID) and ``ceil_mode`` 0: each input element lies in at most one window, and
+    the rows and columns past the last whole window lie in none.
+    """
+    kernel = [int(k) for k in ctx.attr("kernel_shape")]
+    r = len(kernel)
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    return (_ints_attr(ctx, "strides", r, 1) == kernel
+            and _ints_attr(ctx, "dilations", r, 1) == [1] * r
+            and int(ctx.attr("ceil_mode", 0)) == 0
+            and (auto_pad == "VALID" or (auto_pad == "NOTSET" and not any(_ints_attr(ctx, "pads", 2 * r, 0)))))
+
+
+def _max_pool_by_windows(ctx) -> ir.Value:
+    """MaxPool's input gradient for windows that tile the input, without MaxPool's ``Indices``.
+
+    The input is cropped to whole windows, viewed as ``[N, C, O1, k1, ..., Or, kr]``, its window
+    axes moved last and flattened to ``[N, C, O1, ..., Or, k1*...*kr]``; ArgMax picks each
+    window's first largest element in row-major window order (the element ``Indices`` names),
+    and that element alone receives the window's output gradient. The inverse view and a zero
+    Pad for the cropped remainder give the gradient in the input's shape. Standard ops only,
+    none of which onnxruntime-web's WebGPU provider lacks (it cannot run MaxPool's ``Indices``),
+    and no ScatterElements.
+    """
+    op, b, x = ctx.op, ctx.b, ctx.x
+    kernel = [int(k) for k in ctx.attr("kernel_shape")]
+    r = len(kernel)
+    spatial = list(range(2, 2 + r))
+    taps = int(np.prod(kernel))
+    static_sizes = None
+    if x.shape is not None and len(x.shape) == r + 2 and all(isinstance(d, int) for d in x.shape[2:]):
+        static_sizes = [int(d) for d in x.shape[2:]]
+    if static_sizes is not None:
+        windows = b.ints([s // k for s, k in zip(static_sizes, kernel)])
+        covered_sizes = [s // k * k for s, k in zip(static_sizes, kernel)]
+        covered = b.ints(covered_sizes)
+        remainder = np.array(static_sizes, np.int64) - np.array(covered_sizes, np.int64)
+    else:
+        windows = op.Div(_tail(b, x), b.ints(kernel))  # floor: int64 sizes are non-negative
+        covered = op.Mul(windows, b.ints(kernel))
+        remainder = op.Sub(_tail(b, x), covered)
+    whole = x
+    if not isinstance(remainder, np.ndarray) or remainder.any():
+        whole = op.Slice(x, b.ints([0] * r), covered, b.ints(spatial))
+    # [N, C, O1, k1, O2, k2, ...]: window counts interleaved with the kernel sizes
+    interleaved = op.Reshape(op.Concat(op.Reshape(windows, b.ints([r, 1])), b.ints([[k] for k in kernel]), axis=1),
+                             b.ints([2 * r]))
+    blocks = op.Reshape(whole, op.Concat(b.ints([0, 0]), interleaved, axis=0))
+    to_windows_last = [0, 1, *(2 + 2 * i for i in range(r)), *(3 + 2 * i for i in range(r))]
+    keep_leading = [0] * (2 + r)  # Reshape's 0 copies N, C and the window counts
+    rows = op.Reshape(op.Transpose(blocks, perm=to_windows_last), b.ints(keep_leading + [taps]))
+    winner = op.ArgMax(rows, axis=-1, keepdims=1, select_last_index=0)  # [N, C, O1, ..., Or, 1]
+    is_winner = op.Equal(winner, b.ints(list(range(taps))))
+    grad_rows = b.keep_where(is_winner, op.Reshape(ctx.dy, b.ints(keep_leading + [1])))
+    grad_blocks = op.Reshape(grad_rows, b.ints(keep_leading + kernel))
+    back = [to_windows_last.index(axis) for axis in range(2 + 2 * r)]
+    grad_whole = op.Reshape(op.Transpose(grad_blocks, perm=back), op.Concat(b.ints([0, 0]), covered, axis=0))
+    return _pad(b, grad_whole, np.zeros(r, np.int64), remainder)
+
+
+def _max_pool_by_indices(ctx) -> ir.Value:
+    """MaxPool's input gradient for any configuration: each output's gradient is added (scattered)
+    at the flat position MaxPool's ``Indices`` output names."""
     op, b = ctx.op, ctx.b
     kernel = ctx.attr("kernel_shape")
     r = len(kernel)
@@ -266,7 +330,17 @@ def _max_pool(ctx):
             pick = (b.ints(list(start)), b.ints([_INT64_MAX] * r), b.ints(spatial), b.ints(period))
             parts.append(scatter(op.Slice(ctx.dy, *pick), op.Slice(indices, *pick)))
         flat = parts[0] if len(parts) == 1 else op.Sum(*parts)
-    return (op.Reshape(flat, op.Shape(ctx.x)),)
+    return op.Reshape(flat, op.Shape(ctx.x))
+
+
+@grad("MaxPool", versions=(13, None))
+def _max_pool(ctx):
+    """Windows that tile the input: :func:`_max_pool_by_windows` (no ``Indices``, which
+    onnxruntime-web's WebGPU provider cannot compute); any other configuration:
+    :func:`_max_pool_by_indices`."""
+    if _tiles_the_input(ctx):
+        return (_max_pool_by_windows(ctx),)
+    return (_max_pool_by_indices(ctx),)
 
 
 @grad("AveragePool", versions=(13, None))

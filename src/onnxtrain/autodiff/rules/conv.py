@@ -257,51 +257,62 @@ def _tiles_the_input(ctx) -> bool:
             and (auto_pad == "VALID" or (auto_pad == "NOTSET" and not any(_ints_attr(ctx, "pads", 2 * r, 0)))))
 
 
+def _window_positions(b, kernel: list[int], covered, static_covered: list[int] | None) -> ir.Value:
+    """Each element's row-major position inside its window, as float32 of shape ``covered``."""
+    op = b.op
+    r = len(kernel)
+    tap_stride = [int(np.prod(kernel[i + 1:])) for i in range(r)]
+    if static_covered is not None:
+        grids = np.meshgrid(*(np.arange(e) % k * t for e, k, t in zip(static_covered, kernel, tap_stride)),
+                            indexing="ij")
+        return b.const(np.sum(grids, axis=0).astype(np.float32))
+    total = None
+    for i, (k, t) in enumerate(zip(kernel, tap_stride)):
+        size = op.Reshape(op.Slice(covered, b.ints([i]), b.ints([i + 1])), b.ints([]))
+        along = op.Mul(op.Mod(op.Range(b.scalar_int(0), size, b.scalar_int(1)), b.scalar_int(k)), b.scalar_int(t))
+        along = op.Reshape(along, b.ints([-1 if axis == i else 1 for axis in range(r)]))
+        total = along if total is None else op.Add(total, along)
+    return op.Cast(total, to=int(ir.DataType.FLOAT))
+
+
 def _max_pool_by_windows(ctx) -> ir.Value:
     """MaxPool's input gradient for windows that tile the input, without MaxPool's ``Indices``.
 
-    The input is cropped to whole windows, viewed as ``[N, C, O1, k1, ..., Or, kr]``, its window
-    axes moved last and flattened to ``[N, C, O1, ..., Or, k1*...*kr]``; ArgMax picks each
-    window's first largest element in row-major window order (the element ``Indices`` names),
-    and that element alone receives the window's output gradient. The inverse view and a zero
-    Pad for the cropped remainder give the gradient in the input's shape. Standard ops only,
-    none of which onnxruntime-web's WebGPU provider lacks (it cannot run MaxPool's ``Indices``),
-    and no ScatterElements.
+    One strided Slice per kernel tap stacks the windows' elements as ``[taps, N, C, O1, ...]``
+    (the rows and columns past the last whole window are left out); ArgMax over the taps picks
+    each window's first largest element in row-major window order (the element ``Indices``
+    names). Nearest-neighbour Resize spreads the winner's tap and the output gradient over the
+    windows, and an element receives the gradient where the winner's tap is its own position in
+    its window. A zero Pad restores the left-out remainder. Standard ops that onnxruntime-web's
+    WebGPU provider runs (it cannot compute MaxPool's ``Indices``), and no ScatterElements; on
+    ONNX Runtime's CPU provider every step is a plain pass over contiguous memory.
     """
     op, b, x = ctx.op, ctx.b, ctx.x
     kernel = [int(k) for k in ctx.attr("kernel_shape")]
     r = len(kernel)
     spatial = list(range(2, 2 + r))
-    taps = int(np.prod(kernel))
-    static_sizes = None
+    static_covered = None
     if x.shape is not None and len(x.shape) == r + 2 and all(isinstance(d, int) for d in x.shape[2:]):
-        static_sizes = [int(d) for d in x.shape[2:]]
-    if static_sizes is not None:
-        windows = b.ints([s // k for s, k in zip(static_sizes, kernel)])
-        covered_sizes = [s // k * k for s, k in zip(static_sizes, kernel)]
-        covered = b.ints(covered_sizes)
-        remainder = np.array(static_sizes, np.int64) - np.array(covered_sizes, np.int64)
+        sizes = [int(d) for d in x.shape[2:]]
+        static_covered = [s // k * k for s, k in zip(sizes, kernel)]
+        covered = b.ints(static_covered)
+        remainder = np.array(sizes, np.int64) - np.array(static_covered, np.int64)
     else:
-        windows = op.Div(_tail(b, x), b.ints(kernel))  # floor: int64 sizes are non-negative
-        covered = op.Mul(windows, b.ints(kernel))
+        covered = op.Mul(op.Div(_tail(b, x), b.ints(kernel)), b.ints(kernel))  # floor: sizes are >= 0
         remainder = op.Sub(_tail(b, x), covered)
-    whole = x
-    if not isinstance(remainder, np.ndarray) or remainder.any():
-        whole = op.Slice(x, b.ints([0] * r), covered, b.ints(spatial))
-    # [N, C, O1, k1, O2, k2, ...]: window counts interleaved with the kernel sizes
-    interleaved = op.Reshape(op.Concat(op.Reshape(windows, b.ints([r, 1])), b.ints([[k] for k in kernel]), axis=1),
-                             b.ints([2 * r]))
-    blocks = op.Reshape(whole, op.Concat(b.ints([0, 0]), interleaved, axis=0))
-    to_windows_last = [0, 1, *(2 + 2 * i for i in range(r)), *(3 + 2 * i for i in range(r))]
-    keep_leading = [0] * (2 + r)  # Reshape's 0 copies N, C and the window counts
-    rows = op.Reshape(op.Transpose(blocks, perm=to_windows_last), b.ints(keep_leading + [taps]))
-    winner = op.ArgMax(rows, axis=-1, keepdims=1, select_last_index=0)  # [N, C, O1, ..., Or, 1]
-    is_winner = op.Equal(winner, b.ints(list(range(taps))))
-    grad_rows = b.keep_where(is_winner, op.Reshape(ctx.dy, b.ints(keep_leading + [1])))
-    grad_blocks = op.Reshape(grad_rows, b.ints(keep_leading + kernel))
-    back = [to_windows_last.index(axis) for axis in range(2 + 2 * r)]
-    grad_whole = op.Reshape(op.Transpose(grad_blocks, perm=back), op.Concat(b.ints([0, 0]), covered, axis=0))
-    return _pad(b, grad_whole, np.zeros(r, np.int64), remainder)
+    taps = [b.unsqueeze(op.Slice(x, b.ints(list(offset)), covered, b.ints(spatial), b.ints(kernel)), [0])
+            for offset in itertools.product(*(range(k) for k in kernel))]
+    stacked = op.Concat(*taps, axis=0) if len(taps) > 1 else taps[0]  # [taps, N, C, O1, ..., Or]
+    winner = op.Cast(op.ArgMax(stacked, axis=0, keepdims=0, select_last_index=0), to=int(ir.DataType.FLOAT))
+    covered_shape = op.Concat(op.Slice(op.Shape(x), b.ints([0]), b.ints([2])), covered, axis=0)
+
+    def spread(t: ir.Value) -> ir.Value:  # [N, C, O1, ...] -> [N, C, O1 * k1, ...], each value over its window
+        return op.Resize(t, None, None, covered_shape, mode="nearest", coordinate_transformation_mode="asymmetric",
+                         nearest_mode="floor")
+
+    is_winner = op.Equal(spread(winner), _window_positions(b, kernel, covered, static_covered))
+    grad_covered = b.keep_where(is_winner, spread(ctx.dy))
+    return _pad(b, grad_covered, np.zeros(r, np.int64), remainder)
 
 
 def _max_pool_by_indices(ctx) -> ir.Value:

@@ -34,13 +34,14 @@ def _indices_registry() -> Registry:
 INDICES_RULE = _indices_registry()
 
 
-def _gradient_model(attrs: dict, x_shape: list, opset: int, registry: Registry = DEFAULT_REGISTRY):
+def _gradient_model(attrs: dict, x_shape: list, opset: int, registry: Registry = DEFAULT_REGISTRY,
+                    dtype: ir.DataType = ir.DataType.FLOAT):
     """x -> MaxPool -> y, and dx for a given dy (graph inputs x and dy; outputs y and dx)."""
     graph = ir.Graph([], [], nodes=[], opset_imports={"": opset})
     b = GraphBuilder(graph)
-    x = b.input("x", ir.DataType.FLOAT, x_shape)
+    x = b.input("x", dtype, x_shape)
     y = b.op.MaxPool(x, **attrs)
-    dy = b.input("dy", ir.DataType.FLOAT, None)
+    dy = b.input("dy", dtype, None)
     grads = build_gradients(graph, y, [x], loss_grad=dy, registry=registry)
     for name, value in (("y", y), ("dx", grads[x])):
         out = b.op.Identity(value)
@@ -62,7 +63,7 @@ def _ort_max_pool(attrs: dict, x: np.ndarray, opset: int) -> tuple[np.ndarray, n
     attrs = {name: value for name, value in attrs.items() if name != "storage_order"}
     graph = ir.Graph([], [], nodes=[], opset_imports={"": opset})
     b = GraphBuilder(graph)
-    xv = b.input("x", ir.DataType.FLOAT, list(x.shape))
+    xv = b.input("x", ir.DataType.from_numpy(x.dtype), list(x.shape))
     y, indices = b.op.MaxPool(xv, _outputs=2, **attrs)
     indices.type = ir.TensorType(ir.DataType.INT64)
     graph.outputs.extend([y, indices])
@@ -79,7 +80,7 @@ def _random_dy(attrs: dict, x: np.ndarray, opset: int, rng: np.random.Generator)
 def _scatter_of_ort_indices(attrs: dict, x: np.ndarray, dy: np.ndarray, opset: int) -> np.ndarray:
     """dx from onnxruntime's own MaxPool ``Indices``: a NumPy scatter-add of dy at them."""
     _, flat_indices = _ort_max_pool(attrs, x, opset)
-    dx = np.zeros(x.size, np.float32)
+    dx = np.zeros(x.size, dy.dtype)
     np.add.at(dx, flat_indices.reshape(-1), dy.reshape(-1))
     return dx.reshape(x.shape)
 
@@ -157,6 +158,21 @@ def test_symbolic_dims_take_their_sizes_at_run_time():
         _, dx = _run(model, x, dy)
         assert dx.shape == x.shape
         np.testing.assert_array_equal(dx, _scatter_of_ort_indices(attrs, x, dy, 18))
+
+
+@pytest.mark.parametrize("dtype", [ir.DataType.DOUBLE, ir.DataType.FLOAT16])
+def test_other_float_types(dtype):
+    """float64 spreads dy by Expand (no float64 Resize in onnxruntime's CPU provider); float16 by Resize."""
+    attrs = {"kernel_shape": [2, 3], "strides": [2, 3]}
+    rng = np.random.default_rng(5)
+    x = _tie_heavy(rng, [2, 3, 5, 7]).astype(dtype.numpy())
+    dy = rng.standard_normal([2, 3, 2, 2]).astype(dtype.numpy())
+    model = _gradient_model(attrs, list(x.shape), 18, dtype=dtype)
+    spread_by = "Expand" if dtype == ir.DataType.DOUBLE else "Resize"
+    assert spread_by in _op_types(model) and "ScatterElements" not in _op_types(model)
+    _, dx = _run(model, x, dy)
+    assert dx.dtype == dtype.numpy()
+    np.testing.assert_array_equal(dx, _scatter_of_ort_indices(attrs, x, dy, 18))
 
 
 def test_ties_go_where_pytorch_sends_them():

@@ -275,6 +275,10 @@ def _window_positions(b, kernel: list[int], covered, static_covered: list[int] |
     return op.Cast(total, to=int(ir.DataType.FLOAT))
 
 
+# element types the window rule spreads with Resize (ONNX Runtime's CPU provider has no float64 Resize)
+_RESIZE_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
 def _max_pool_by_windows(ctx) -> ir.Value:
     """MaxPool's input gradient for windows that tile the input, without MaxPool's ``Indices``.
 
@@ -307,8 +311,13 @@ def _max_pool_by_windows(ctx) -> ir.Value:
     covered_shape = op.Concat(op.Slice(op.Shape(x), b.ints([0]), b.ints([2])), covered, axis=0)
 
     def spread(t: ir.Value) -> ir.Value:  # [N, C, O1, ...] -> [N, C, O1 * k1, ...], each value over its window
-        return op.Resize(t, None, None, covered_shape, mode="nearest", coordinate_transformation_mode="asymmetric",
-                         nearest_mode="floor")
+        if t.dtype in _RESIZE_DTYPES:
+            return op.Resize(t, None, None, covered_shape, mode="nearest",
+                             coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+        # e.g. float64, which ONNX Runtime's CPU Resize lacks: [N, C, O1, 1, ...] expanded to [N, C, O1, k1, ...]
+        window_axes = [3 + 2 * i for i in range(r)]
+        expanded = op.Expand(b.unsqueeze(t, window_axes), b.ints([1, 1, *(d for k in kernel for d in (1, k))]))
+        return op.Reshape(expanded, covered_shape)
 
     is_winner = op.Equal(spread(winner), _window_positions(b, kernel, covered, static_covered))
     grad_covered = b.keep_where(is_winner, spread(ctx.dy))

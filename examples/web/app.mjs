@@ -117,8 +117,9 @@ async function main() {
     result = await train(backend.executionProviders);
   } catch (error) {
     if (!backend.executionProviders.includes('webgpu')) throw error;
-    // onnxruntime-web 1.30's WebGPU EP takes MaxPool nodes with an Indices output (the
-    // MaxPool gradient needs it) and then fails to run them: train on wasm instead
+    // the digits CNN trains on WebGPU (its MaxPool gradient needs no Indices output); but a
+    // WebGPU EP may take nodes it then fails to run (onnxruntime-web 1.30 does so with
+    // training-mode BatchNormalization, see docs/web.md), or a real GPU may fail: train on wasm
     console.warn('WebGPU training failed, falling back to wasm:', error);
     $('backend').textContent = `wasm, 1 thread (WebGPU failed: ${error.message.slice(0, 160)})`;
     losses.length = 0;

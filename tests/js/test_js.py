@@ -3,9 +3,10 @@
 Python makes the fixtures (tests/js/fixtures.py: artifacts, data, an uninterrupted Python
 run), Node's test runner trains the same steps on onnxruntime-node and onnxruntime-web
 (js/test/), Python resumes the checkpoint Node wrote and runs what the Node example exported,
-and headless Chromium trains the digits page (examples/web/) served on localhost, and the small
-contract models on wasm and on WebGPU (its software adapter where there is no GPU). Needs ``node`` with ``npm ci`` done in js/ and
-Debian's ``chromium``; without them these tests skip, except in CI (``CI=true``), where a
+and headless Chromium trains the digits page (examples/web/) served on localhost, the small
+contract models on wasm and on WebGPU (its software adapter where there is no GPU), and the
+digits CNN on WebGPU. Needs ``node`` with ``npm ci`` done in js/ and Debian's ``chromium``;
+without them these tests skip, except in CI (``CI=true``), where a
 missing tool is a failure.
 """
 
@@ -31,6 +32,7 @@ CHROMIUM = Path(os.environ.get("CHROMIUM_PATH", "/usr/bin/chromium"))
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 NODE_TIMEOUT_S = 180
 PAGE_MIN_ACCURACY = 0.9
+WEBGPU_PAGE_MIN_ACCURACY = 0.5  # after one epoch (~0.64 seen); chance is 0.1
 
 
 def _missing(what: str) -> None:
@@ -171,6 +173,21 @@ def test_browser_page_trains_digits_to_90_percent(served_site, tmp_path):
     assert screenshot.stat().st_size > 10_000
 
 
+def test_browser_page_trains_digits_on_webgpu(served_site, tmp_path):
+    """The page with ``?ep=webgpu`` (one epoch): trains on the WebGPU provider, no fallback to wasm."""
+    _, url = served_site
+    run = _run([_browser_tools(), "test-browser/digits_page.mjs", url + "?ep=webgpu&epochs=1",
+                str(tmp_path / "webgpu_page.png"), str(WEBGPU_PAGE_MIN_ACCURACY)], cwd=JS,
+               env=_env(CHROMIUM_PATH=str(CHROMIUM), CHROMIUM_ARGS="--enable-unsafe-webgpu"))
+    result = json.loads(run.stdout.strip().splitlines()[-1]) if run.stdout.strip() else {}
+    if "WebGPU unavailable" in result.get("backend", ""):
+        _missing("Chromium offers no WebGPU adapter, even with --enable-unsafe-webgpu")
+    assert run.returncode == 0, _report(run)
+    assert result["state"] == "done" and result["epochs"] == 1, result
+    assert result["backend"] == "WebGPU (wasm fallback)", result  # "wasm, ... (WebGPU failed: ...)" after a fallback
+    assert not [p for p in result["problems"] if p.startswith(("page error", "request failed"))], result["problems"]
+
+
 def _small_models(url: str, execution_provider: str, models: list[str]) -> dict:
     run = _run([_browser_tools(), "test-browser/small_models.mjs", url + "contract_page.html", execution_provider,
                 *models], cwd=JS, env=_env(CHROMIUM_PATH=str(CHROMIUM)))
@@ -198,6 +215,35 @@ def test_browser_webgpu_trains_like_python(served_site):
     result = report["results"]["plain"]
     assert "error" not in result, result
     assert result["steps"] == result["expectedSteps"], result
+    assert result["maxAbsDiff"] <= fixtures.SETTINGS["tolerance"], result
+
+
+def _digits_steps(site, url: str, out, execution_provider: str) -> dict:
+    """The fixture's digits CNN trained in Chromium for the fixture's steps (js/test-browser/digits_steps.mjs)."""
+    served = site / "data" / "fixture"
+    if not served.exists():
+        shutil.copytree(out / "artifacts", served / "artifacts")
+        for name in ("python_step20", "digits.bin", "digits.json", "fixture.json"):
+            shutil.copy2(out / name, served / name)
+        for path in served.rglob("*"):  # checkpoints are written 0600; let any server user read them
+            path.chmod(0o644 if path.is_file() else 0o755)
+    run = _run([_browser_tools(), "test-browser/digits_steps.mjs", url + "contract_page.html", execution_provider,
+                "data/fixture"], cwd=JS, env=_env(CHROMIUM_PATH=str(CHROMIUM)))
+    assert run.returncode == 0, _report(run)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_browser_webgpu_trains_the_digits_cnn_like_python(served_site, node_run):
+    """In Chromium with WebGPU: the digits CNN (Conv, MaxPool and their gradients, which use no
+    MaxPool Indices) trains 20 steps on the WebGPU execution provider as the Python runtime does."""
+    site, url = served_site
+    out, _ = node_run
+    report = _digits_steps(site, url, out, "webgpu")
+    if report["adapter"] is None:
+        _missing("Chromium offers no WebGPU adapter, even with --enable-unsafe-webgpu")
+    result = report["result"]
+    assert "error" not in result, result
+    assert result["steps"] == result["expectedSteps"] == fixtures.SETTINGS["steps"], result
     assert result["maxAbsDiff"] <= fixtures.SETTINGS["tolerance"], result
 
 

@@ -75,8 +75,16 @@ ROWS += [
     # (stride < kernel) make several outputs pick the same input.
     Case("MaxPool", [W("N", 2, 5, 6)], attrs={"kernel_shape": [3, 3], "strides": [1, 2], "pads": [1, 1, 1, 0]},
          opsets=(13, 23), id="MaxPool-2d-overlap-pads-symbolic"),
+    # windows that tile the input (strides == kernel, no pads): the ArgMax-by-window rule,
+    # rows and columns past the last whole window get zeros (tests/autodiff/test_max_pool.py: ties)
     Case("MaxPool", [W(2, 2, 4, 6)], attrs={"kernel_shape": [2, 2], "strides": [2, 2]}, opsets=(13, 23),
          id="MaxPool-2d-disjoint"),
+    Case("MaxPool", [W("N", "C", "H", "W")], attrs={"kernel_shape": [2, 2], "strides": [2, 2]},
+         dims={"N": 2, "C": 3, "H": 7, "W": 9}, opsets=(13, 23), id="MaxPool-2d-tiling-7x9-symbolic"),
+    Case("MaxPool", [W(2, 3, 11)], attrs={"kernel_shape": [3], "strides": [3], "auto_pad": "VALID"},
+         opsets=(13, 23), id="MaxPool-1d-tiling-valid"),
+    Case("MaxPool", [W(2, 2, 5, 4, 7)], attrs={"kernel_shape": [2, 2, 3], "strides": [2, 2, 3]},
+         opsets=(13, 23), id="MaxPool-3d-tiling"),
     Case("MaxPool", [W(2, 3, 7, 6)], attrs={"kernel_shape": [2, 3], "strides": [2, 1], "dilations": [2, 1],
                                             "ceil_mode": 1, "pads": [0, 1, 1, 1]},
          opsets=(13, 23), id="MaxPool-2d-dilations-ceil"),

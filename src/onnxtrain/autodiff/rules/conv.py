@@ -241,8 +241,92 @@ def _max_pool_indices(ctx) -> ir.Value:
     return indices
 
 
-@grad("MaxPool", versions=(13, None))
-def _max_pool(ctx):
+def _tiles_the_input(ctx) -> bool:
+    """Whether the MaxPool's windows tile its input without overlap or padding.
+
+    That is strides == kernel_shape, dilations 1, no pads (``auto_pad`` NOTSET with zero
+    ``pads``, or VALID) and ``ceil_mode`` 0: each input element lies in at most one window, and
+    the rows and columns past the last whole window lie in none.
+    """
+    kernel = [int(k) for k in ctx.attr("kernel_shape")]
+    r = len(kernel)
+    auto_pad = ctx.attr("auto_pad", "NOTSET")
+    return (_ints_attr(ctx, "strides", r, 1) == kernel
+            and _ints_attr(ctx, "dilations", r, 1) == [1] * r
+            and int(ctx.attr("ceil_mode", 0)) == 0
+            and (auto_pad == "VALID" or (auto_pad == "NOTSET" and not any(_ints_attr(ctx, "pads", 2 * r, 0)))))
+
+
+def _window_positions(b, kernel: list[int], covered, static_covered: list[int] | None) -> ir.Value:
+    """Each element's row-major position inside its window, as float32 of shape ``covered``."""
+    op = b.op
+    r = len(kernel)
+    tap_stride = [int(np.prod(kernel[i + 1:])) for i in range(r)]
+    if static_covered is not None:
+        grids = np.meshgrid(*(np.arange(e) % k * t for e, k, t in zip(static_covered, kernel, tap_stride)),
+                            indexing="ij")
+        return b.const(np.sum(grids, axis=0).astype(np.float32))
+    total = None
+    for i, (k, t) in enumerate(zip(kernel, tap_stride)):
+        size = op.Reshape(op.Slice(covered, b.ints([i]), b.ints([i + 1])), b.ints([]))
+        along = op.Mul(op.Mod(op.Range(b.scalar_int(0), size, b.scalar_int(1)), b.scalar_int(k)), b.scalar_int(t))
+        along = op.Reshape(along, b.ints([-1 if axis == i else 1 for axis in range(r)]))
+        total = along if total is None else op.Add(total, along)
+    return op.Cast(total, to=int(ir.DataType.FLOAT))
+
+
+# element types the window rule spreads with Resize (ONNX Runtime's CPU provider has no float64 Resize)
+_RESIZE_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _max_pool_by_windows(ctx) -> ir.Value:
+    """MaxPool's input gradient for windows that tile the input, without MaxPool's ``Indices``.
+
+    One strided Slice per kernel tap stacks the windows' elements as ``[taps, N, C, O1, ...]``
+    (the rows and columns past the last whole window are left out); ArgMax over the taps picks
+    each window's first largest element in row-major window order (the element ``Indices``
+    names). Nearest-neighbour Resize spreads the winner's tap and the output gradient over the
+    windows, and an element receives the gradient where the winner's tap is its own position in
+    its window. A zero Pad restores the left-out remainder. Standard ops that onnxruntime-web's
+    WebGPU provider runs (it cannot compute MaxPool's ``Indices``), and no ScatterElements; on
+    ONNX Runtime's CPU provider every step is a plain pass over contiguous memory.
+    """
+    op, b, x = ctx.op, ctx.b, ctx.x
+    kernel = [int(k) for k in ctx.attr("kernel_shape")]
+    r = len(kernel)
+    spatial = list(range(2, 2 + r))
+    static_covered = None
+    if x.shape is not None and len(x.shape) == r + 2 and all(isinstance(d, int) for d in x.shape[2:]):
+        sizes = [int(d) for d in x.shape[2:]]
+        static_covered = [s // k * k for s, k in zip(sizes, kernel)]
+        covered = b.ints(static_covered)
+        remainder = np.array(sizes, np.int64) - np.array(static_covered, np.int64)
+    else:
+        covered = op.Mul(op.Div(_tail(b, x), b.ints(kernel)), b.ints(kernel))  # floor: sizes are >= 0
+        remainder = op.Sub(_tail(b, x), covered)
+    taps = [b.unsqueeze(op.Slice(x, b.ints(list(offset)), covered, b.ints(spatial), b.ints(kernel)), [0])
+            for offset in itertools.product(*(range(k) for k in kernel))]
+    stacked = op.Concat(*taps, axis=0) if len(taps) > 1 else taps[0]  # [taps, N, C, O1, ..., Or]
+    winner = op.Cast(op.ArgMax(stacked, axis=0, keepdims=0, select_last_index=0), to=int(ir.DataType.FLOAT))
+    covered_shape = op.Concat(op.Slice(op.Shape(x), b.ints([0]), b.ints([2])), covered, axis=0)
+
+    def spread(t: ir.Value) -> ir.Value:  # [N, C, O1, ...] -> [N, C, O1 * k1, ...], each value over its window
+        if t.dtype in _RESIZE_DTYPES:
+            return op.Resize(t, None, None, covered_shape, mode="nearest",
+                             coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+        # e.g. float64, which ONNX Runtime's CPU Resize lacks: [N, C, O1, 1, ...] expanded to [N, C, O1, k1, ...]
+        window_axes = [3 + 2 * i for i in range(r)]
+        expanded = op.Expand(b.unsqueeze(t, window_axes), b.ints([1, 1, *(d for k in kernel for d in (1, k))]))
+        return op.Reshape(expanded, covered_shape)
+
+    is_winner = op.Equal(spread(winner), _window_positions(b, kernel, covered, static_covered))
+    grad_covered = b.keep_where(is_winner, spread(ctx.dy))
+    return _pad(b, grad_covered, np.zeros(r, np.int64), remainder)
+
+
+def _max_pool_by_indices(ctx) -> ir.Value:
+    """MaxPool's input gradient for any configuration: each output's gradient is added (scattered)
+    at the flat position MaxPool's ``Indices`` output names."""
     op, b = ctx.op, ctx.b
     kernel = ctx.attr("kernel_shape")
     r = len(kernel)
@@ -266,7 +350,17 @@ def _max_pool(ctx):
             pick = (b.ints(list(start)), b.ints([_INT64_MAX] * r), b.ints(spatial), b.ints(period))
             parts.append(scatter(op.Slice(ctx.dy, *pick), op.Slice(indices, *pick)))
         flat = parts[0] if len(parts) == 1 else op.Sum(*parts)
-    return (op.Reshape(flat, op.Shape(ctx.x)),)
+    return op.Reshape(flat, op.Shape(ctx.x))
+
+
+@grad("MaxPool", versions=(13, None))
+def _max_pool(ctx):
+    """Windows that tile the input: :func:`_max_pool_by_windows` (no ``Indices``, which
+    onnxruntime-web's WebGPU provider cannot compute); any other configuration:
+    :func:`_max_pool_by_indices`."""
+    if _tiles_the_input(ctx):
+        return (_max_pool_by_windows(ctx),)
+    return (_max_pool_by_indices(ctx),)
 
 
 @grad("AveragePool", versions=(13, None))

@@ -11,22 +11,15 @@
 // worstParameter, steps, expectedSteps, losses, seconds} | {error}}. With EXECUTION_PROVIDER
 // webgpu, Chromium runs with --enable-unsafe-webgpu so that a machine without a GPU still offers
 // its software adapter (SwiftShader). Exits 1 if the page could not run at all.
-import { chromium } from 'playwright-core';
+import { openPage } from './chromium.mjs';
 
 const [url, executionProvider, fixturePath] = process.argv.slice(2);
 if (!url || !executionProvider || !fixturePath) {
   console.error('usage: node test-browser/digits_steps.mjs PAGE_URL EXECUTION_PROVIDER FIXTURE_PATH');
   process.exit(2);
 }
-const args = ['--no-sandbox', ...(executionProvider === 'webgpu' ? ['--enable-unsafe-webgpu'] : [])];
-const browser = await chromium.launch({ executablePath: process.env.CHROMIUM_PATH ?? '/usr/bin/chromium', args });
+const { browser, page, adapter } = await openPage(url, executionProvider);
 try {
-  const page = await browser.newPage();
-  await page.goto(url);
-  const adapter = await page.evaluate(async () => {
-    const found = await globalThis.navigator.gpu?.requestAdapter().catch(() => null);
-    return found ? `${found.info?.vendor ?? ''} ${found.info?.architecture ?? ''}`.trim() || 'unnamed adapter' : null;
-  });
   const result = await page.evaluate(async ({ executionProvider, fixturePath }) => {
     const api = await import('onnxtrain-web');
     const { batch, decodeDigits } = await import('./digits_data.mjs');

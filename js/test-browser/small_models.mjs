@@ -8,22 +8,15 @@
 // With EXECUTION_PROVIDER webgpu, Chromium runs with --enable-unsafe-webgpu so that a machine
 // without a GPU still offers its software adapter (SwiftShader). Exits 1 if the page could
 // not run at all; per-model errors are reported, not thrown.
-import { chromium } from 'playwright-core';
+import { openPage } from './chromium.mjs';
 
 const [url, executionProvider, ...models] = process.argv.slice(2);
 if (!url || !executionProvider || models.length === 0) {
   console.error('usage: node test-browser/small_models.mjs PAGE_URL EXECUTION_PROVIDER MODEL...');
   process.exit(2);
 }
-const args = ['--no-sandbox', ...(executionProvider === 'webgpu' ? ['--enable-unsafe-webgpu'] : [])];
-const browser = await chromium.launch({ executablePath: process.env.CHROMIUM_PATH ?? '/usr/bin/chromium', args });
+const { browser, page, adapter } = await openPage(url, executionProvider);
 try {
-  const page = await browser.newPage();
-  await page.goto(url);
-  const adapter = await page.evaluate(async () => {
-    const found = await globalThis.navigator.gpu?.requestAdapter().catch(() => null);
-    return found ? `${found.info?.vendor ?? ''} ${found.info?.architecture ?? ''}`.trim() || 'unnamed adapter' : null;
-  });
   const results = {};
   for (const model of models) {
     results[model] = await page.evaluate(async ({ model, executionProvider }) => {

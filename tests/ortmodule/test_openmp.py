@@ -1,0 +1,41 @@
+"""Releasing PyTorch's OpenMP threads before ORT runs (onnxtrain.torch._openmp)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.torch import ORTModule, _bridge, _openmp  # noqa: E402
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="looks for libgomp in /proc/self/maps")
+def test_released_threads_come_back_for_the_next_parallel_op():
+    a, b = torch.randn(300, 200, dtype=torch.float64), torch.randn(200, 100, dtype=torch.float64)
+    expected = a @ b
+    if "GNU OpenMP" not in torch.__config__.parallel_info() and _openmp._pause_all() is None:
+        pytest.skip("PyTorch is not built with GNU OpenMP here")
+    assert _openmp.release_torch_openmp_threads()
+    assert torch.equal(a @ b, expected)          # the pool starts again
+    assert torch.get_num_threads() >= 1
+
+
+def test_long_cpu_runs_release_the_threads_and_short_ones_do_not(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_bridge, "release_torch_openmp_threads", lambda: calls.append(1) or True)
+    inner = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    model = ORTModule(inner)
+    x = torch.randn(5, 4)
+    model(x).sum().backward()                    # first runs: no previous run, so release
+    first = len(calls)
+    assert first == 2                            # the forward and the backward session
+    monkeypatch.setattr(_bridge, "RELEASE_OPENMP_FOR_RUNS_S", float("inf"))
+    model(x).sum().backward()
+    assert len(calls) == first                   # runs shorter than the threshold: left alone
+    monkeypatch.setattr(_bridge, "RELEASE_OPENMP_FOR_RUNS_S", 0.0)
+    out = model(x)
+    out.sum().backward()
+    assert len(calls) == first + 2
+    assert torch.allclose(out, inner(x), atol=1e-6)  # same results either way

@@ -6,13 +6,13 @@ import onnx_ir as ir
 from onnxscript.optimizer import fold_constants
 
 # Ops never folded: random ops must stay random per run.
-NEVER_FOLD = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-                        "Multinomial", "Bernoulli"})
+_NEVER_FOLD = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+                         "Multinomial", "Bernoulli"})
 
 
 def never_fold_random(node: ir.Node) -> bool | None:
     """The folder's ``should_fold`` hook: ``False`` for random ops, no opinion otherwise."""
-    return False if node.op_type in NEVER_FOLD else None
+    return False if node.op_type in _NEVER_FOLD else None
 
 
 class FoldConstantsPass(ir.passes.InPlacePass):

@@ -14,7 +14,7 @@ import ast
 import bisect
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import onnx_ir as ir
@@ -266,9 +266,11 @@ class LivePeak:
     at_end: int
 
 
-def live_peak(graph: ir.Graph, sizes: ValueSizes, order: Sequence[ir.Node] | None = None) -> LivePeak:
-    """Simulate a run of ``graph`` in ``order`` (default: :func:`execution_order`) and
-    return the peak of the bytes of the values it holds at once."""
+def _run_steps(graph: ir.Graph, order: Sequence[ir.Node] | None) -> Iterator[tuple[ir.Node, list[ir.Value]]]:
+    """Each node of a run of ``graph`` in ``order`` (default: :func:`execution_order`), with
+    the values freed once it has run: those it was the last reader of, and its outputs that
+    nothing reads. Graph inputs and initializers (the caller's) and graph outputs (alive to
+    the end) are never freed."""
     order = execution_order(graph) if order is None else order
     position = {node: k for k, node in enumerate(order)}
     outputs = set(graph.outputs)
@@ -277,17 +279,23 @@ def live_peak(graph: ir.Graph, sizes: ValueSizes, order: Sequence[ir.Node] | Non
         for value in node.inputs:
             if value is not None and value.producer() in position:
                 last_use[value] = max(last_use.get(value, -1), position[node])
+    for k, node in enumerate(order):
+        freed = [value for value in {*node.inputs, *node.outputs}
+                 if value is not None and value not in outputs and value.producer() in position
+                 and last_use.get(value, -1) <= k]
+        yield node, freed
+
+
+def live_peak(graph: ir.Graph, sizes: ValueSizes, order: Sequence[ir.Node] | None = None) -> LivePeak:
+    """Simulate a run of ``graph`` in ``order`` (default: :func:`execution_order`) and
+    return the peak of the bytes of the values it holds at once."""
     live = peak = 0
     peak_node = None
-    for k, node in enumerate(order):
+    for node, freed in _run_steps(graph, order):
         live += sum(sizes.of(o) for o in node.outputs)
         if live > peak:
             peak, peak_node = live, node.name
-        for value in {*node.inputs, *node.outputs}:  # freed after their last reader (or unread)
-            if value is None or value in outputs or value.producer() not in position:
-                continue
-            if last_use.get(value, -1) <= k:
-                live -= sizes.of(value)
+        live -= sum(sizes.of(value) for value in freed)
     return LivePeak(peak, peak_node, live)
 
 
@@ -428,20 +436,10 @@ def simulate_run(arena: ArenaModel, graph: ir.Graph, sizes: ValueSizes,
     node's outputs are allocated, then every value whose last reader it was is freed. Graph
     inputs are the caller's (not allocated); the graph outputs' chunks are returned, still
     allocated, keyed by name (the caller frees them when it lets go of the outputs)."""
-    order = execution_order(graph) if order is None else order
-    position = {node: k for k, node in enumerate(order)}
-    outputs = {value.name for value in graph.outputs}
-    last_use: dict[str, int] = {}
-    for node in order:
-        for value in node.inputs:
-            if value is not None and value.producer() in position:
-                last_use[value.name] = max(last_use.get(value.name, -1), position[node])
     live: dict[str, _Chunk | None] = {}
-    for k, node in enumerate(order):
+    for node, freed in _run_steps(graph, order):
         for value in node.outputs:
             live[value.name] = arena.allocate(sizes.of(value))
-        for value in {*node.inputs, *node.outputs}:
-            if (value is not None and value.name in live and value.name not in outputs
-                    and last_use.get(value.name, -1) <= k):
-                arena.free(live.pop(value.name))
-    return {name: live.get(name) for name in outputs}
+        for value in freed:
+            arena.free(live.pop(value.name))
+    return {value.name: live.get(value.name) for value in graph.outputs}

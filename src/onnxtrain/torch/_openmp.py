@@ -29,7 +29,8 @@ def _pause_all():
     except OSError:
         return None
     for line in lines:
-        path = line.split()[-1] if line.split() else ""
+        fields = line.split()
+        path = fields[-1] if fields else ""
         if "libgomp" in Path(path).name:
             try:
                 pause = ctypes.CDLL(path).omp_pause_resource_all

@@ -164,7 +164,7 @@ def _shapes_after_folding(model: ir.Model, input_shapes: Mapping[str, Sequence[i
     shape is computed in the graph (gradient graphs are full of them); after folding those
     shapes are constants. ``model`` is not changed.
     """
-    copy = ir.serde.deserialize_model(io.to_proto(model))
+    copy = ir.from_proto(ir.to_proto(model))
     for value in copy.graph.inputs:
         if value.name in input_shapes:
             value.shape = ir.Shape([int(d) for d in input_shapes[value.name]])

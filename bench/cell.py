@@ -58,15 +58,11 @@ def _torch_batches(spec: models.Spec, batches):
 
 
 def _torch_loss(spec: models.Spec, model, batch):
-    import torch.nn.functional as F
-
-    if spec.extra.get("loss_in_module") and spec.kind != "hf":  # models.with_loss: the module returns the loss
-        return model(batch[spec.input_names[0]], batch["labels"])
-    if spec.kind == "classifier":
-        return F.cross_entropy(model(batch["x"]), batch["labels"])
-    if spec.kind == "lm":
-        logits = model(batch["idx"])
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    if spec.kind != "hf":  # classifier, lm
+        inputs = batch[spec.input_names[0]]
+        if spec.extra.get("loss_in_module"):  # models.with_loss: the module returns the loss
+            return model(inputs, batch["labels"])
+        return models.cross_entropy(model(inputs), batch["labels"])
     return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
 
 

@@ -131,8 +131,7 @@ def _define_modules():
             self.model = model
 
         def forward(self, inputs, labels):
-            logits = self.model(inputs)
-            return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            return cross_entropy(self.model(inputs), labels)
 
     return {"MLP": MLP, "CNN": CNN, "GPT": GPT, "HFLogits": HFLogits, "WithLoss": WithLoss}
 
@@ -150,6 +149,12 @@ def modules() -> dict:
 
 def hf_logits(model):
     return modules()["HFLogits"](model)
+
+
+def cross_entropy(logits, labels):
+    """The benchmark's loss for classifiers and language models: cross entropy over the last
+    axis, every position of a sequence counted as one example."""
+    return _torch().nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def with_loss(spec: "Spec", model):

@@ -32,12 +32,11 @@ CONFIGS = [("eager", "fp32"), ("eager", "bf16"), ("ortmodule", "fp32"), ("ortmod
 
 def _loss(spec, model, batch, precision):
     import torch
-    import torch.nn.functional as F
 
     context = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     with context:
         logits = model(batch["idx"])
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch["labels"].reshape(-1))
+    return models.cross_entropy(logits.float(), batch["labels"])
 
 
 def run_config(spec: models.Spec, system: str, precision: str, steps: int, warmup: int) -> dict:

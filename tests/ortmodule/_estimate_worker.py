@@ -28,7 +28,7 @@ def _call(spec, model, batch, sample):
         logits = model(**inputs)
     else:
         logits = model(*inputs.values())
-    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten())
+    return models.cross_entropy(logits, labels)
 
 
 def main(name: str, batch: int) -> dict:

@@ -40,7 +40,7 @@ def main(mode: str, batch: int) -> dict:
         model = ORTModule(net, memory_budget=int(mode))
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     for _ in range(STEPS):
-        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), labels.flatten())
+        loss = models.cross_entropy(model(idx), labels)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

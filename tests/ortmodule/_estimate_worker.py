@@ -2,7 +2,8 @@
 
 ``python _estimate_worker.py <bench model> <batch>``: the module is exported and its sessions
 built on a one-example call first; then, from a trimmed resident set with its high-water
-mark reset, two SGD steps on the full batch run. The measured step peak (high-water mark
+mark reset, two SGD steps on the full batch run (the graph is exported with dynamic dims,
+so the full batch reuses it). The measured step peak (high-water mark
 minus that resident set) is compared with ``MemoryEstimate.step_peak``.
 """
 
@@ -38,7 +39,7 @@ def main(name: str, batch: int) -> dict:
     net = spec.export_model(spec.build())
     args = [torch.from_numpy(sample[n]) for n in spec.input_names]
     estimate = estimate_memory(net, *args, optimizer_states=0)
-    model = ORTModule(net)
+    model = ORTModule(net, dynamic=True)  # the one-example call builds the graph the full batch reuses
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     _call(spec, model, 1, sample).backward()
     optimizer.zero_grad(set_to_none=True)

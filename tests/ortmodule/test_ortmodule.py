@@ -53,7 +53,7 @@ def _run_both(model, make_inputs, loss_fn, steps=1):
 def test_mlp_matches_eager():
     torch.manual_seed(0)
     wrapped = _run_both(MLP(), lambda s: (torch.randn(4 + s, 12),), lambda y: (y * y).mean(), steps=3)
-    assert wrapped.export_count == 1  # three batch sizes, one export
+    assert wrapped.export_count == 2  # three batch sizes: the first call's shapes, then dynamic dims
 
 
 def test_cnn_with_batch_norm_matches_eager_including_running_statistics():
@@ -88,7 +88,7 @@ def test_hugging_face_models_with_masks_and_labels_match_eager(kind):
     model = _hf(kind)
     reference = copy.deepcopy(model)
     wrapped = ORTModule(model, STRICT)
-    for batch, length in [(3, 9), (4, 7)]:
+    for batch, length in [(3, 9), (4, 7), (2, 11)]:
         ids = torch.randint(1, 60, (batch, length))
         mask = torch.ones(batch, length, dtype=torch.int64)
         mask[0, length - 3:] = 0
@@ -106,7 +106,7 @@ def test_hugging_face_models_with_masks_and_labels_match_eager(kind):
         _assert_same_gradients(model, reference)
         model.zero_grad()
         reference.zero_grad()
-    assert wrapped.export_count == 1
+    assert wrapped.export_count == 2  # the first call's shapes, then dynamic batch and sequence dims
 
 
 def _tanh_mlp():
@@ -114,21 +114,76 @@ def _tanh_mlp():
     return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))
 
 
-def test_batch_size_reuses_the_graph_while_mode_and_dtype_re_export():
+def test_batch_size_re_exports_once_with_dynamic_dims_while_mode_and_dtype_re_export():
     torch.manual_seed(0)
     wrapped = ORTModule(_tanh_mlp(), STRICT)
-    for batch in (2, 5, 9):
+    wrapped(torch.randn(2, 12)).sum().backward()
+    assert wrapped.export_count == 1  # static: the first call's shapes
+    for batch in (5, 9, 2):
         wrapped(torch.randn(batch, 12)).sum().backward()
-    assert wrapped.export_count == 1
+    assert wrapped.export_count == 2  # one dynamic re-export serves every later batch size
     wrapped.eval()
     wrapped(torch.randn(3, 12))
-    assert wrapped.export_count == 2
+    assert wrapped.export_count == 3
     wrapped.train()
     wrapped(torch.randn(3, 12))
-    assert wrapped.export_count == 2  # the training graph is still cached
+    assert wrapped.export_count == 3  # the training graphs are still cached
     wrapped.double()
     out = wrapped(torch.randn(3, 12, dtype=torch.float64))
-    assert out.dtype == torch.float64 and wrapped.export_count == 3
+    assert out.dtype == torch.float64 and wrapped.export_count == 4
+
+
+def _exported_shapes(wrapped):
+    return [variant.graph.input_shapes[0] for variants in wrapped._variants.values() for variant in variants]
+
+
+@pytest.mark.parametrize("dynamic, exports", [(None, 2), (True, 1), (False, 3)])
+def test_dynamic_argument_chooses_static_or_dynamic_exports(dynamic, exports):
+    torch.manual_seed(0)
+    model = _tanh_mlp()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT, dynamic=dynamic)
+    for batch in (4, 6, 8, 6, 4):
+        x = torch.randn(batch, 12)
+        _assert_close(wrapped(x), reference(x), f"output at batch {batch}")
+    assert wrapped.export_count == exports
+    shapes = _exported_shapes(wrapped)
+    if dynamic is None:  # the first call's shapes, then one export with a symbolic batch
+        assert shapes[0] == (4, 12) and isinstance(shapes[1][0], str)
+    elif dynamic:
+        assert len(shapes) == 1 and isinstance(shapes[0][0], str)
+    else:
+        assert shapes == [(4, 12), (6, 12), (8, 12)]
+
+
+def test_a_model_that_fails_the_dynamic_export_gets_one_static_export_per_shape(monkeypatch):
+    from onnxtrain.errors import ExportError
+    from onnxtrain.torch import ortmodule as ortmodule_module
+
+    real_export = ortmodule_module.export_call
+    dynamic_requests = []
+
+    def export_without_dynamic_shapes(module, call, keep_exported=False, dynamic=True):
+        if dynamic:  # as a model whose shapes the exporter cannot make symbolic
+            dynamic_requests.append(tuple(call.tensors[0].shape))
+            raise ExportError("torch.onnx.export could not export: constraint violation")
+        return real_export(module, call, keep_exported=keep_exported, dynamic=False)
+
+    monkeypatch.setattr(ortmodule_module, "export_call", export_without_dynamic_shapes)
+    torch.manual_seed(0)
+    model = _tanh_mlp()
+    wrapped = ORTModule(model, STRICT)
+    for batch in (4, 6, 8, 6):
+        x = torch.randn(batch, 12)
+        _assert_close(wrapped(x), model(x), f"output at batch {batch}")
+    assert dynamic_requests == [(6, 12)]  # tried once, for the first new shape
+    assert wrapped.export_count == 3 and wrapped.fallback_reason is None
+    assert _exported_shapes(wrapped) == [(4, 12), (6, 12), (8, 12)]
+
+
+def test_dynamic_must_be_none_or_a_bool():
+    with pytest.raises(TypeError, match="dynamic must be None"):
+        ORTModule(_tanh_mlp(), dynamic="auto")
 
 
 def test_non_tensor_argument_is_part_of_the_schema():
@@ -396,6 +451,6 @@ def test_exports_and_graph_builds_are_logged(caplog):
     model = ORTModule(torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1)))
     model(torch.randn(5, 4)).sum().backward()
     messages = [r.getMessage() for r in caplog.records if r.name == "onnxtrain.torch.ortmodule"]
-    assert any(m.startswith("exported Sequential (training, export #1) in ") and m.endswith(" nodes")
+    assert any(m.startswith("exported Sequential (training, static shapes, export #1) in ") and m.endswith(" nodes")
                for m in messages), messages
     assert any(m.startswith("built the forward (") and "saved activations:" in m for m in messages), messages

@@ -92,7 +92,10 @@ class ORTTrainer(transformers.Trainer):
     Takes ``Trainer``'s arguments, plus ORTModule's options: ``debug_options``
     (:class:`~onnxtrain.torch.DebugOptions`; ``DebugOptions(fallback=False)`` raises instead of
     running in PyTorch when the model cannot be exported), ``memory_opt_level`` and
-    ``memory_budget`` (recompute; see :class:`~onnxtrain.torch.ORTModule`).
+    ``memory_budget`` (recompute; see :class:`~onnxtrain.torch.ORTModule`), and ``dynamic``
+    (default ``True`` here: ``Trainer``'s collators pad each batch to its own longest sequence,
+    so the first export already takes dynamic dims instead of exporting again on the second
+    batch; ``None`` exports the first batch's shapes first, as ORTModule does).
 
     - Training and evaluation call ``trainer.ort_module``, an :class:`ORTModule` around
       ``trainer.model`` made on first use (one export for training, one for evaluation).
@@ -116,14 +119,16 @@ class ORTTrainer(transformers.Trainer):
     """
 
     def __init__(self, model=None, args=None, *rest, debug_options: DebugOptions | None = None,
-                 memory_opt_level: int | None = None, memory_budget: int | None = None, **kwargs):
+                 memory_opt_level: int | None = None, memory_budget: int | None = None,
+                 dynamic: bool | None = True, **kwargs):
         if args is None:
             args = ORTTrainingArguments(output_dir="tmp_trainer")  # Trainer's default folder
         if args.torch_compile:
             raise ORTTrainerError("ORTTrainer runs the model in ONNX Runtime; torch_compile=True would compile the "
                                   "ORTModule wrapper instead: expected torch_compile=False")
         self._ort_debug_options = debug_options
-        self._ort_memory = {"memory_opt_level": memory_opt_level, "memory_budget": memory_budget}
+        self._ort_options = {"memory_opt_level": memory_opt_level, "memory_budget": memory_budget,
+                             "dynamic": dynamic}
         self._ort_module: ORTModule | None = None
         super().__init__(model, args, *rest, **kwargs)
         # ORTModule's dropout masks come from ONNX Runtime's generator. It seeds each run's engine
@@ -140,7 +145,7 @@ class ORTTrainer(transformers.Trainer):
 
     def _ortmodule_for(self, model: torch.nn.Module) -> ORTModule:
         if self.ort_module is None or self._ort_module.module is not model:
-            self._ort_module = ORTModule(model, self._ort_debug_options, **self._ort_memory)
+            self._ort_module = ORTModule(model, self._ort_debug_options, **self._ort_options)
         return self._ort_module
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):

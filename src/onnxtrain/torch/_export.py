@@ -7,8 +7,9 @@ initializers to graph inputs, so the graph reads the module's current weights on
 run and an optimizer step never needs a re-export. Buffers a training-mode forward
 mutates (BatchNorm running statistics, counters) come back as extra outputs.
 
-Every tensor dim is exported as ``Dim.AUTO``: dynamic where the model allows it, static
-where it does not. A later call is served by the same graph when its shapes fit: static
+A call is exported with its own shapes (static) or with every tensor dim ``Dim.AUTO``:
+dynamic where the model allows it, static where it does not (ORTModule chooses, see its
+``dynamic`` argument). A later call is served by the same graph when its shapes fit: static
 dims equal, symbolic dims consistent across inputs and within the ranges the exporter
 derived.
 """
@@ -229,17 +230,21 @@ def export_failure(what: str, exc: Exception) -> ExportError:
     return ExportError(f"{what}: {type(exc).__name__}: {first_line}")
 
 
-def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False) -> ExportedGraph:
+def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False,
+                dynamic: bool = True) -> ExportedGraph:
+    """Export ``module`` called as ``call``: with every dim ``Dim.AUTO`` (``dynamic``) or with
+    the call's own shapes (a static export traces without symbolic shapes: several times faster)."""
     """Export ``module`` called as ``call`` (see the module docstring). ``keep_exported`` keeps a
     copy of the exporter's own graph in ``ExportedGraph.exported`` (for saving it)."""
     buffer_names = list(dict(module.named_buffers()))
     wrapper = _FlatModule(module, call, buffer_names)
-    dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors)
+    dynamic_shapes = (tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors),) \
+        if dynamic else None
     try:
         with quiet_exporter():
             program = torch.onnx.export(
                 wrapper, tuple(call.tensors), dynamo=True, optimize=False, verbose=False,
-                dynamic_shapes=(dynamic,), custom_translation_table=translation_table(),
+                dynamic_shapes=dynamic_shapes, custom_translation_table=translation_table(),
             )
     except Exception as exc:  # the exporter raises many types; the reason is in the message
         raise export_failure(f"torch.onnx.export could not export {type(module).__name__}", exc) from exc

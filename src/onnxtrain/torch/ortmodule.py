@@ -14,7 +14,7 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from onnxtrain.errors import OnnxTrainError
+from onnxtrain.errors import ExportError, OnnxTrainError
 from onnxtrain.ir import io
 from onnxtrain.logs import LogLevel
 from onnxtrain.passes import pipeline
@@ -126,6 +126,8 @@ class _Variant:
 
     graph: ExportedGraph
     precision: PrecisionConfig | None = None  # the autocast state it was exported under
+    dynamic: bool = False  # exported with dynamic dims (Dim.AUTO) rather than the call's own shapes
+    dynamic_tried: bool = False  # a dynamic export was attempted for it (it failed if not dynamic)
     inference: SessionRunner | None = None
     training: dict[tuple, TrainingPrograms] = field(default_factory=dict)
     memory: dict[tuple, MemoryReport] = field(default_factory=dict)
@@ -146,10 +148,15 @@ class ORTModule(torch.nn.Module):
     The rest of the training script stays as it is: the same optimizer on
     ``model.parameters()``, the same loss, ``loss.backward()``, ``optimizer.step()``.
     The module is exported on its first call (``torch.onnx.export(..., dynamo=True)``) with
-    parameters and buffers as graph inputs, so weights update without a re-export and
-    new batch or sequence sizes reuse the graph. A new export happens only when the
-    call's schema changes (dtypes, ranks, static sizes, non-tensor arguments, train/eval
-    mode) — ``export_count`` counts them.
+    parameters and buffers as graph inputs, so weights update without a re-export.
+    Shapes work as in ``torch.compile``: by default (``dynamic=None``) the first export
+    uses the call's own shapes (static: several times faster to export than symbolic
+    shapes); the first call whose shapes that graph cannot serve re-exports once with
+    dynamic dims (``torch.export.Dim.AUTO``), and that graph serves later batch and sequence
+    sizes. ``dynamic=True`` exports dynamic dims from the first call, ``dynamic=False``
+    exports once per distinct shape. Other new exports happen only when the call's schema
+    changes (dtypes, ranks, non-tensor arguments, train/eval mode) — ``export_count``
+    counts them all.
 
     In training, one gradient graph is built and cut into a forward and a backward graph
     that run inside a ``torch.autograd.Function``; parameters (and inputs) that require
@@ -179,14 +186,18 @@ class ORTModule(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, *,
-                 memory_opt_level: int | None = None, memory_budget: int | None = None):
+                 memory_opt_level: int | None = None, memory_budget: int | None = None,
+                 dynamic: bool | None = None):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
+        if dynamic not in (None, True, False):
+            raise TypeError(f"ORTModule dynamic must be None (automatic), True or False, got {dynamic!r}")
         if memory_budget is not None and not (isinstance(memory_budget, int) and memory_budget >= 0):
             raise MemoryOptionsError(f"ORTModule memory_budget must be a number of bytes >= 0, got {memory_budget!r}")
         super().__init__()
         self._original_module = module
         self._debug = debug_options or DebugOptions()
+        self._dynamic = dynamic
         self._memory_options = MemoryOptions(memory_opt_level, memory_budget)
         try:
             self._memory_options.resolved_level()
@@ -306,23 +317,44 @@ class ORTModule(torch.nn.Module):
         for variant in variants:
             if variant.graph.accepts(call.tensors):
                 return variant
-        # under torch.autocast the export traces autocast's casts: the graph computes what eager
-        # autocast computes, with its output dtypes; the precision pass then moves the ops the
-        # execution provider cannot run in low precision (and the sensitive ones) to fp32
         began = time.perf_counter()
-        graph = export_call(self._original_module, call, keep_exported=self._debug.save_onnx)
+        variant = self._export(call, variants)
+        graph = variant.graph
         self.export_count += 1
-        logger.info("exported %s (%s, export #%d) in %.1f s: %d nodes", type(self._original_module).__name__,
-                    self._mode(), self.export_count, time.perf_counter() - began, len(graph.model.graph))
-        precision = None if autocast is None else PrecisionConfig(autocast[1], device=autocast[0])
-        if precision is not None:
-            pipeline.run(graph.model, pipeline.mixed_precision(precision))
-        variant = _Variant(graph, precision)
+        logger.info("exported %s (%s, %s shapes, export #%d) in %.1f s: %d nodes", type(self._original_module).__name__,
+                    self._mode(), "dynamic" if variant.dynamic else "static", self.export_count,
+                    time.perf_counter() - began, len(graph.model.graph))
+        if autocast is not None:
+            # under torch.autocast the export traces autocast's casts: the graph computes what eager
+            # autocast computes, with its output dtypes; the precision pass then moves the ops the
+            # execution provider cannot run in low precision (and the sensitive ones) to fp32
+            variant.precision = PrecisionConfig(autocast[1], device=autocast[0])
+            pipeline.run(graph.model, pipeline.mixed_precision(variant.precision))
         variants.append(variant)
         self._save(graph.exported, "exported")
         graph.exported = None  # saved: no need to hold a second copy of the model
         self._save(graph.model, "optimized")
         return variant
+
+    def _export(self, call, variants: list[_Variant]) -> _Variant:
+        """Export for a call that none of its schema's ``variants`` accepts. Automatic mode
+        (``dynamic=None``): static for the schema's first export; dynamic for the first call
+        that needs another shape; static again (one graph per shape) once a dynamic export was
+        tried, or when the dynamic export fails."""
+        keep = self._debug.save_onnx
+        if self._dynamic is not None:
+            graph = export_call(self._original_module, call, keep_exported=keep, dynamic=self._dynamic)
+            return _Variant(graph, dynamic=self._dynamic, dynamic_tried=self._dynamic)
+        if not variants or any(v.dynamic_tried for v in variants):
+            return _Variant(export_call(self._original_module, call, keep_exported=keep, dynamic=False))
+        try:
+            graph = export_call(self._original_module, call, keep_exported=keep, dynamic=True)
+            return _Variant(graph, dynamic=True, dynamic_tried=True)
+        except ExportError as exc:
+            logger.info("%s does not export with dynamic shapes (%s); exporting this call's shapes",
+                        type(self._original_module).__name__, exc)
+            graph = export_call(self._original_module, call, keep_exported=keep, dynamic=False)
+            return _Variant(graph, dynamic_tried=True)
 
     def _mode(self) -> str:
         return "training" if self._original_module.training else "inference"

@@ -250,6 +250,9 @@ class CheckpointState:
         self._param_phase = 0  # which of a trainable parameter's two buffers is current
         self._grad_phase = 0
         self._layout = 0  # bumped whenever a buffer object is created or replaced: cached bindings go stale
+        # bumped whenever a parameter value or gradient changes outside an optimizer step: an update a
+        # fused step computed ahead (api/optimizer.py) is valid only for the version it was computed at
+        self._version = 0
         self._parameters = Parameters(self)
         self._property_view = Properties(self)
 
@@ -318,6 +321,7 @@ class CheckpointState:
                     per[state] = [from_numpy(to_numpy(v), device) for v in pair]
         self._device = device
         self._layout += 1
+        self._version += 1
 
     def _ensure_grads(self) -> None:
         """Two zeroed gradient buffers per trainable parameter (the training model ping-pongs them)."""
@@ -355,6 +359,7 @@ class CheckpointState:
                                      f"got an array of shape {list(value.shape)}")
         self._value(slot).update_inplace(np.ascontiguousarray(value))
         slot.has_value = True
+        self._version += 1
 
     # -- internal: serialization ---------------------------------------------------------
 

@@ -155,6 +155,7 @@ class Module:
         self._device = parse_device(device)
         self._providers = providers_for(self._device, providers)
         self._session_options = session_options
+        self._train_model_uri = os.fspath(train_model_uri)
         self._train_session = create_session(train_model_uri, self._providers, session_options, "training model")
         self._train = _Signature(self._train_session, state, training=True, what="training model")
         self._eval_model_uri = None if eval_model_uri is None else os.fspath(eval_model_uri)
@@ -168,6 +169,9 @@ class Module:
         state._to_device(self._device)
         state._ensure_grads()
         self._reset_grad = True  # buffers start empty, so the first step must not add to them
+        # the Optimizer whose fused step (forward, backward and update in one run) serves a
+        # training step that starts from fresh gradients; set by Optimizer(..., fused_step=...)
+        self._fused_optimizer = None
         self._flags = {v: from_numpy(np.array(v), self._device) for v in (True, False)}
         self._train_bindings = BindingCache(self._train_session, self._setup_train_binding)
         self._eval_bindings = None if self._eval_session is None else \
@@ -186,19 +190,23 @@ class Module:
             raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint): set them with "
                                   f"copy_buffer_to_parameters or state.parameters[name] = array first")
         state = self._state
-        if training:
+        fused = self._fused_optimizer if training and self._reset_grad else None
+        if fused is not None:
+            session, binding = fused._fused_session, fused._fused_binding()
+        elif training:
+            session = self._train_session
             binding = self._train_bindings.get((state._layout, state._param_phase, state._grad_phase))
             binding.bind_ortvalue_input(names.LAZY_RESET_GRAD, self._flags[self._reset_grad])
             if sig.loss_scaled:
                 binding.bind_cpu_input(names.LOSS_SCALE,
                                        np.array(state._properties[names.LOSS_SCALE], dtype=np.float32))
         else:
+            session = self._eval_session
             binding = self._eval_bindings.get((state._layout, state._param_phase))
         for spec, value in zip(sig.user_inputs, feeds):
             binding.bind_ortvalue_input(spec.name, value)
         for name in [*sig.user_outputs, *sig.buffer_updates]:  # ORT allocates these per run
             binding.bind_output(name, self._device.type, self._device.id)
-        session = self._train_session if training else self._eval_session
         session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
         for value, param in zip(outputs[len(sig.user_outputs):], sig.buffer_updates.values()):
@@ -207,9 +215,12 @@ class Module:
         # Only now, after a successful run, do the freshly written gradient buffers become current.
         if training:
             state._grad_phase = 1 - state._grad_phase
+            state._version += 1
             for p in sig.trainable:
                 state._slots[p].has_grad = True
             self._reset_grad = False
+        if fused is not None:  # its update waits in the spare buffers for optimizer.step()
+            fused._fused_done()
         outputs = outputs[: len(sig.user_outputs)]
         results = tuple(outputs) if ortvalue_mode else tuple(o.numpy() for o in outputs)
         return results[0] if len(results) == 1 else results
@@ -297,6 +308,7 @@ class Module:
         if flat.dtype != dtype:
             raise InputMismatchError(f"parameter buffer has dtype {flat.dtype}; the parameters are {dtype}")
         offset = 0
+        self._state._version += 1
         for slot in slots:
             part = flat[offset: offset + slot.size].reshape(slot.shape)
             self._state._value(slot).update_inplace(np.ascontiguousarray(part))

@@ -5,6 +5,14 @@ takes ``learning_rate``, ``step`` and, per trainable parameter ``p``, ``p``, ``p
 ``p.<state>``; it returns ``p.updated`` and ``p.<state>.updated``. The new values are
 written into spare buffers and swapped in after the run, so nothing is copied and a
 failed run changes nothing.
+
+Fused step: unless ``fused_step=False``, the Optimizer also builds one session that runs
+forward, backward and the update together (:mod:`onnxtrain.fused_step`). A training step
+that starts from fresh gradients (``lazy_reset_grad`` before it, or the first step) then
+runs that session: it writes this batch's gradients as usual, and this optimizer's update
+into the spare buffers. ``step()`` only swaps them in, provided nothing the update depends
+on changed in between (parameters, gradients, learning rate, step count, loss scale);
+otherwise it runs the optimizer model as without fusion. Results are the same either way.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from onnxtrain.api.checkpoint_state import _OptimizerState
 from onnxtrain.api.module import Module
 from onnxtrain.errors import CheckpointError, ModelError
 from onnxtrain.runtime.binding import BindingCache
-from onnxtrain.runtime.session import create_session, input_specs, output_specs
+from onnxtrain.runtime.session import create_session, input_specs, is_ort_format, output_specs
 from onnxtrain.runtime.values import from_numpy, zeros
 
 OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
@@ -36,6 +44,11 @@ class Optimizer:
     Args:
         optimizer_uri: path to ``optimizer_model.onnx`` (or its ORT format conversion ``.ort``).
         module: the :class:`Module` whose trainable parameters are updated.
+        fused_step: run forward, backward and update in one session when a training step
+            starts from fresh gradients (see the module docstring). ``None`` (default): when
+            the training and optimizer models are ONNX files that can be joined, else not
+            (``fused_step_error`` says why); ``True``: required (ModelError if impossible);
+            ``False``: never (one session fewer to create and hold).
 
     Example (``artifacts`` is a folder of training artifacts, ``x``, ``y`` a batch):
         >>> from onnxtrain.api import CheckpointState, Module, Optimizer
@@ -48,7 +61,7 @@ class Optimizer:
         (0.0001, 1)
     """
 
-    def __init__(self, optimizer_uri: str | os.PathLike, module: Module):
+    def __init__(self, optimizer_uri: str | os.PathLike, module: Module, fused_step: bool | None = None):
         if not isinstance(module, Module):
             raise TypeError(f"module must be an onnxtrain.api.Module, got {type(module).__name__}")
         self._module = module
@@ -78,6 +91,14 @@ class Optimizer:
         self._scale_outputs = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self._scale_arrays.items()}
         self.last_step_skipped = False
         self._bindings = BindingCache(self._session, self._setup_binding)
+        self._fused_session = None
+        self.fused_step_error: str | None = "fused_step=False"
+        module._fused_optimizer = None  # an earlier Optimizer's fused step no longer applies
+        if fused_step is not False:
+            self._create_fused_session(optimizer_uri, required=fused_step is True)
+        # (state version, step inputs) of the update a fused run left in the spare buffers
+        self._fused_pending: tuple | None = None
+        self._fused_inputs: tuple | None = None
 
     def _read_signature(self) -> list[str]:
         inputs = [s.name for s in input_specs(self._session)]
@@ -134,6 +155,77 @@ class Optimizer:
         opt.phase = 0
         state._layout += 1
 
+    def _create_fused_session(self, optimizer_uri, required: bool) -> None:
+        module = self._module
+        paths = (module._train_model_uri, os.fspath(optimizer_uri))
+        try:
+            if any(is_ort_format(p) for p in paths):
+                raise ModelError("the fused step joins the ONNX graphs; ORT format models cannot be joined")
+            from onnxtrain.fused_step import build_fused_step_model
+            from onnxtrain.ir import io
+
+            model = build_fused_step_model(io.load_model(paths[0]), io.load_model(paths[1]))
+            self._fused_session = create_session(io.serialize(model), module._providers, module._session_options,
+                                                 "fused training step")
+        except ModelError as exc:
+            if required:
+                raise
+            self.fused_step_error = str(exc)
+            return
+        self.fused_step_error = None
+        self._fused_bindings = BindingCache(self._fused_session, self._setup_fused_binding)
+        module._fused_optimizer = self
+
+    def _setup_fused_binding(self, binding: ort.IOBinding) -> None:
+        """The fused session: the training model's bindings without accumulation, and the optimizer's."""
+        module, state, opt = self._module, self._state, self._opt
+        sig = module._train
+        for name in [*sig.user_outputs, *sig.buffer_updates]:  # first, so get_outputs() returns them first
+            binding.bind_output(name, module._device.type, module._device.id)
+        for name in sig.params:
+            binding.bind_ortvalue_input(name, state._value(state._slots[name]))
+        for p in self._params:
+            slot = state._slots[p]
+            binding.bind_ortvalue_output(names.accumulation_out_name(p), state._spare_grad(slot))
+            binding.bind_ortvalue_output(names.updated_name(p), state._spare_value(slot))
+            for s in self._states:
+                key = names.state_name(p, s)
+                binding.bind_ortvalue_input(key, opt.current(p, s))
+                binding.bind_ortvalue_output(names.updated_name(key), opt.spare(p, s))
+        for name, value in self._scale_outputs.items():
+            binding.bind_ortvalue_output(name, value)
+
+    def _step_inputs(self) -> tuple:
+        """What an update depends on besides parameters, gradients and states."""
+        state, opt = self._state, self._opt
+        props = state._properties
+        scale = (props[names.LOSS_SCALE], props[names.LOSS_SCALE_GROWTH_TRACKER]) if self._loss_scaled else ()
+        return (state._layout, state._param_phase, opt.phase, opt.learning_rate, opt.step, *scale)
+
+    def _bind_step_inputs(self, binding: ort.IOBinding) -> None:
+        state, opt = self._state, self._opt
+        binding.bind_cpu_input(names.LEARNING_RATE, np.array(opt.learning_rate, dtype=np.float32))
+        # ``step`` is the number of this update (1 for the first): bias corrections use it as a power.
+        binding.bind_cpu_input(names.STEP, np.array(opt.step + 1, dtype=np.int64))
+        if self._loss_scaled:
+            props = state._properties
+            binding.bind_cpu_input(names.LOSS_SCALE, np.array(props[names.LOSS_SCALE], dtype=np.float32))
+            binding.bind_cpu_input(names.LOSS_SCALE_GROWTH_TRACKER,
+                                   np.array(props[names.LOSS_SCALE_GROWTH_TRACKER], dtype=np.int64))
+
+    def _fused_binding(self) -> ort.IOBinding:
+        """The fused session's binding for the current buffers, step inputs bound (Module calls this)."""
+        state, opt = self._state, self._opt
+        binding = self._fused_bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
+        self._bind_step_inputs(binding)
+        self._fused_inputs = self._step_inputs()
+        self._fused_pending = None
+        return binding
+
+    def _fused_done(self) -> None:
+        """The fused run succeeded: its update is valid until the state changes (Module calls this)."""
+        self._fused_pending = (self._state._version, *self._fused_inputs)
+
     def _setup_binding(self, binding: ort.IOBinding) -> None:
         state, opt = self._state, self._opt
         for p in self._params:
@@ -156,16 +248,13 @@ class Optimizer:
         ``state.properties["loss_scale"]`` is updated as ``torch.amp.GradScaler.update`` does.
         """
         state, opt = self._state, self._opt
-        binding = self._bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
-        binding.bind_cpu_input(names.LEARNING_RATE, np.array(opt.learning_rate, dtype=np.float32))
-        # ``step`` is the number of this update (1 for the first): bias corrections use it as a power.
-        binding.bind_cpu_input(names.STEP, np.array(opt.step + 1, dtype=np.int64))
+        pending, self._fused_pending = self._fused_pending, None
+        if pending is None or pending != (state._version, *self._step_inputs()):
+            binding = self._bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
+            self._bind_step_inputs(binding)
+            self._session.run_with_iobinding(binding)
+        # else the fused run already wrote exactly this update into the spare buffers
         props = state._properties
-        if self._loss_scaled:
-            binding.bind_cpu_input(names.LOSS_SCALE, np.array(props[names.LOSS_SCALE], dtype=np.float32))
-            binding.bind_cpu_input(names.LOSS_SCALE_GROWTH_TRACKER,
-                                   np.array(props[names.LOSS_SCALE_GROWTH_TRACKER], dtype=np.int64))
-        self._session.run_with_iobinding(binding)
         state._param_phase = 1 - state._param_phase
         opt.phase = 1 - opt.phase
         if self._loss_scaled:

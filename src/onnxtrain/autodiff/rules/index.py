@@ -20,7 +20,7 @@ from onnxtrain.ir.shapes import normalize_axis, rank_of
 
 _INT64 = int(ir.DataType.INT64)
 _INT64_MAX = int(np.iinfo(np.int64).max)
-_SCATTER_ADD_OPSET = 16  # first opset with ScatterND/ScatterElements reduction="add"
+SCATTER_ADD_OPSET = 16  # first opset with ScatterND/ScatterElements reduction="add"
 
 
 def _zeros(ctx: GradContext, shape: ir.Value, like: ir.Value) -> ir.Value:
@@ -48,7 +48,7 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
     op, b = ctx.op, ctx.b
     axes = b.ints([axis])
     size = op.Gather(x_shape, axes, axis=0)  # D, as [1]
-    if axis == 0 and ctx.opset >= _SCATTER_ADD_OPSET:
+    if axis == 0 and ctx.opset >= SCATTER_ADD_OPSET:
         # an embedding lookup: scatter rows of dy straight into a tensor of x's shape
         # (no [P, D, Q] view, no Reshape copy of the whole table at the end)
         index = op.Reshape(_wrap_negative(ctx, indices, size), b.ints([-1, 1]))  # [K, 1]
@@ -59,7 +59,7 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
     index = op.Reshape(_wrap_negative(ctx, indices, size), b.ints([-1]))  # [K]
     count = op.Reshape(op.Size(index), b.ints([1]))
     dy3 = op.Reshape(dy, op.Concat(outer, count, inner, axis=0))
-    if ctx.opset >= _SCATTER_ADD_OPSET:
+    if ctx.opset >= SCATTER_ADD_OPSET:
         # ScatterND into [P, D, Q] with index pairs (p, index[k]) for every p, k
         grid = op.Concat(outer, count, b.ints([1]), axis=0)
         rows = op.Expand(op.Reshape(op.Range(b.scalar_int(0), op.Reshape(outer, b.ints([])), b.scalar_int(1)),
@@ -160,7 +160,7 @@ def _gather_elements(ctx):
     axis = ctx.attr("axis", 0)
     x_shape = op.Shape(x)
     index = _wrap_negative(ctx, indices, op.Gather(x_shape, b.ints([axis]), axis=0))
-    if ctx.opset >= _SCATTER_ADD_OPSET:
+    if ctx.opset >= SCATTER_ADD_OPSET:
         return (op.ScatterElements(b.zeros_like(x), index, ctx.dy, axis=axis, reduction="add"),)
     # one-hot over the gathered axis: [*indices.shape, D], summed over that axis
     rank = rank_of(indices)

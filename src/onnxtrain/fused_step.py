@@ -34,11 +34,11 @@ def build_fused_step_model(training: ir.Model, optimizer: ir.Model) -> ir.Model:
     Raises ModelError when the two models do not follow the artifact contract
     (docs/artifacts.md) closely enough to be joined.
     """
+    _check_opsets(training, optimizer)
     graph = training.graph
     _fix_reset_to_true(graph)
     RemoveUnusedNodesPass()(training)  # the accumulating side (buffer + grad) is dead now
     _drop_accumulation_buffers(graph)
-    _check_opsets(training, optimizer)
 
     train_values = {v.name: v for v in graph.inputs}
     grad_outputs = {v.name: v for v in graph.outputs if v.name.endswith(names.ACCUMULATION_OUT_SUFFIX)}
@@ -57,7 +57,7 @@ def build_fused_step_model(training: ir.Model, optimizer: ir.Model) -> ir.Model:
     taken = {v.name for v in graph.inputs} | {v.name for v in graph.outputs}
     for node in list(opt_graph):
         opt_graph.remove(node, safe=False)
-        _rename_into_scope(node, taken)
+        _rename_into_scope(node)
         graph.append(node)
     opt_graph.inputs.clear()
     opt_graph.outputs.clear()
@@ -152,7 +152,7 @@ def _check_opsets(training: ir.Model, optimizer: ir.Model) -> None:
                              f"model {version}: they cannot share one graph")
 
 
-def _rename_into_scope(node: ir.Node, taken: set[str]) -> None:
+def _rename_into_scope(node: ir.Node) -> None:
     """Give the optimizer's node and its internal values names that cannot clash."""
     if node.name:
         node.name = _OPTIMIZER_SCOPE + node.name

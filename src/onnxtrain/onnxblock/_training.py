@@ -101,7 +101,7 @@ def _lift_parameters(model: ir.Model, params: Parameters) -> None:
 
 
 def _clean(model: ir.Model) -> ir.Model:
-    return pipeline.run(model, pipeline.after_autodiff())
+    return pipeline.run(model, pipeline.training_model())
 
 
 def _metadata(params: Parameters, user_inputs, loss_inputs, loss_name, additional, buffer_updates=None,

@@ -51,7 +51,9 @@ def test_transposed_products(case):
         assert ops.count("MatMul") == 1 and ops[-1] == "MatMul"
         if case == "weight_grad":  # X^T^T cancelled: only dY is transposed (ORT folds it into FusedMatMul)
             assert ops == ["Transpose", "MatMul"]
-            assert model.graph.node(0).inputs[0].name == "dy"
+            flipped = model.graph.node(0)
+            assert flipped.inputs[0].name == "dy"
+            assert [str(d) for d in flipped.outputs[0].shape] == ["3", "N"]  # sized for the memory planner
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal([7 if d == "N" else d for d in s]).astype(np.float32) for n, s in inputs}
     for expected, got in zip(_run(original, feeds), _run(io.to_proto(model), feeds)):

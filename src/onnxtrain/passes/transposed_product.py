@@ -54,7 +54,12 @@ def _transposed(value: ir.Value, at: ir.Node, new_nodes: list[ir.Node]) -> ir.Va
         return source.inputs[0]
     flip = ir.node("Transpose", [value], attributes={"perm": [1, 0]}, name=f"{at.name}/transpose_{len(new_nodes)}")
     new_nodes.append(flip)
-    return flip.outputs[0]
+    flipped = flip.outputs[0]
+    # typed and shaped like the rest of the graph: the memory planner sizes every value
+    flipped.type = value.type
+    if value.shape is not None:
+        flipped.shape = ir.Shape(list(reversed(list(value.shape))))
+    return flipped
 
 
 def _swap(graph: ir.Graph, transpose: ir.Node, product: ir.Node) -> None:

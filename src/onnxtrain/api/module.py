@@ -232,12 +232,18 @@ class Module:
             raise ModelError("no eval model was given to Module(...): cannot run in eval mode")
         return self._eval
 
-    def _setup_train_binding(self, binding: ort.IOBinding) -> None:
+    def _bind_outputs_and_parameters(self, binding: ort.IOBinding) -> None:
+        """The training run's user outputs and statistics updates (first, so get_outputs() returns
+        them first) and its parameter inputs: shared by the training and the fused step binding."""
         state, sig = self._state, self._train
-        for name in [*sig.user_outputs, *sig.buffer_updates]:  # first, so get_outputs() returns them first
+        for name in [*sig.user_outputs, *sig.buffer_updates]:
             binding.bind_output(name, self._device.type, self._device.id)
         for name in sig.params:
             binding.bind_ortvalue_input(name, state._value(state._slots[name]))
+
+    def _setup_train_binding(self, binding: ort.IOBinding) -> None:
+        state, sig = self._state, self._train
+        self._bind_outputs_and_parameters(binding)
         for p in sig.trainable:
             slot = state._slots[p]
             binding.bind_ortvalue_input(names.accumulation_buffer_name(p), state._grad(slot))

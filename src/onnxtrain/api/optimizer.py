@@ -178,22 +178,11 @@ class Optimizer:
 
     def _setup_fused_binding(self, binding: ort.IOBinding) -> None:
         """The fused session: the training model's bindings without accumulation, and the optimizer's."""
-        module, state, opt = self._module, self._state, self._opt
-        sig = module._train
-        for name in [*sig.user_outputs, *sig.buffer_updates]:  # first, so get_outputs() returns them first
-            binding.bind_output(name, module._device.type, module._device.id)
-        for name in sig.params:
-            binding.bind_ortvalue_input(name, state._value(state._slots[name]))
+        state = self._state
+        self._module._bind_outputs_and_parameters(binding)
         for p in self._params:
-            slot = state._slots[p]
-            binding.bind_ortvalue_output(names.accumulation_out_name(p), state._spare_grad(slot))
-            binding.bind_ortvalue_output(names.updated_name(p), state._spare_value(slot))
-            for s in self._states:
-                key = names.state_name(p, s)
-                binding.bind_ortvalue_input(key, opt.current(p, s))
-                binding.bind_ortvalue_output(names.updated_name(key), opt.spare(p, s))
-        for name, value in self._scale_outputs.items():
-            binding.bind_ortvalue_output(name, value)
+            binding.bind_ortvalue_output(names.accumulation_out_name(p), state._spare_grad(state._slots[p]))
+        self._bind_updates(binding)
 
     def _step_inputs(self) -> tuple:
         """What an update depends on besides parameters, gradients and states."""
@@ -227,12 +216,18 @@ class Optimizer:
         self._fused_pending = (self._state._version, *self._fused_inputs)
 
     def _setup_binding(self, binding: ort.IOBinding) -> None:
-        state, opt = self._state, self._opt
+        state = self._state
         for p in self._params:
             slot = state._slots[p]
             binding.bind_ortvalue_input(p, state._value(slot))
             binding.bind_ortvalue_input(names.grad_name(p), state._grad(slot))
-            binding.bind_ortvalue_output(names.updated_name(p), state._spare_value(slot))
+        self._bind_updates(binding)
+
+    def _bind_updates(self, binding: ort.IOBinding) -> None:
+        """Current optimizer states in; new parameters and states into the spare buffers; the loss-scale outputs."""
+        state, opt = self._state, self._opt
+        for p in self._params:
+            binding.bind_ortvalue_output(names.updated_name(p), state._spare_value(state._slots[p]))
             for s in self._states:
                 key = names.state_name(p, s)
                 binding.bind_ortvalue_input(key, opt.current(p, s))

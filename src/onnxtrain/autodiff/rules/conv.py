@@ -18,6 +18,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import grad
+from onnxtrain.autodiff.rules.index import SCATTER_ADD_OPSET
 from onnxtrain.ir.shapes import rank_of
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -339,7 +340,7 @@ def _max_pool_by_indices(ctx) -> ir.Value:
     def scatter(dy, idx, **kw):
         return op.ScatterElements(zeros, op.Reshape(idx, b.ints([-1])), op.Reshape(dy, b.ints([-1])), axis=0, **kw)
 
-    if ctx.opset >= 16:
+    if ctx.opset >= SCATTER_ADD_OPSET:
         flat = scatter(ctx.dy, indices, reduction="add")
     else:
         # no scatter-add before opset 16: windows of outputs m = ceil(extent / stride) apart are

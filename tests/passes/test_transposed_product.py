@@ -22,17 +22,18 @@ def _run(model, feeds):
 
 
 T = dict(perm=[1, 0])
+MATMUL = helper.make_node("MatMul", ["a", "b"], ["p"])
+TRANSPOSE_P = helper.make_node("Transpose", ["p"], ["out"], **T)
+AB = [("a", [4, 6]), ("b", [6, 3])]
 CASES = {
     # the weight gradient of x @ W^T: Transpose(X^T @ dY) -> dY^T @ X, no transpose left of X
     "weight_grad": ([helper.make_node("Transpose", ["x"], ["xt"], **T), helper.make_node("MatMul", ["xt", "dy"], ["p"]),
-                     helper.make_node("Transpose", ["p"], ["out"], **T)], [("x", ["N", 5]), ("dy", ["N", 3])], True),
-    "plain_inputs": ([helper.make_node("MatMul", ["a", "b"], ["p"]), helper.make_node("Transpose", ["p"], ["out"], **T)],
-                     [("a", [4, 6]), ("b", [6, 3])], True),
+                     TRANSPOSE_P], [("x", ["N", 5]), ("dy", ["N", 3])], True),
+    "plain_inputs": ([MATMUL, TRANSPOSE_P], AB, True),
     # the product is read twice: transposing it once is cheaper than a second product
-    "product_reused": ([helper.make_node("MatMul", ["a", "b"], ["p"]), helper.make_node("Transpose", ["p"], ["out"], **T),
-                        helper.make_node("Relu", ["p"], ["out2"])], [("a", [4, 6]), ("b", [6, 3])], False),
-    "batched": ([helper.make_node("MatMul", ["a", "b"], ["p"]),
-                 helper.make_node("Transpose", ["p"], ["out"], perm=[0, 2, 1])], [("a", [2, 4, 6]), ("b", [2, 6, 3])], False),
+    "product_reused": ([MATMUL, TRANSPOSE_P, helper.make_node("Relu", ["p"], ["out2"])], AB, False),
+    "batched": ([MATMUL, helper.make_node("Transpose", ["p"], ["out"], perm=[0, 2, 1])],
+                [("a", [2, 4, 6]), ("b", [2, 6, 3])], False),
 }
 
 

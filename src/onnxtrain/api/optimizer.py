@@ -167,9 +167,9 @@ class Optimizer:
             model = build_fused_step_model(io.load_model(paths[0]), io.load_model(paths[1]))
             self._fused_session = create_session(io.serialize(model), module._providers, module._session_options,
                                                  "fused training step")
-        except ModelError as exc:
+        except ValueError as exc:  # ModelError, or protobuf refusing a joined model over 2 GB
             if required:
-                raise
+                raise exc if isinstance(exc, ModelError) else ModelError(f"cannot build the fused step: {exc}") from exc
             self.fused_step_error = str(exc)
             return
         self.fused_step_error = None

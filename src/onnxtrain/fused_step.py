@@ -128,10 +128,7 @@ def _replace_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
         copy = ir.node("Identity", [new], name=f"{name}/identity")
         graph.append(copy)
         new = copy.outputs[0]
-    for i, out in enumerate(graph.outputs):
-        if out is old:
-            graph.outputs[i] = new
-    old.replace_all_uses_with(new)
+    old.replace_all_uses_with(new, replace_graph_outputs=True)
     old.name = None
     new.name = name
     new.type, new.shape = old.type, old.shape
@@ -153,17 +150,13 @@ def _check_opsets(training: ir.Model, optimizer: ir.Model) -> None:
 
 
 def _rename_into_scope(node: ir.Node) -> None:
-    """Give the optimizer's node and its internal values names that cannot clash."""
-    if node.name:
-        node.name = _OPTIMIZER_SCOPE + node.name
-    for out in node.outputs:
-        if out.name and not out.is_graph_output():
-            out.name = _OPTIMIZER_SCOPE + out.name
-    for attr in node.attributes.values():
-        if attr.type == ir.AttributeType.GRAPH:
-            for inner in attr.as_graph().all_nodes():
-                if inner.name:
-                    inner.name = _OPTIMIZER_SCOPE + inner.name
-                for out in inner.outputs:
-                    if out.name:
-                        out.name = _OPTIMIZER_SCOPE + out.name
+    """Give the optimizer's node, the nodes of its subgraphs and their values names that cannot
+    clash; the optimizer's graph outputs keep theirs (they are the fused model's outputs)."""
+    inner = [n for attr in node.attributes.values() if attr.type == ir.AttributeType.GRAPH
+             for n in attr.as_graph().all_nodes()]
+    for each in [node, *inner]:
+        if each.name:
+            each.name = _OPTIMIZER_SCOPE + each.name
+        for out in each.outputs:
+            if out.name and not (each is node and out.is_graph_output()):
+                out.name = _OPTIMIZER_SCOPE + out.name

@@ -38,7 +38,7 @@ def main(name: str, batch: int) -> dict:
     sample = spec.batches()[0]
     net = spec.export_model(spec.build())
     args = [torch.from_numpy(sample[n]) for n in spec.input_names]
-    estimate = estimate_memory(net, *args, optimizer_states=0)
+    estimate = estimate_memory(net, *args, optimizer_states=0, dynamic=True)  # the graph measured below
     model = ORTModule(net, dynamic=True)  # the one-example call builds the graph the full batch reuses
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
     _call(spec, model, 1, sample).backward()

@@ -81,7 +81,7 @@ class MemoryEstimate:
 
 
 def estimate_memory(module: torch.nn.Module, *args, optimizer_states: int = 2, memory_opt_level: int | None = None,
-                    memory_budget: int | None = None, **kwargs) -> MemoryEstimate:
+                    memory_budget: int | None = None, dynamic: bool | None = None, **kwargs) -> MemoryEstimate:
     """Estimate the peak memory of training ``module`` on inputs ``args``/``kwargs`` with ORTModule.
 
     Args:
@@ -90,12 +90,14 @@ def estimate_memory(module: torch.nn.Module, *args, optimizer_states: int = 2, m
         optimizer_states: parameter-sized state tensors the optimizer keeps per parameter
             (2 for Adam, AdamW, LAMB; 1 for SGD with momentum; 0 for plain SGD).
         memory_opt_level, memory_budget: ORTModule's memory options.
+        dynamic: ORTModule's ``dynamic``: estimate the graph exported with dynamic dims (what a
+            module serves batches of several sizes with) rather than with this call's shapes.
 
     Example:
         >>> estimate = estimate_memory(model, torch.zeros(64, 128, dtype=torch.long))
         >>> print(estimate.explain()); estimate.total / 2**30  # GiB
     """
-    wrapper = ORTModule(module, memory_opt_level=memory_opt_level, memory_budget=memory_budget)
+    wrapper = ORTModule(module, memory_opt_level=memory_opt_level, memory_budget=memory_budget, dynamic=dynamic)
     call = flatten_call(module, args, kwargs)
     variant = wrapper._variant(call, _autocast(call.tensors))
     inputs, wrt = _graph_inputs(call, variant)

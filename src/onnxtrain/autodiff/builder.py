@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import onnx_ir as ir
 
-from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, GradContext, Registry
+from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, Broadcast, GradContext, Registry
 from onnxtrain.errors import UnsupportedOpError
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.shapes import sum_to_shape
@@ -60,8 +60,15 @@ def _op_key(node: ir.Node) -> str:
     return f"{domain}::{node.op_type}" if domain else node.op_type
 
 
-def _accumulate(b: GraphBuilder, parts: list[ir.Value]) -> ir.Value:
-    return parts[0] if len(parts) == 1 else b.op.Sum(*parts)
+def _accumulate(b: GraphBuilder, parts: list[ir.Value | Broadcast], primal: ir.Value) -> ir.Value:
+    """The sum of a value's gradient contributions, shaped like ``primal``. Sum broadcasts, so
+    :class:`Broadcast` parts join full-sized ones as they are; only a gradient made of
+    ``Broadcast`` parts alone is expanded."""
+    full = [p for p in parts if not isinstance(p, Broadcast)]
+    small = [p.value for p in parts if isinstance(p, Broadcast)]
+    if not full:
+        full = [b.op.Expand(small.pop(0), b.op.Shape(primal))]
+    return full[0] if len(full) + len(small) == 1 else b.op.Sum(*full, *small)
 
 
 def _with_shape_of(grad: ir.Value, primal: ir.Value) -> ir.Value:
@@ -123,7 +130,7 @@ def build_gradients(
 
     for node in reversed(on_path):
         grad_outputs = [
-            _with_shape_of(_accumulate(b, contributions[o]), o) if o in contributions else None
+            _with_shape_of(_accumulate(b, contributions[o], o), o) if o in contributions else None
             for o in node.outputs
         ]
         if all(g is None for g in grad_outputs):
@@ -145,11 +152,13 @@ def build_gradients(
             if g is None or not need:
                 continue
             if rule.broadcasting:
+                if isinstance(g, Broadcast):  # in the output's shape first, then summed down to the input's
+                    g = ctx.b.op.Expand(g.value, ctx.b.op.Shape(node.outputs[0]))
                 g = sum_to_shape(ctx.b, g, value, node.outputs[0].shape)
             contributions.setdefault(value, []).append(g)
 
     result = {}
     for w in wrt:
         parts = contributions.get(w)
-        result[w] = _accumulate(b, parts) if parts else b.zeros_like(w)
+        result[w] = _accumulate(b, parts, w) if parts else b.zeros_like(w)
     return result

@@ -4,7 +4,9 @@ A rule receives a :class:`GradContext` (the node, its inputs and outputs, the
 gradients of its outputs and a builder) and returns one gradient per input,
 ``None`` where an input gets none. Rules for broadcasting ops return gradients in
 the output's shape and declare ``broadcasting=True``; the autodiff builder then
-un-broadcasts them centrally.
+un-broadcasts them centrally. A rule whose gradient is a smaller tensor repeated over the
+input (a reduction's) may return it wrapped in :class:`Broadcast`: the builder adds it to the
+input's other gradients by broadcasting, and expands it only when it is the input's only one.
 """
 
 from __future__ import annotations
@@ -35,6 +37,15 @@ def constant_node_value(node: ir.Node):
         if attr is not None:
             return np.array(attr.value, dtype=dtype)
     return None
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """A gradient given as ``value``, which broadcasts (ONNX rules) to the shape of the input it is
+    the gradient of. Summed with full-sized gradients it costs no pass of its own; alone it is
+    expanded to the input's shape."""
+
+    value: ir.Value
 
 
 @dataclass

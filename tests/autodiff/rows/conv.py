@@ -45,6 +45,15 @@ ROWS: list[Case] = [
          opsets=(13, 23), id="Conv-same-lower"),
     Case("Conv", [U(2, 2, 7, 6), U(3, 2, 3, 2)], attrs={"auto_pad": "VALID", "strides": [2, 3]},
          opsets=(13, 23), id="Conv-valid"),
+    # stride 1: pads, dilations, one channel, 1-D to 3-D
+    Case("Conv", [U(2, 3, 6, 5), U(4, 3, 3, 2)], attrs={"pads": [1, 0, 2, 1], "dilations": [2, 1]},
+         opsets=(13, 23), id="Conv-2d-stride1-pads-dilations"),
+    Case("Conv", [U("N", 2, 9), U(3, 2, 4)], attrs={"pads": [2, 1], "dilations": [2]}, opsets=(13, 23),
+         id="Conv-1d-stride1-symbolic-batch"),
+    Case("Conv", [U(1, 2, 4, 3, 5), U(2, 2, 2, 2, 3)], attrs={"pads": [1, 0, 1, 0, 1, 1]}, opsets=(13, 23),
+         id="Conv-3d-stride1"),
+    Case("Conv", [U(2, 1, 6, 6), U(3, 1, 3, 3)], attrs={"auto_pad": "SAME_UPPER"}, opsets=(13, 23),
+         id="Conv-stride1-same-upper-one-channel"),
     # kernels of more than 25 taps take the correlation-as-Conv path instead of patches
     Case("Conv", [U(2, 2, 8, 7), U(2, 2, 6, 5)], attrs={"strides": [1, 2], "pads": [1, 0, 0, 1]},
          opsets=(13, 23), id="Conv-large-kernel"),

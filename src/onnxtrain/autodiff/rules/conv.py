@@ -17,7 +17,7 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from onnxtrain.autodiff.registry import grad
+from onnxtrain.autodiff.registry import Broadcast, grad
 from onnxtrain.autodiff.rules.index import SCATTER_ADD_OPSET
 from onnxtrain.ir.shapes import rank_of
 
@@ -402,7 +402,7 @@ def _average_pool(ctx):
 def _global_average_pool(ctx):
     op = ctx.op
     count = op.Cast(op.ReduceProd(_tail(ctx.b, ctx.x), keepdims=0), to=int(ctx.x.dtype))
-    return (op.Div(op.Expand(ctx.dy, op.Shape(ctx.x)), count),)
+    return (Broadcast(op.Div(ctx.dy, count)),)
 
 
 @grad("GlobalMaxPool", versions=(13, None))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from onnxtrain.autodiff.registry import grad, unary
+from onnxtrain.ir.shapes import sum_to_shape
 
 # -- arithmetic ---------------------------------------------------------------------------
 
@@ -18,9 +19,14 @@ def _add(ctx):
     return ctx.dy, ctx.dy
 
 
-@grad("Sub", versions=(7, None), broadcasting=True)
+@grad("Sub", versions=(7, None))
 def _sub(ctx):
-    return ctx.dy, (ctx.op.Neg(ctx.dy) if ctx.needs(1) else None)
+    # un-broadcast here rather than in the builder, so that the subtrahend's minus sign falls on
+    # its summed (often much smaller) gradient instead of costing a pass over dy
+    a, b = ctx.inputs
+    da = sum_to_shape(ctx.b, ctx.dy, a, ctx.y.shape) if ctx.needs(0) else None
+    db = ctx.op.Neg(sum_to_shape(ctx.b, ctx.dy, b, ctx.y.shape)) if ctx.needs(1) else None
+    return da, db
 
 
 @grad("Mul", versions=(7, None), broadcasting=True)
@@ -31,12 +37,14 @@ def _mul(ctx):
             op.Mul(ctx.dy, a) if ctx.needs(1) else None)
 
 
-@grad("Div", versions=(7, None), broadcasting=True)
+@grad("Div", versions=(7, None))
 def _div(ctx):
     a, b = ctx.inputs
-    op = ctx.op
-    da = op.Div(ctx.dy, b) if ctx.needs(0) else None
-    db = op.Neg(op.Div(op.Mul(ctx.dy, ctx.y), b)) if ctx.needs(1) else None  # -dy * a / b^2 = -dy * y / b
+    op, shape = ctx.op, ctx.y.shape
+    da = sum_to_shape(ctx.b, op.Div(ctx.dy, b), a, shape) if ctx.needs(0) else None
+    # -dy * a / b^2 = -dy * y / b; b is constant along the axes un-broadcasting sums, so the
+    # division and the sign apply to the summed product (a pass over dy each, saved when b is small)
+    db = op.Neg(op.Div(sum_to_shape(ctx.b, op.Mul(ctx.dy, ctx.y), b, shape), b)) if ctx.needs(1) else None
     return da, db
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from onnxtrain.autodiff.registry import GradContext, grad
+from onnxtrain.autodiff.registry import Broadcast, GradContext, grad
 
 
 def _axes(ctx: GradContext) -> list[int] | ir.Value | None:
@@ -48,9 +48,10 @@ def keep_dims(ctx: GradContext, v: ir.Value) -> ir.Value:
     return ctx.b.unsqueeze(v, axes)
 
 
-def expand_back(ctx: GradContext, dy: ir.Value) -> ir.Value:
-    """Broadcast the gradient of a reduction back to the input's shape."""
-    return ctx.op.Expand(keep_dims(ctx, dy), ctx.op.Shape(ctx.x))
+def expand_back(ctx: GradContext, dy: ir.Value) -> Broadcast:
+    """The gradient of a reduction, broadcast back over the input's shape (by the builder's sum,
+    or by an Expand where nothing else flows into the input)."""
+    return Broadcast(keep_dims(ctx, dy))
 
 
 def reduce_again(ctx: GradContext, op_type: str, v: ir.Value) -> ir.Value:

@@ -328,13 +328,12 @@ def _gelu(ctx):
     half = like(x, 0.5)
     if ctx.attr("approximate", "none") == "tanh":
         # y = x/2 (1 + tanh(z)) = x s with s = sigmoid(w), w = 2z = x (2k + 2kc x^2):
-        # dy/dx = s (1 + x (1 - s) w'), w' = 2k + 6kc x^2 (fewer full-size passes than the tanh
-        # form), and x (1 - s) = x - y: one pass where (1 - s) and its product took two
+        # dy/dx = s (1 + x (1 - s) w'), w' = 2k + 6kc x^2 (fewer full-size passes than the tanh form)
         k2 = 2.0 * _SQRT_2_OVER_PI
         x2 = op.Mul(x, x)
         s = op.Sigmoid(op.Mul(x, op.Add(op.Mul(x2, like(x, k2 * _GELU_TANH_C)), like(x, k2))))
         dw = op.Add(op.Mul(x2, like(x, 3.0 * k2 * _GELU_TANH_C)), like(x, k2))
-        d = op.Mul(s, op.Add(like(x, 1.0), op.Mul(op.Sub(x, ctx.y), dw)))
+        d = op.Mul(s, op.Add(like(x, 1.0), op.Mul(op.Mul(x, op.Sub(like(x, 1.0), s)), dw)))
     else:
         # y = x Phi(x): dy/dx = Phi(x) + x phi(x)
         cdf = op.Mul(half, op.Add(like(x, 1.0), op.Erf(op.Mul(x, like(x, _INV_SQRT_2)))))

@@ -48,9 +48,11 @@ def after_autodiff() -> list[ir.passes.PassBase]:
 def training_model() -> list[ir.passes.PassBase]:
     """The artifacts' training model after autodiff: ``after_autodiff`` plus layout rewrites.
 
-    ORTModule's joint graph (passes/partition.py) does not take TransposedProductPass: there
-    the recompute partition's schedule peaked higher with it (GPT, batch 64, half budget:
-    401 -> 621 MB in tests/ortmodule/test_memory.py), not yet understood."""
+    ORTModule's graphs (passes/partition.py) do not take TransposedProductPass: with it the
+    half-budget recompute run of tests/ortmodule/test_memory.py (GPT, batch 64) peaked at
+    ~620 MB against ~400, and still at ~650 MB with the pass on the backward graph alone
+    (after the cut, the saved values unchanged): the order ONNX Runtime runs the rewritten
+    backward in, not yet pinned down further."""
     return [TransposedProductPass(), *after_autodiff()]
 
 

@@ -28,6 +28,7 @@ from onnxtrain.api.checkpoint_state import _OptimizerState
 from onnxtrain.api.module import Module
 from onnxtrain.errors import CheckpointError, ModelError
 from onnxtrain.runtime.binding import BindingCache
+from onnxtrain.runtime import fusions
 from onnxtrain.runtime.session import create_session, input_specs, is_ort_format, output_specs
 from onnxtrain.runtime.values import from_numpy, zeros
 
@@ -66,7 +67,8 @@ class Optimizer:
             raise TypeError(f"module must be an onnxtrain.api.Module, got {type(module).__name__}")
         self._module = module
         self._state = state = module._state
-        self._session = create_session(optimizer_uri, module._providers, module._session_options, "optimizer model")
+        self._session = create_session(fusions.session_model(optimizer_uri, module._providers), module._providers,
+                                       module._session_options, "optimizer model")
         self._params = list(module._train.trainable)
         self._states = self._read_signature()
 
@@ -165,6 +167,7 @@ class Optimizer:
             from onnxtrain.ir import io
 
             model = build_fused_step_model(io.load_model(paths[0]), io.load_model(paths[1]))
+            fusions.for_session(model, module._providers, infer_shapes=False)  # both models were loaded by io
             self._fused_session = create_session(io.serialize(model), module._providers, module._session_options,
                                                  "fused training step")
         except ValueError as exc:  # ModelError, or protobuf refusing a joined model over 2 GB

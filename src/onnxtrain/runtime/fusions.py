@@ -1,0 +1,85 @@
+"""Rewrites for the onnxruntime that will run a graph, applied just before its session is created.
+
+Artifacts and exported graphs keep standard ONNX ops so that any onnxruntime runs them. A
+session this process creates runs on one known onnxruntime with known providers, so the
+graph it gets may use that build's contrib kernels where they are faster (as onnxruntime's
+own graph optimizers do, for fusions they do not know).
+
+The on-device API applies it to the optimizer model and the fused training step, whose
+optimizer updates are most of the fusions (GPT of the bench: 159 of 168, 3 per parameter;
+fused step 141 -> 137 ms, MLP 1.98 -> 1.80 ms). ORTModule's forward and backward sessions do
+not take it: their graphs have a few fusions (one per LayerNormalization gradient), the GPT step
+did not measurably change, and the recompute run of tests/ortmodule/test_memory.py peaked 2 MB
+higher (why was not pinned down; a GatedAdd output may not reuse an input's buffer as Add's can).
+"""
+
+from __future__ import annotations
+
+import os
+
+import onnx_ir as ir
+from onnx_ir.passes.common import ShapeInferencePass
+from onnxruntime.capi import _pybind_state
+
+from onnxtrain.errors import ModelError
+from onnxtrain.ir import io
+from onnxtrain.passes.gated_add import FUSED_DTYPES, MS_DOMAIN, GatedAddFusionPass
+from onnxtrain.runtime.session import is_ort_format
+
+_CPU = "CPUExecutionProvider"
+_ORT_TYPE_NAMES = {ir.DataType.FLOAT: "tensor(float)", ir.DataType.FLOAT16: "tensor(float16)"}
+
+
+def _provider_name(provider) -> str:
+    return provider[0] if isinstance(provider, (tuple, list)) else str(provider)
+
+
+def cpu_kernel_types(op_type: str, domain: str) -> set[str]:
+    """The type strings (``"tensor(float)"``, ...) of this onnxruntime's CPU kernels for an op."""
+    types: set[str] = set()
+    for kernel in _pybind_state.get_all_opkernel_def():
+        if kernel.provider == _CPU and kernel.op_name == op_type and kernel.domain == domain:
+            for allowed in kernel.type_constraints.values():
+                types.update(allowed)
+    return types
+
+
+def applies_to(providers) -> bool:
+    """Whether :func:`for_session` rewrites anything for a session on ``providers``.
+
+    On CPU alone, and when this onnxruntime has the ``com.microsoft.GatedAdd`` CPU kernel for
+    every dtype the fusion may produce. Other providers get graphs unchanged: a CPU-only
+    contrib node inside a GPU graph would cost two copies.
+    """
+    if not providers or any(_provider_name(p) != _CPU for p in providers):
+        return False
+    available = cpu_kernel_types("GatedAdd", MS_DOMAIN)
+    return all(_ORT_TYPE_NAMES[dtype] in available for dtype in FUSED_DTYPES)
+
+
+def for_session(model: ir.Model, providers, infer_shapes: bool = True) -> bool:
+    """Rewrite ``model`` in place for a session on ``providers``; True if anything changed.
+
+    Where :func:`applies_to`: shapes are inferred (the fusion needs them; ``infer_shapes=False``
+    for a model that :func:`onnxtrain.ir.io.load_model` just loaded, which infers them) and
+    ``X + Y * r`` becomes ``GatedAdd`` (passes/gated_add.py).
+    """
+    if not applies_to(providers):
+        return False
+    if infer_shapes:
+        ShapeInferencePass(strict_mode=False)(model)
+    return GatedAddFusionPass()(model).modified
+
+
+def session_model(path: str | os.PathLike, providers) -> str | bytes:
+    """What to create a session for the ONNX file at ``path`` from: its rewritten bytes when
+    :func:`for_session` changes it, else the path (ORT format files and files that do not
+    load are left to the session to read, or to report)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path) or is_ort_format(path):
+        return path
+    try:
+        model = io.load_model(path)
+    except ModelError:
+        return path
+    return io.serialize(model) if for_session(model, providers, infer_shapes=False) else path

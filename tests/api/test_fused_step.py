@@ -76,7 +76,7 @@ def _count_runs(monkeypatch, session) -> list:
 def test_plain_loop_runs_one_session_per_step_and_matches(generated, monkeypatch):
     (state, module, optimizer), (ref_state, ref_module, ref_optimizer) = _pair(generated)
     assert optimizer.fused_step_error is None and ref_optimizer.fused_step_error == "fused_step=False"
-    fused_runs = _count_runs(monkeypatch, optimizer._fused_session)
+    fused_runs = _count_runs(monkeypatch, optimizer._fused.session)
     other_runs = _count_runs(monkeypatch, optimizer._session) + _count_runs(monkeypatch, module._train_session)
     for x, y in batches(3, 6):
         losses = []
@@ -167,13 +167,13 @@ def test_where_accumulation_and_failed_fused_run(tmp_path, monkeypatch):
     before = {n: p.data.copy() for n, p in state.parameters.items()}
     with pytest.raises(InputMismatchError):
         module(np.zeros((4, 7), np.float32), batch(4, 2)[1])
-    real_run = optimizer._fused_session.run_with_iobinding
+    real_run = optimizer._fused.session.run_with_iobinding
 
     def fail(*args):
         real_run(*args)  # writes the spare buffers, then fails: nothing may become current
         raise RuntimeError("simulated failure")
 
-    monkeypatch.setattr(optimizer._fused_session, "run_with_iobinding", fail)
+    monkeypatch.setattr(optimizer._fused.session, "run_with_iobinding", fail)
     module.lazy_reset_grad()
     with pytest.raises(RuntimeError, match="simulated"):
         module(*batch(4, 3))
@@ -192,14 +192,14 @@ def test_fused_step_needs_onnx_models(tmp_path):
     state = CheckpointState.load_checkpoint(directory / "checkpoint")
     module = Module(directory / "training_model.ort", state)
     optimizer = Optimizer(directory / "optimizer_model.ort", module)
-    assert "ORT format" in optimizer.fused_step_error and module._fused_optimizer is None
+    assert "ORT format" in optimizer.fused_step_error and module._fused_step is None
     with pytest.raises(ModelError, match="ORT format"):
         Optimizer(directory / "optimizer_model.ort", module, fused_step=True)
     # an unfused Optimizer replaces a fused one: the module stops running the old fused step
     fused = Optimizer(directory / "optimizer_model.onnx", Module(directory / "training_model.onnx", state))
-    assert fused.fused_step_error is None and fused._module._fused_optimizer is fused
+    assert fused.fused_step_error is None and fused._module._fused_step is fused._fused
     Optimizer(directory / "optimizer_model.onnx", fused._module, fused_step=False)
-    assert fused._module._fused_optimizer is None
+    assert fused._module._fused_step is None
 
 
 def test_training_models_that_cannot_be_fused_are_named(tmp_path, generated):

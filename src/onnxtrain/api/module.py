@@ -169,9 +169,9 @@ class Module:
         state._to_device(self._device)
         state._ensure_grads()
         self._reset_grad = True  # buffers start empty, so the first step must not add to them
-        # the Optimizer whose fused step (forward, backward and update in one run) serves a
-        # training step that starts from fresh gradients; set by Optimizer(..., fused_step=...)
-        self._fused_optimizer = None
+        # the fused step (forward, backward and update in one run) that serves a training step
+        # starting from fresh gradients: a FusedStep set by Optimizer(..., fused_step=...)
+        self._fused_step = None
         self._flags = {v: from_numpy(np.array(v), self._device) for v in (True, False)}
         self._train_bindings = BindingCache(self._train_session, self._setup_train_binding)
         self._eval_bindings = None if self._eval_session is None else \
@@ -190,9 +190,9 @@ class Module:
             raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint): set them with "
                                   f"copy_buffer_to_parameters or state.parameters[name] = array first")
         state = self._state
-        fused = self._fused_optimizer if training and self._reset_grad else None
+        fused = self._fused_step if training and self._reset_grad else None
         if fused is not None:
-            session, binding = fused._fused_session, fused._fused_binding()
+            session, binding = fused.session, fused.binding()
         elif training:
             session = self._train_session
             binding = self._train_bindings.get((state._layout, state._param_phase, state._grad_phase))
@@ -220,7 +220,7 @@ class Module:
                 state._slots[p].has_grad = True
             self._reset_grad = False
         if fused is not None:  # its update waits in the spare buffers for optimizer.step()
-            fused._fused_done()
+            fused.done()
         outputs = outputs[: len(sig.user_outputs)]
         results = tuple(outputs) if ortvalue_mode else tuple(o.numpy() for o in outputs)
         return results[0] if len(results) == 1 else results

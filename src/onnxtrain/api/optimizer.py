@@ -24,11 +24,12 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxtrain import names
+from onnxtrain.api._fused import FusedStep
 from onnxtrain.api.checkpoint_state import _OptimizerState
 from onnxtrain.api.module import Module
 from onnxtrain.errors import CheckpointError, ModelError
-from onnxtrain.runtime.binding import BindingCache
 from onnxtrain.runtime import fusions
+from onnxtrain.runtime.binding import BindingCache
 from onnxtrain.runtime.session import create_session, input_specs, is_ort_format, output_specs
 from onnxtrain.runtime.values import from_numpy, zeros
 
@@ -93,14 +94,11 @@ class Optimizer:
         self._scale_outputs = {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self._scale_arrays.items()}
         self.last_step_skipped = False
         self._bindings = BindingCache(self._session, self._setup_binding)
-        self._fused_session = None
+        self._fused: FusedStep | None = None
         self.fused_step_error: str | None = "fused_step=False"
-        module._fused_optimizer = None  # an earlier Optimizer's fused step no longer applies
+        module._fused_step = None  # an earlier Optimizer's fused step no longer applies
         if fused_step is not False:
-            self._create_fused_session(optimizer_uri, required=fused_step is True)
-        # (state version, step inputs) of the update a fused run left in the spare buffers
-        self._fused_pending: tuple | None = None
-        self._fused_inputs: tuple | None = None
+            self._create_fused_step(optimizer_uri, required=fused_step is True)
 
     def _read_signature(self) -> list[str]:
         inputs = [s.name for s in input_specs(self._session)]
@@ -157,7 +155,7 @@ class Optimizer:
         opt.phase = 0
         state._layout += 1
 
-    def _create_fused_session(self, optimizer_uri, required: bool) -> None:
+    def _create_fused_step(self, optimizer_uri, required: bool) -> None:
         module = self._module
         paths = (module._train_model_uri, os.fspath(optimizer_uri))
         try:
@@ -168,7 +166,7 @@ class Optimizer:
 
             model = build_fused_step_model(io.load_model(paths[0]), io.load_model(paths[1]))
             fusions.for_session(model, module._providers, infer_shapes=False)  # both models were loaded by io
-            self._fused_session = create_session(io.serialize(model), module._providers, module._session_options,
+            session = create_session(io.serialize(model), module._providers, module._session_options,
                                                  "fused training step")
         except ValueError as exc:  # ModelError, or protobuf refusing a joined model over 2 GB
             if required:
@@ -176,8 +174,11 @@ class Optimizer:
             self.fused_step_error = str(exc)
             return
         self.fused_step_error = None
-        self._fused_bindings = BindingCache(self._fused_session, self._setup_fused_binding)
-        module._fused_optimizer = self
+        state, opt = self._state, self._opt
+        self._fused = module._fused_step = FusedStep(
+            session, self._setup_fused_binding,
+            binding_key=lambda: (state._layout, state._param_phase, state._grad_phase, opt.phase),
+            bind_step_inputs=self._bind_step_inputs, step_inputs=self._step_inputs, version=lambda: state._version)
 
     def _setup_fused_binding(self, binding: ort.IOBinding) -> None:
         """The fused session: the training model's bindings without accumulation, and the optimizer's."""
@@ -204,19 +205,6 @@ class Optimizer:
             binding.bind_cpu_input(names.LOSS_SCALE, np.array(props[names.LOSS_SCALE], dtype=np.float32))
             binding.bind_cpu_input(names.LOSS_SCALE_GROWTH_TRACKER,
                                    np.array(props[names.LOSS_SCALE_GROWTH_TRACKER], dtype=np.int64))
-
-    def _fused_binding(self) -> ort.IOBinding:
-        """The fused session's binding for the current buffers, step inputs bound (Module calls this)."""
-        state, opt = self._state, self._opt
-        binding = self._fused_bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
-        self._bind_step_inputs(binding)
-        self._fused_inputs = self._step_inputs()
-        self._fused_pending = None
-        return binding
-
-    def _fused_done(self) -> None:
-        """The fused run succeeded: its update is valid until the state changes (Module calls this)."""
-        self._fused_pending = (self._state._version, *self._fused_inputs)
 
     def _setup_binding(self, binding: ort.IOBinding) -> None:
         state = self._state
@@ -246,8 +234,7 @@ class Optimizer:
         ``state.properties["loss_scale"]`` is updated as ``torch.amp.GradScaler.update`` does.
         """
         state, opt = self._state, self._opt
-        pending, self._fused_pending = self._fused_pending, None
-        if pending is None or pending != (state._version, *self._step_inputs()):
+        if self._fused is None or not self._fused.take_update():
             binding = self._bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
             self._bind_step_inputs(binding)
             self._session.run_with_iobinding(binding)

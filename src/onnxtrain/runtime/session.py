@@ -54,8 +54,12 @@ def output_specs(session: ort.InferenceSession) -> list[IOSpec]:
 
 
 def create_session(model: str | os.PathLike | bytes, providers: list,
-                   session_options: ort.SessionOptions | None = None, what: str = "model") -> ort.InferenceSession:
-    """An InferenceSession for ``model`` (a path or serialized bytes); ModelError if ORT rejects it."""
+                   session_options: ort.SessionOptions | None = None, what: str = "model",
+                   disabled_optimizers: list[str] | None = None) -> ort.InferenceSession:
+    """An InferenceSession for ``model`` (a path or serialized bytes); ModelError if ORT rejects it.
+
+    ``disabled_optimizers``: names of onnxruntime graph transformers to leave out for this session.
+    """
     if isinstance(model, (str, os.PathLike)):
         model = os.fspath(model)
         if not os.path.isfile(model):
@@ -65,7 +69,8 @@ def create_session(model: str | os.PathLike | bytes, providers: list,
         # Failed runs are reported to the caller as exceptions; keep ORT's own log quiet.
         session_options.log_severity_level = 3
     try:
-        return ort.InferenceSession(model, sess_options=session_options, providers=providers)
+        return ort.InferenceSession(model, sess_options=session_options, providers=providers,
+                                    disabled_optimizers=disabled_optimizers)
     except Exception as exc:  # ORT raises several pybind exception types
         label = model if isinstance(model, str) else "<bytes>"
         raise ModelError(f"onnxruntime could not load the {what} {label!r}: {exc}") from exc

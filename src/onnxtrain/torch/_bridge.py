@@ -47,15 +47,17 @@ def _to_ort(tensor: torch.Tensor) -> ort.OrtValue:
 # onnxruntime's MatMulAddFusion turns a MatMul + Add on 3-D activations into Reshape, Gemm and
 # Reshape; when the result is one the backward keeps (a forward output), onnxruntime copies it
 # out of the final Reshape. Measured on CPU, the bench's GPT forward graph (2 threads): 42.5 ->
-# 39.8 ms without the fusion (bench/ANALYSIS.md). Not measured on CUDA, where it stays on.
-CPU_DISABLED_ORT_OPTIMIZERS = ["MatMulAddFusion"]
+# 39.8 ms without the fusion (bench/ANALYSIS.md). Training sessions only: an inference graph
+# hands over no such values (its GPT run measured the same either way, within the host's ±1 ms).
+# Not on CUDA, where it was not measured.
+TRAINING_CPU_DISABLED_ORT_OPTIMIZERS = ["MatMulAddFusion"]
 
 
 class SessionRunner:
     """One InferenceSession and the names of its inputs and outputs, run on torch tensors."""
 
     def __init__(self, model, device: Device, session_options: ort.SessionOptions | None, what: str,
-                 shrink_arena: bool = False):
+                 shrink_arena: bool = False, training: bool = False):
         self.device = device
         # With ``shrink_arena`` each run ends by handing the arena's free regions back to the
         # system, so the memory a run's intermediates took is not held while PyTorch computes
@@ -70,7 +72,7 @@ class SessionRunner:
             providers = providers_for(device)
         except ValueError as exc:  # e.g. CUDA tensors with the CPU-only onnxruntime package
             raise ModelError(f"cannot run the {what} on {device}: {exc}") from exc
-        disabled = CPU_DISABLED_ORT_OPTIMIZERS if device.type == "cpu" else None
+        disabled = TRAINING_CPU_DISABLED_ORT_OPTIMIZERS if training and device.type == "cpu" else None
         self.session = create_session(io.serialize(model), providers, session_options, what=what,
                                       disabled_optimizers=disabled)
         self.input_names = [i.name for i in self.session.get_inputs()]
@@ -132,9 +134,10 @@ class TrainingPrograms:
               session_options: ort.SessionOptions | None, shrink_arena: bool = False) -> "TrainingPrograms":
         num = graphs.num_model_outputs
         non_diff = [i for i in range(num) if i not in graphs.differentiable_outputs]
-        return cls(graphs, SessionRunner(graphs.forward, device, session_options, "forward graph", shrink_arena),
+        return cls(graphs, SessionRunner(graphs.forward, device, session_options, "forward graph", shrink_arena,
+                                         training=True),
                    SessionRunner(graphs.backward_for_session(), device, session_options, "backward graph",
-                                 shrink_arena),
+                                 shrink_arena, training=True),
                    wrt_positions, non_diff)
 
 

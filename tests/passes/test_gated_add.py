@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 from onnxtrain.ir import io
 from onnxtrain.passes.gated_add import GatedAddFusionPass
 from onnxtrain.runtime import fusions
+from tests.passes._graphs import model_of, run
 
-F32, F16, F64 = TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE
-NUMPY = {F32: np.float32, F16: np.float16, F64: np.float64}
-
-
-def _model(nodes, inputs, outputs, elem=F32, opset=18):
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, elem, s) for n, s in inputs],
-                              [helper.make_tensor_value_info(n, elem, None) for n in outputs])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-
-
-def _run(model, feeds):
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+F16, F64 = TensorProto.FLOAT16, TensorProto.DOUBLE
 
 
 def _node(op, inputs, output):
@@ -69,7 +58,7 @@ def _feeds(inputs, dtype, rng):
 def test_fusion_keeps_values(case):
     nodes, inputs, fused = CASES[case]
     outputs = ["out", "out2"] if case == "product_read_twice" else ["out"]
-    original = _model(nodes, inputs, outputs)
+    original = model_of(nodes, inputs, outputs)
     model = io.load_model(original)
     assert GatedAddFusionPass()(model).modified == fused
     ops = [n.op_type for n in model.graph]
@@ -79,39 +68,39 @@ def test_fusion_keeps_values(case):
         assert ops.count("Mul") == (1 if case == "two_products" else 0)
         assert model.opset_imports["com.microsoft"] == 1
     feeds = _feeds(inputs, np.float32, np.random.default_rng(0))
-    for expected, got in zip(_run(original, feeds), _run(io.to_proto(model), feeds)):
+    for expected, got in zip(run(original, feeds), run(io.to_proto(model), feeds)):
         # float32: the product is rounded before the add, exactly as Mul then Add
         np.testing.assert_array_equal(got, expected)
 
 
 def test_float16_fused_and_close():
     nodes, inputs, _ = CASES["row_gate"]
-    original = _model(nodes, inputs, ["out"], elem=F16)
+    original = model_of(nodes, inputs, ["out"], elem=F16)
     model = io.load_model(original)
     assert GatedAddFusionPass()(model).modified
     feeds = _feeds(inputs, np.float16, np.random.default_rng(1))
-    (expected,), (got,) = _run(original, feeds), _run(io.to_proto(model), feeds)
+    (expected,), (got,) = run(original, feeds), run(io.to_proto(model), feeds)
     np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32), rtol=2e-3, atol=2e-3)
 
 
 def test_double_is_left_alone():
     nodes, inputs, _ = CASES["add_scalar"]
-    model = io.load_model(_model(nodes, inputs, ["out"], elem=F64))
+    model = io.load_model(model_of(nodes, inputs, ["out"], elem=F64))
     assert not GatedAddFusionPass()(model).modified
 
 
 def test_symbolic_rows_need_opset_15():
     """The gate of a symbolic shape is read with Shape(end=-1), which opset 15 introduced."""
     nodes, inputs, _ = CASES["symbolic_rows"]
-    model = io.load_model(_model(nodes, inputs, ["out"], opset=14))
+    model = io.load_model(model_of(nodes, inputs, ["out"], opset=14))
     assert not GatedAddFusionPass()(model).modified
-    static = io.load_model(_model(*CASES["add_scalar"][:2], ["out"], opset=14))
+    static = io.load_model(model_of(*CASES["add_scalar"][:2], ["out"], opset=14))
     assert GatedAddFusionPass()(static).modified
 
 
 def test_for_session_only_rewrites_for_cpu_alone():
     nodes, inputs, _ = CASES["add_scalar"]
-    model = io.load_model(_model(nodes, inputs, ["out"]))
+    model = io.load_model(model_of(nodes, inputs, ["out"]))
     assert not fusions.for_session(model, ["CUDAExecutionProvider", "CPUExecutionProvider"])
     assert [n.op_type for n in model.graph] == ["Mul", "Add"]
     assert fusions.for_session(model, [("CPUExecutionProvider", {})])
@@ -121,7 +110,7 @@ def test_for_session_only_rewrites_for_cpu_alone():
 def test_shapes_are_inferred_first():
     """Intermediate values without declared shapes (as onnxblock writes them) are fused after inference."""
     nodes = [_node("Relu", ["x"], "xr"), _node("Mul", ["y", "r"], "p"), _node("Sub", ["xr", "p"], "out")]
-    model = io.load_model(_model(nodes, XY + [("r", [])], ["out"]))
+    model = io.load_model(model_of(nodes, XY + [("r", [])], ["out"]))
     model.graph.node(0).outputs[0].shape = None
     assert not GatedAddFusionPass()(model).modified  # the pass itself needs the shape
     assert fusions.for_session(model, ["CPUExecutionProvider"])

@@ -3,23 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper
+from onnx import helper
 
 from onnxtrain.ir import io
 from onnxtrain.passes.transposed_product import TransposedProductPass
-
-
-def _model(nodes, inputs, outputs):
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
-                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in outputs])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-
-
-def _run(model, feeds):
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-
+from tests.passes._graphs import model_of, run
 
 T = dict(perm=[1, 0])
 MATMUL = helper.make_node("MatMul", ["a", "b"], ["p"])
@@ -41,7 +30,7 @@ CASES = {
 def test_transposed_products(case):
     nodes, inputs, rewritten = CASES[case]
     outputs = ["out", "out2"] if case == "product_reused" else ["out"]
-    original = _model(nodes, inputs, outputs)
+    original = model_of(nodes, inputs, outputs)
     model = io.load_model(original)
     assert TransposedProductPass()(model).modified == rewritten
     if rewritten:
@@ -57,5 +46,5 @@ def test_transposed_products(case):
             assert [str(d) for d in flipped.outputs[0].shape] == ["3", "N"]  # sized for the memory planner
     rng = np.random.default_rng(0)
     feeds = {n: rng.standard_normal([7 if d == "N" else d for d in s]).astype(np.float32) for n, s in inputs}
-    for expected, got in zip(_run(original, feeds), _run(io.to_proto(model), feeds)):
+    for expected, got in zip(run(original, feeds), run(io.to_proto(model), feeds)):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)

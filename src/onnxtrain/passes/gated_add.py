@@ -110,9 +110,8 @@ def _gate(r: ir.Value, x: ir.Value, at: ir.Node, new_nodes: list[ir.Node], negat
     lead = list(x.shape)[:-1]
     target = [*lead, 1]
 
-    def add(op_type: str, inputs, attributes=None, domain: str = "") -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attributes, domain=domain,
-                       name=f"{_base_name(at)}/gate_{len(new_nodes)}")
+    def add(op_type: str, inputs, attributes=None) -> ir.Value:
+        node = ir.node(op_type, inputs, attributes=attributes, name=f"{_base_name(at)}/gate_{len(new_nodes)}")
         new_nodes.append(node)
         return node.outputs[0]
 

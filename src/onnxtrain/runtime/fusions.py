@@ -64,8 +64,10 @@ def for_session(model: ir.Model, providers, infer_shapes: bool = True) -> bool:
     for a model that :func:`onnxtrain.ir.io.load_model` just loaded, which infers them) and
     ``X + Y * r`` becomes ``GatedAdd`` (passes/gated_add.py).
     """
-    if not applies_to(providers):
-        return False
+    return applies_to(providers) and _rewrite(model, infer_shapes)
+
+
+def _rewrite(model: ir.Model, infer_shapes: bool) -> bool:
     if infer_shapes:
         ShapeInferencePass(strict_mode=False)(model)
     return GatedAddFusionPass()(model).modified
@@ -76,10 +78,10 @@ def session_model(path: str | os.PathLike, providers) -> str | bytes:
     :func:`for_session` changes it, else the path (ORT format files and files that do not
     load are left to the session to read, or to report)."""
     path = os.fspath(path)
-    if not os.path.isfile(path) or is_ort_format(path):
-        return path
+    if not applies_to(providers) or not os.path.isfile(path) or is_ort_format(path):
+        return path  # nothing to rewrite: do not read the file
     try:
         model = io.load_model(path)
     except ModelError:
         return path
-    return io.serialize(model) if for_session(model, providers, infer_shapes=False) else path
+    return io.serialize(model) if _rewrite(model, infer_shapes=False) else path

@@ -109,6 +109,35 @@ def test_hugging_face_models_with_masks_and_labels_match_eager(kind):
     assert wrapped.export_count == 2  # the first call's shapes, then dynamic batch and sequence dims
 
 
+def test_fully_masked_attention_rows_match_eager():
+    """PyTorch's attention gives zeros for a query row whose every key is masked; the exporter's
+    graph gave a uniform row there (its mask uses the dtype's lowest value, so its NaN guard never
+    fired), until passes/softmax_guard.py."""
+    model = _hf("bert")
+    ids = torch.randint(1, 60, (3, 9))
+    mask = torch.ones(3, 9, dtype=torch.int64)
+    mask[0, 6:] = 0
+    mask[1] = 0  # a sequence of padding only: every query row of it is fully masked
+    labels = torch.tensor([0, 1, 2])
+    _run_both(model, lambda s: (ids, mask), lambda out: torch.nn.functional.cross_entropy(out.logits, labels))
+
+    class MaskedAttention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = torch.nn.Linear(8, 24)
+
+        def forward(self, x, keep):
+            q, k, v = self.qkv(x).unflatten(-1, (3, 2, 4)).permute(2, 0, 3, 1, 4)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+    keep = torch.rand(2, 1, 5, 5) < 0.5
+    keep[0, :, 1] = False  # single fully masked query rows
+    keep[1, :, 3] = False
+    keep[:, :, 2] = True
+    torch.manual_seed(0)
+    _run_both(MaskedAttention(), lambda s: (torch.randn(2, 5, 8), keep), lambda y: (y * y).sum())
+
+
 def _tanh_mlp():
     # onnxruntime's CPU Erf (GELU) has no float64 kernel: float64 tests use Tanh
     return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 5))

@@ -15,6 +15,7 @@ from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
+from onnxtrain.passes.softmax_guard import SoftmaxNaNGuardPass
 from onnxtrain.passes.split_cross_entropy import SplitCrossEntropyPass
 from onnxtrain.passes.transposed_product import TransposedProductPass
 
@@ -25,9 +26,11 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     Model-local functions are inlined and ops without a gradient rule are replaced by their
     ONNX function bodies where they have one. Folding also rewrites sequence idioms
     exporters emit (SplitToSequence + SequenceAt with constant indices) into plain Split
-    outputs, which autodiff handles.
+    outputs, which autodiff handles. The exporter's NaN guard after a masked attention Softmax
+    becomes a per-row factor (passes/softmax_guard.py).
     """
-    return [InlinePass(), DecomposePass(), FoldConstantsPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
+    return [InlinePass(), DecomposePass(), FoldConstantsPass(), SoftmaxNaNGuardPass(), RemoveUnusedNodesPass(),
+            TopologicalSortPass()]
 
 
 def after_autodiff() -> list[ir.passes.PassBase]:

@@ -21,6 +21,7 @@ from onnxtrain.ir import io
 from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, ForwardBackward
 from onnxtrain.runtime.device import Device, providers_for
 from onnxtrain.runtime.session import create_session
+from onnxtrain.torch._denormals import asks_for_flushing, creating_thread_kept, denormals_flushed
 from onnxtrain.torch._openmp import release_torch_openmp_threads
 
 
@@ -73,8 +74,12 @@ class SessionRunner:
         except ValueError as exc:  # e.g. CUDA tensors with the CPU-only onnxruntime package
             raise ModelError(f"cannot run the {what} on {device}: {exc}") from exc
         disabled = TRAINING_CPU_DISABLED_ORT_OPTIMIZERS if training and device.type == "cpu" else None
-        self.session = create_session(io.serialize(model), providers, session_options, what=what,
-                                      disabled_optimizers=disabled)
+        # denormals as zero (onnxtrain.torch._denormals): onnxruntime sets the flags on its pool
+        # threads and on this one; this thread gets them back, and has them during runs only
+        self._flush_denormals = asks_for_flushing(session_options) and device.type == "cpu"
+        with creating_thread_kept():
+            self.session = create_session(io.serialize(model), providers, session_options, what=what,
+                                          disabled_optimizers=disabled)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         # per input position: (parameter, data_ptr, shape, OrtValue) of the last call.
@@ -112,7 +117,11 @@ class SessionRunner:
             # for short runs restarting them afterwards costs more than it saves
             release_torch_openmp_threads()
         started = time.perf_counter()
-        self.session.run_with_iobinding(binding, self.run_options)
+        if self._flush_denormals:
+            with denormals_flushed():
+                self.session.run_with_iobinding(binding, self.run_options)
+        else:
+            self.session.run_with_iobinding(binding, self.run_options)
         self._last_run_s = time.perf_counter() - started
         if self.device.type != "cpu":
             binding.synchronize_outputs()

@@ -22,6 +22,7 @@ from onnxtrain.passes.partition import MemoryOptions, MemoryReport, build_forwar
 from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
+from onnxtrain.torch._denormals import DENORMALS_AS_ZERO, can_flush_denormals
 from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
 
 logger = logging.getLogger(__name__)
@@ -79,7 +80,11 @@ class DebugOptions:
             the original module in PyTorch from then on. ``False`` raises the error instead
             (e.g. an ``UnsupportedOpError`` listing the ops without a gradient rule).
         session_options: ``onnxruntime.SessionOptions`` for every session (threads, ...);
-            overrides ``log_level``.
+            overrides ``log_level`` and ``flush_denormals``.
+        flush_denormals: onnxruntime's CPU runs treat denormal floats (below ~1.2e-38) as
+            zero: masked attention Softmax runs several times faster. Set on the calling
+            thread for the length of each run only, never for PyTorch's own arithmetic
+            (``onnxtrain.torch._denormals``); ``False`` leaves denormals to the CPU's default.
 
     Example:
         >>> model = ORTModule(net, DebugOptions(save_onnx=True, onnx_prefix="net", fallback=False))
@@ -91,6 +96,7 @@ class DebugOptions:
     save_path: str | os.PathLike | None = None
     fallback: bool = True
     session_options: ort.SessionOptions | None = field(default=None, repr=False)
+    flush_denormals: bool = True
 
     def __deepcopy__(self, memo):
         # a SessionOptions cannot be copied: copies share it (sessions only read it)
@@ -118,6 +124,8 @@ class DebugOptions:
         register_shared_cpu_arena()
         options.add_session_config_entry("session.use_env_allocators", "1")
         options.enable_mem_pattern = False
+        if self.flush_denormals and can_flush_denormals():
+            options.add_session_config_entry(DENORMALS_AS_ZERO, "1")
         return options
 
     def resolved_save_path(self) -> Path:

@@ -24,7 +24,7 @@ def _const(name, value, dtype=np.float32):
 
 def _attention(masked, kept=0.0, *, mask_first=False, cond_true_masks=False, softmax_axis=-1, fill=0.0,
                dtype=np.float32):
-    """scores [B, H, T, S] + Where(cond, kept, masked) -> Softmax -> NaN guard -> MatMul with v."""
+    """scores [B, H, T, S] + Where(cond, kept, masked) -> Softmax -> NaN guard -> MatMul with v -> [B, T, H, D]."""
     branches = ["masked", "kept"] if cond_true_masks else ["kept", "masked"]
     add_inputs = ["mask", "scores"] if mask_first else ["scores", "mask"]
     return [
@@ -34,7 +34,8 @@ def _attention(masked, kept=0.0, *, mask_first=False, cond_true_masks=False, sof
         helper.make_node("Softmax", ["logits"], ["probs"], axis=softmax_axis),
         helper.make_node("IsNaN", ["probs"], ["nan"]),
         helper.make_node("Where", ["nan", "fill", "probs"], ["guarded"]),
-        helper.make_node("MatMul", ["guarded", "v"], ["out"]),
+        helper.make_node("MatMul", ["guarded", "v"], ["context"]),
+        helper.make_node("Transpose", ["context"], ["out"], perm=[0, 2, 1, 3]),
     ]
 
 
@@ -64,7 +65,7 @@ def _pytorch_attention(feeds, keep):
     e = np.where(keep, np.exp(logits - np.where(np.isfinite(top), top, 0)), 0.0)
     total = e.sum(-1, keepdims=True)
     probs = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
-    return probs @ feeds["v"].astype(np.float64)
+    return (probs @ feeds["v"].astype(np.float64)).transpose(0, 2, 1, 3)
 
 
 def _rewritten(original):
@@ -72,6 +73,13 @@ def _rewritten(original):
     assert SoftmaxNaNGuardPass()(model).modified
     ops = [n.op_type for n in model.graph]
     return io.to_proto(model), ops
+
+
+def _row_factor_reads(proto):
+    """The op types whose outputs the per-row factor multiplies."""
+    graph = proto.graph
+    producers = {o: n.op_type for n in graph.node for o in n.output}
+    return [producers.get(n.input[0]) for n in graph.node if n.op_type == "Mul" and n.name.endswith("/rows")]
 
 
 def _rows_with_a_kept_entry(keep, shape):
@@ -88,10 +96,11 @@ def test_rows_match_the_exporter_and_fully_masked_rows_are_zero(masked, form):
     rewritten, ops = _rewritten(original)
     # the rewritten graph: no IsNaN, one Softmax feeding a Mul by the per-row factor
     assert "IsNaN" not in ops and ops.count("ReduceMax") == 1
+    # the attention product alone reads the probabilities: its rows are zeroed, not the probabilities'
+    assert _row_factor_reads(rewritten) == ["MatMul"]
     feeds, keep = _feeds(cond_shape, cond_true_masks=cond_true_masks)
     (expected,), (got,) = run(original, feeds), run(rewritten, feeds)
-    rows = _rows_with_a_kept_entry(keep, got.shape[:-1] + (1,))
-    rows = np.broadcast_to(rows, got.shape)
+    rows = np.broadcast_to(_rows_with_a_kept_entry(keep, (B, H, T, 1)), (B, H, T, D)).transpose(0, 2, 1, 3)
     np.testing.assert_array_equal(got[rows], expected[rows])  # bit-identical where a key is kept
     np.testing.assert_array_equal(got[~rows], 0.0)            # PyTorch's zeros elsewhere
     np.testing.assert_allclose(got, _pytorch_attention(feeds, keep), rtol=1e-5, atol=1e-6)
@@ -105,7 +114,7 @@ def test_mask_of_lower_rank_than_the_scores():
     feeds, keep = _feeds((T, S))
     (got,) = run(rewritten, feeds)
     np.testing.assert_allclose(got, _pytorch_attention(feeds, keep), rtol=1e-5, atol=1e-6)
-    assert np.all(got[:, :, 1] == 0.0)
+    assert np.all(got[:, 1] == 0.0)  # query row 1 of every head
 
 
 def test_double():
@@ -146,6 +155,7 @@ def test_guarded_probabilities_read_twice():
     nodes = _attention(-np.inf) + [helper.make_node("ReduceSum", ["guarded"], ["row_sums"], keepdims=0)]
     original = _model(nodes, outputs=("out", "row_sums"))
     rewritten, _ = _rewritten(original)
+    assert _row_factor_reads(rewritten) == ["Softmax"]  # two readers: the probabilities themselves are scaled
     feeds, _ = _feeds()
     for expected, got in zip(run(original, feeds), run(rewritten, feeds)):
         np.testing.assert_array_equal(got, expected)

@@ -18,7 +18,10 @@ of zeros. This pass writes what PyTorch computes, from the small mask:
     probs = Softmax(scores + Where(kept_row, mask, 0)) * Cast(kept_row)
 
 A row with a kept entry gets the same Softmax of the same sum, times 1: bit-identical to the
-exporter's graph. A fully masked row gets zeros (PyTorch's value, and the guard's intent). The
+exporter's graph. A fully masked row gets zeros (PyTorch's value, and the guard's intent).
+Where the attention product ``probs @ v`` alone reads the probabilities (float32), the factor
+zeroes the product's rows instead: the same values, on a tensor ``S / D`` times smaller, and
+the backward keeps no scaled copy of the probabilities. The
 mask's masking branch may be ``-inf`` or the dtype's lowest value; if neither branch masks (both
 finite and above ``lowest``) no row can be NaN and the guard is dropped. Only for scores that are
 themselves NaN or infinite does the result differ from the guard's (it zeroed such rows; here
@@ -93,15 +96,46 @@ class SoftmaxNaNGuardPass(ir.passes.InPlacePass):
             new_add = ir.node("Add", [scores, safe_mask], name=f"{_base_name(add)}/rows")
             new_softmax = ir.node("Softmax", [new_add.outputs[0]], attributes=dict(softmax.attributes),
                                   name=f"{_base_name(softmax)}/rows")
-            product = ir.node("Mul", [new_softmax.outputs[0], keep], name=f"{_base_name(node)}/rows")
-            for value, like in ((new_add.outputs[0], add.outputs[0]), (new_softmax.outputs[0], softmax.outputs[0]),
-                                (product.outputs[0], guard_out)):
+            for value, like in ((new_add.outputs[0], add.outputs[0]), (new_softmax.outputs[0], softmax.outputs[0])):
                 value.type, value.shape = like.type, like.shape
-            model.graph.insert_after(node, [new_add, new_softmax, product])
-            replace_all_uses_with(guard_out, product.outputs[0])
+            model.graph.insert_after(node, [new_add, new_softmax])
+            probs = new_softmax.outputs[0]
+            product = _attention_product(guard_out)
+            # float32 only: under autocast the mixed-precision pass (run later) types the product's
+            # readers for a bf16/fp16 product, which a Mul after it would not match; there the
+            # probabilities themselves are scaled
+            if product is not None and product.outputs[0].dtype == keep.dtype == ir.DataType.FLOAT:
+                # zero the rows of ``probs @ v`` instead: the same values, on a tensor S / D times smaller,
+                # and the backward reads no extra full-size tensor
+                product.replace_input_with(0, probs)
+                _scale_rows(model.graph, product.outputs[0], keep, f"{_base_name(node)}/rows")
+            else:
+                _scale_rows(model.graph, probs, keep, f"{_base_name(node)}/rows", replacing=guard_out)
             _remove_unused(model.graph, [node, is_nan, softmax, add, mask_where])
             modified = True
         return ir.passes.PassResult(model, modified)
+
+
+def _attention_product(probs: ir.Value) -> ir.Node | None:
+    """The ``MatMul(probs, v)`` that alone reads ``probs``, when its result is no graph output."""
+    uses = list(probs.uses())
+    if len(uses) != 1 or probs.is_graph_output():
+        return None
+    node, index = uses[0].node, uses[0].idx
+    if not _is(node, "MatMul") or index != 0 or node.outputs[0].is_graph_output():
+        return None
+    return node
+
+
+def _scale_rows(graph: ir.Graph, value: ir.Value, keep: ir.Value, name: str, replacing: ir.Value | None = None):
+    """``value * keep`` for every reader of ``replacing`` (default: of ``value`` itself)."""
+    replacing = value if replacing is None else replacing
+    product = ir.node("Mul", [value, keep], name=name)
+    product.outputs[0].type, product.outputs[0].shape = replacing.type, replacing.shape
+    graph.insert_after(value.producer(), product)
+    for usage in list(replacing.uses()):
+        if usage.node is not product:
+            usage.node.replace_input_with(usage.idx, product.outputs[0])
 
 
 def _remove_unused(graph: ir.Graph, nodes: list[ir.Node]) -> None:

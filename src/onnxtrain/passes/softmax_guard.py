@@ -36,9 +36,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor, replace_all_uses_with
 
+from onnxtrain.ir.builder import GraphBuilder
+
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-# ReduceMax takes its axes as an input from opset 18 on (an attribute before)
-_AXES_AS_INPUT_OPSET = 18
 # Softmax normalizes along one axis from opset 13 on (it flattened the trailing axes before)
 _SINGLE_AXIS_SOFTMAX_OPSET = 13
 # the most negative finite value per float dtype: the exporter's stand-in for -inf in masks
@@ -207,35 +207,15 @@ def _row_factors(graph: ir.Graph, where: ir.Node, opset: int, before: ir.Node) -
     zeroed, and a ``[..., 1]`` factor of the mask's dtype, 0 for those rows and 1 for the others,
     both built from the mask's boolean condition (nodes inserted before ``before``)."""
     condition, a, _ = where.inputs
-    mask = where.outputs[0]
     dtype = _scalar(a)[1]
-    shape = condition.shape
-    rows = ir.Shape([*list(shape)[:-1], 1])
-    name = _base_name(where)
-    nodes: list[ir.Node] = []
-
-    def add(op_type, inputs, attributes=None, *, dtype, shape) -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attributes, name=f"{name}/rows_{len(nodes)}")
-        nodes.append(node)
-        out = node.outputs[0]
-        out.dtype, out.shape = dtype, shape
-        return out
-
-    bool_, float_ = ir.DataType.BOOL, ir.DataType.FLOAT
+    b = GraphBuilder(graph, scope=f"{_base_name(where)}/rows", opset=opset)
     # the entries the mask keeps: where the condition picks the branch that does not mask
-    kept = condition if not _masks(_scalar(a)) else add("Not", [condition], dtype=bool_, shape=shape)
-    kept = add("Cast", [kept], {"to": float_}, dtype=float_, shape=shape)
-    if opset >= _AXES_AS_INPUT_OPSET:
-        axes = add("Constant", [], {"value": ir.tensor([-1], dtype=ir.DataType.INT64)},
-                   dtype=ir.DataType.INT64, shape=ir.Shape([1]))
-        keep = add("ReduceMax", [kept, axes], {"keepdims": 1}, dtype=float_, shape=rows)
-    else:
-        keep = add("ReduceMax", [kept], {"axes": [-1], "keepdims": 1}, dtype=float_, shape=rows)
-    row_kept = add("Cast", [keep], {"to": bool_}, dtype=bool_, shape=rows)
-    if dtype != float_:
-        keep = add("Cast", [keep], {"to": dtype}, dtype=dtype, shape=rows)
-    zero = add("Constant", [], {"value": ir.tensor(np.zeros((), dtype=dtype.numpy()))}, dtype=dtype,
-               shape=ir.Shape([]))
-    safe = add("Where", [row_kept, mask, zero], dtype=dtype, shape=shape)
-    graph.insert_before(before, nodes)
+    kept = b.op.Not(condition) if _masks(_scalar(a)) else condition
+    keep = b.reduce("ReduceMax", b.cast_to(kept, ir.DataType.FLOAT), [-1])
+    safe = b.op.Where(b.cast_to(keep, ir.DataType.BOOL), where.outputs[0], b.const(0, dtype))
+    safe.dtype = dtype
+    keep = b.cast_to(keep, dtype)
+    for node in b.created:  # the builder appended them; they belong before the first guard
+        graph.remove(node)
+    graph.insert_before(before, b.created)
     return safe, keep

@@ -9,6 +9,7 @@ backward session.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -117,10 +118,7 @@ class SessionRunner:
             # for short runs restarting them afterwards costs more than it saves
             release_torch_openmp_threads()
         started = time.perf_counter()
-        if self._flush_denormals:
-            with denormals_flushed():
-                self.session.run_with_iobinding(binding, self.run_options)
-        else:
+        with denormals_flushed() if self._flush_denormals else contextlib.nullcontext():
             self.session.run_with_iobinding(binding, self.run_options)
         self._last_run_s = time.perf_counter() - started
         if self.device.type != "cpu":

@@ -41,6 +41,13 @@ def _forward(x, W, b):
     return np.tanh(x @ W + b)
 
 
+def _backward_feeds(graphs, inputs, outputs, seeds) -> dict:
+    """The backward graph's feeds, each from where ``graphs.backward_inputs`` says."""
+    sources = {FROM_OUTPUT_GRAD: seeds, FROM_FORWARD_OUTPUT: outputs, FROM_INPUT: inputs}
+    return {value.name: sources[source][index]
+            for value, (source, index) in zip(graphs.backward.graph.inputs, graphs.backward_inputs)}
+
+
 def test_forward_and_backward_halves_compute_the_vjp():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((5, 3)).astype(np.float32)
@@ -59,12 +66,8 @@ def test_forward_and_backward_halves_compute_the_vjp():
     assert graphs.saved == []
 
     seeds = [rng.standard_normal(o.shape).astype(np.float32) for o in outputs[:3]]
-    feeds = {}
     inputs = [x, W, b]
-    for value, (source, index) in zip(graphs.backward.graph.inputs, graphs.backward_inputs):
-        feeds[value.name] = {FROM_OUTPUT_GRAD: lambda i: seeds[i], FROM_FORWARD_OUTPUT: lambda i: outputs[i],
-                             FROM_INPUT: lambda i: inputs[i]}[source](index)
-    grads = _session(graphs.backward).run(None, feeds)
+    grads = _session(graphs.backward).run(None, _backward_feeds(graphs, inputs, outputs, seeds))
 
     # reference: central differences of <seeds, outputs> in float64
     def objective(x_, W_, b_):
@@ -115,10 +118,7 @@ def test_cheap_ops_whose_inputs_are_saved_anyway_are_recomputed_not_saved():
     inputs = [rng.standard_normal(s).astype(np.float32) for s in [(5, 3), (3, 4), (4, 2)]]
     outputs = _session(graphs.forward).run(None, dict(zip(["x", "W1", "W2"], inputs)))
     seed = rng.standard_normal(outputs[0].shape).astype(np.float32)
-    feeds = {value.name: {FROM_OUTPUT_GRAD: lambda i: seed, FROM_FORWARD_OUTPUT: lambda i: outputs[i],
-                          FROM_INPUT: lambda i: inputs[i]}[source](index)
-             for value, (source, index) in zip(graphs.backward.graph.inputs, graphs.backward_inputs)}
-    d_w1, d_w2 = _session(graphs.backward).run(None, feeds)
+    d_w1, d_w2 = _session(graphs.backward).run(None, _backward_feeds(graphs, inputs, outputs, [seed]))
 
     x, w1, w2 = (a.astype(np.float64) for a in inputs)
     h = x @ w1
@@ -128,3 +128,4 @@ def test_cheap_ops_whose_inputs_are_saved_anyway_are_recomputed_not_saved():
     dh = dg * (cdf + h * np.exp(-h * h / 2) / np.sqrt(2 * np.pi))
     np.testing.assert_allclose(d_w2, g.T @ seed, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(d_w1, x.T @ dh, rtol=1e-4, atol=1e-5)
+

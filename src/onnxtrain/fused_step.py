@@ -23,6 +23,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain import names
 from onnxtrain.errors import ModelError
+from onnxtrain.ir.nodes import is_onnx_op
 
 # prefix for the optimizer model's internal value and node names inside the fused graph
 _OPTIMIZER_SCOPE = "optimizer/"
@@ -81,7 +82,7 @@ def _fix_reset_to_true(graph: ir.Graph) -> None:
         raise ModelError(f"the training model has no {names.LAZY_RESET_GRAD!r} input")
     users = [node for node, _ in reset.uses()]
     unknown = [n.name or n.op_type for n in users
-               if n.op_type not in ("If", "Where") or n.domain not in ("", "ai.onnx") or n.graph is not graph
+               if not is_onnx_op(n, "If", "Where") or n.graph is not graph
                or n.inputs[0] is not reset]
     if unknown:
         raise ModelError(f"the training model uses {names.LAZY_RESET_GRAD!r} other than as the condition of a "

@@ -14,6 +14,7 @@ from onnx_ir.passes.common import InlinePass, ShapeInferencePass
 
 from onnxtrain.autodiff.builder import FLOAT_TYPES
 from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, Registry
+from onnxtrain.ir.nodes import is_onnx_op
 from onnxtrain.ir.schema import function_body
 
 DECOMPOSED_DOMAIN = "pkg.onnxtrain.decomposed"
@@ -30,7 +31,7 @@ class DecomposePass(ir.passes.InPlacePass):
         opset = model.graph.opset_imports.get("", 1)
         count = 0
         for node in list(model.graph):
-            if node.domain not in ("", "ai.onnx") or self.registry.lookup("", node.op_type, opset) is not None:
+            if not is_onnx_op(node) or self.registry.lookup("", node.op_type, opset) is not None:
                 continue
             if not any(i is not None and i.dtype in FLOAT_TYPES for i in node.inputs):
                 continue  # nothing differentiable flows through it

@@ -19,6 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.ir.nodes import is_onnx_op
 
 RuleFn = Callable[["GradContext"], Sequence["ir.Value | None"]]
 
@@ -128,7 +129,7 @@ class GradContext:
         if v.const_value is not None:
             return v.const_value.numpy()
         producer = v.producer()
-        if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
+        if not is_onnx_op(producer, "Constant"):
             return None
         return constant_node_value(producer)
 

@@ -16,6 +16,7 @@ from onnxtrain.autodiff.builder import FLOAT_TYPES, build_gradients
 from onnxtrain.errors import ArtifactError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.ir.nodes import is_onnx_op
 from onnxtrain.passes import pipeline
 from onnxtrain.passes.precision import PrecisionConfig
 
@@ -38,7 +39,7 @@ def _batch_norm_statistics(graph: ir.Graph) -> list[str]:
     """Initializers used as BatchNormalization running mean/variance (buffers, not parameters)."""
     stats = []
     for node in graph:
-        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx"):
+        if is_onnx_op(node, "BatchNormalization"):
             stats += [v.name for v in node.inputs[3:5] if v is not None and v.is_initializer()]
     return stats
 
@@ -115,7 +116,7 @@ def _metadata(params: Parameters, user_inputs, loss_inputs, loss_name, additiona
 
 
 def _is_training_batch_norm(node: ir.Node, opset: int) -> bool:
-    if node.op_type != "BatchNormalization" or node.domain not in ("", "ai.onnx"):
+    if not is_onnx_op(node, "BatchNormalization"):
         return False
     mode = node.attributes.get("training_mode")
     if opset >= 14:

@@ -26,7 +26,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
+from onnxtrain.ir.nodes import base_name, is_onnx_op
+
 MS_DOMAIN = "com.microsoft"
 # the dtypes onnxruntime 1.32's CPU kernel is registered for
 FUSED_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
@@ -47,7 +48,7 @@ class GatedAddFusionPass(ir.passes.InPlacePass):
             x, product, y, r = match
             new_nodes: list[ir.Node] = []
             gate = _gate(r, x, node, new_nodes, negate=node.op_type == "Sub")
-            fused = ir.node("GatedAdd", [x, y, gate], domain=MS_DOMAIN, name=f"{_base_name(node)}/gated")
+            fused = ir.node("GatedAdd", [x, y, gate], domain=MS_DOMAIN, name=f"{base_name(node)}/gated")
             new_nodes.append(fused)
             out = fused.outputs[0]
             out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
@@ -78,7 +79,7 @@ def _row_constant(r: ir.Value, x: ir.Value) -> bool:
 
 def _match(node: ir.Node, symbolic_ok: bool) -> tuple[ir.Value, ir.Node, ir.Value, ir.Value] | None:
     """``(X, the Mul, Y, r)`` when ``node`` is ``X + Y * r`` or ``X - Y * r`` in a fusable form."""
-    if node.op_type not in ("Add", "Sub") or node.domain not in _DEFAULT_DOMAINS or len(node.inputs) != 2:
+    if not is_onnx_op(node, "Add", "Sub") or len(node.inputs) != 2:
         return None
     a, b = node.inputs
     if a is None or b is None:
@@ -90,7 +91,7 @@ def _match(node: ir.Node, symbolic_ok: bool) -> tuple[ir.Value, ir.Node, ir.Valu
         if not symbolic_ok and not all(isinstance(d, int) for d in list(x.shape)[:-1]):
             continue
         product = p.producer()
-        if (product is None or product.op_type != "Mul" or product.domain not in _DEFAULT_DOMAINS
+        if (not is_onnx_op(product, "Mul")
                 or product.graph is not node.graph or p.is_graph_output() or len(p.uses()) != 1):
             continue
         m0, m1 = product.inputs
@@ -100,18 +101,13 @@ def _match(node: ir.Node, symbolic_ok: bool) -> tuple[ir.Value, ir.Node, ir.Valu
     return None
 
 
-def _base_name(node: ir.Node) -> str:
-    """A name for the nodes replacing ``node``: its output's (value names are unique; node names may be empty)."""
-    return node.outputs[0].name or node.name
-
-
 def _gate(r: ir.Value, x: ir.Value, at: ir.Node, new_nodes: list[ir.Node], negate: bool) -> ir.Value:
     """``r`` (negated for a Sub) as a ``[*x.shape[:-1], 1]`` tensor."""
     lead = list(x.shape)[:-1]
     target = [*lead, 1]
 
     def add(op_type: str, inputs, attributes=None) -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attributes, name=f"{_base_name(at)}/gate_{len(new_nodes)}")
+        node = ir.node(op_type, inputs, attributes=attributes, name=f"{base_name(at)}/gate_{len(new_nodes)}")
         new_nodes.append(node)
         return node.outputs[0]
 

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from onnxtrain.ir.nodes import is_onnx_op
+
 
 class InferenceModePass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         for node in model.graph:
-            if node.domain not in ("", "ai.onnx"):
+            if not is_onnx_op(node):
                 continue
             if node.op_type == "Dropout" and len(node.inputs) > 2 and node.inputs[2] is not None:
                 node.replace_input_with(2, None)  # no training_mode input: inference (identity)

@@ -25,6 +25,7 @@ import onnx_ir as ir
 from onnxtrain import names
 from onnxtrain.autodiff.builder import active_values, build_gradients, is_float
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.ir.nodes import is_onnx_op
 from onnxtrain.passes import memory, pipeline, recompute
 
 # Where a backward-graph input comes from.
@@ -414,7 +415,7 @@ def _memory_recomputable(nodes, forward_nodes, recomputed, crossing, forward_inp
     outputs = set(model_outputs)
     result: set[ir.Node] = set()
     for node in nodes:
-        if (node in forward_nodes and node not in recomputed and node.domain in ("", "ai.onnx")
+        if (node in forward_nodes and node not in recomputed and is_onnx_op(node)
                 and node.op_type in _MEMORY_RECOMPUTED_OPS
                 and any(o in crossing and o not in outputs for o in node.outputs)
                 and (all(i is None or i in at_hand or i.is_initializer() for i in node.inputs)
@@ -440,7 +441,7 @@ def _recomputable(nodes, forward_nodes: set[ir.Node], forward_inputs: set[ir.Val
     result: set[ir.Node] = set()
     free: set[ir.Value] = set(forward_inputs)
     for node in nodes:
-        if (node in forward_nodes and node.domain in ("", "ai.onnx") and node.op_type in _RECOMPUTED_OPS
+        if (node in forward_nodes and is_onnx_op(node, *_RECOMPUTED_OPS)
                 and all(i is None or i in free or i.is_initializer() for i in node.inputs)):
             result.add(node)
             free.update(node.outputs)

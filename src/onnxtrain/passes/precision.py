@@ -44,6 +44,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.ir.nodes import is_onnx_op
 
 FP32 = ir.DataType.FLOAT
 LOW_DTYPES = {"bf16": ir.DataType.BFLOAT16, "fp16": ir.DataType.FLOAT16}
@@ -160,7 +161,7 @@ class PrecisionPass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified)
 
     def _convert(self, b: GraphBuilder) -> bool:
-        nodes = [n for n in b.graph if n.domain in ("", "ai.onnx") and n.op_type in LOW_PRECISION_OPS
+        nodes = [n for n in b.graph if is_onnx_op(n, *LOW_PRECISION_OPS)
                  and any(_is(v, FP32) for v in n.inputs) and all(_is(o, FP32) for o in n.outputs)]
         for node in nodes:
             _retype(b, node, FP32, self.low)
@@ -169,7 +170,7 @@ class PrecisionPass(ir.passes.InPlacePass):
     def _legalize(self, b: GraphBuilder) -> bool:
         changed = False
         for node in list(b.graph):
-            if node.domain not in ("", "ai.onnx") or node.op_type in ("Cast", "Constant") or _has_subgraph(node):
+            if not is_onnx_op(node) or node.op_type in ("Cast", "Constant") or _has_subgraph(node):
                 continue
             touches_low = any(_is(v, self.low) for v in (*node.inputs, *node.outputs))
             if touches_low and (node.op_type in FP32_OPS or node.op_type not in self.supported):
@@ -229,7 +230,7 @@ def simplify_casts(graph: ir.Graph, round_intermediates: bool = True) -> bool:
     ``round_intermediates`` is False) and casts to the type a value already has."""
     changed = False
     for node in list(graph):
-        if node.op_type != "Cast" or node.domain not in ("", "ai.onnx"):
+        if not is_onnx_op(node, "Cast"):
             continue
         out, src = node.outputs[0], node.inputs[0]
         target = ir.DataType(node.attributes["to"].value)
@@ -240,7 +241,7 @@ def simplify_casts(graph: ir.Graph, round_intermediates: bool = True) -> bool:
             replacement = src
         else:
             inner = src.producer()
-            if inner is not None and inner.op_type == "Cast" and inner.domain in ("", "ai.onnx"):
+            if is_onnx_op(inner, "Cast"):
                 origin = inner.inputs[0]
                 if origin is not None and origin.dtype == target and _round_trip_exact(target, src.dtype,
                                                                                        round_intermediates):

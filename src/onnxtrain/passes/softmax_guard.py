@@ -37,8 +37,8 @@ import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor, replace_all_uses_with
 
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.ir.nodes import base_name, is_onnx_op
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 # Softmax normalizes along one axis from opset 13 on (it flattened the trailing axes before)
 _SINGLE_AXIS_SOFTMAX_OPSET = 13
 # the most negative finite value per float dtype: the exporter's stand-in for -inf in masks
@@ -48,10 +48,6 @@ _LOWEST = {
     ir.DataType.FLOAT16: float(np.finfo(np.float16).min),
     ir.DataType.BFLOAT16: -(2 - 2**-7) * 2.0**127,
 }
-
-
-def _is(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in _DEFAULT_DOMAINS
 
 
 def _scalar(value: ir.Value | None) -> tuple[float, ir.DataType] | None:
@@ -93,9 +89,9 @@ class SoftmaxNaNGuardPass(ir.passes.InPlacePass):
             if key not in row_factors:
                 row_factors[key] = _row_factors(model.graph, mask_where, opset, before=node)
             safe_mask, keep = row_factors[key]
-            new_add = ir.node("Add", [scores, safe_mask], name=f"{_base_name(add)}/rows")
+            new_add = ir.node("Add", [scores, safe_mask], name=f"{base_name(add)}/rows")
             new_softmax = ir.node("Softmax", [new_add.outputs[0]], attributes=dict(softmax.attributes),
-                                  name=f"{_base_name(softmax)}/rows")
+                                  name=f"{base_name(softmax)}/rows")
             for value, like in ((new_add.outputs[0], add.outputs[0]), (new_softmax.outputs[0], softmax.outputs[0])):
                 value.type, value.shape = like.type, like.shape
             model.graph.insert_after(node, [new_add, new_softmax])
@@ -108,9 +104,9 @@ class SoftmaxNaNGuardPass(ir.passes.InPlacePass):
                 # zero the rows of ``probs @ v`` instead: the same values, on a tensor S / D times smaller,
                 # and the backward reads no extra full-size tensor
                 product.replace_input_with(0, probs)
-                _scale_rows(model.graph, product.outputs[0], keep, f"{_base_name(node)}/rows")
+                _scale_rows(model.graph, product.outputs[0], keep, f"{base_name(node)}/rows")
             else:
-                _scale_rows(model.graph, probs, keep, f"{_base_name(node)}/rows", replacing=guard_out)
+                _scale_rows(model.graph, probs, keep, f"{base_name(node)}/rows", replacing=guard_out)
             _remove_unused(model.graph, [node, is_nan, softmax, add, mask_where])
             modified = True
         return ir.passes.PassResult(model, modified)
@@ -122,7 +118,7 @@ def _attention_product(probs: ir.Value) -> ir.Node | None:
     if len(uses) != 1 or probs.is_graph_output():
         return None
     node, index = uses[0].node, uses[0].idx
-    if not _is(node, "MatMul") or index != 0 or node.outputs[0].is_graph_output():
+    if not is_onnx_op(node, "MatMul") or index != 0 or node.outputs[0].is_graph_output():
         return None
     return node
 
@@ -145,27 +141,23 @@ def _remove_unused(graph: ir.Graph, nodes: list[ir.Node]) -> None:
             graph.remove(node, safe=True)
 
 
-def _base_name(node: ir.Node) -> str:
-    return node.outputs[0].name or node.name
-
-
 def _match(node: ir.Node, opset: int):
     """``(softmax, add, scores, mask's Where, whether the mask masks)`` when ``node`` is the NaN
     guard of a masked Softmax in the form the rewrite preserves."""
-    if not _is(node, "Where") or len(node.inputs) != 3 or any(v is None for v in node.inputs):
+    if not is_onnx_op(node, "Where") or len(node.inputs) != 3 or any(v is None for v in node.inputs):
         return None
     is_nan, zero, probs = node.inputs
     zero = _scalar(zero)
-    if zero is None or zero[0] != 0.0 or not _is(is_nan.producer(), "IsNaN") \
+    if zero is None or zero[0] != 0.0 or not is_onnx_op(is_nan.producer(), "IsNaN") \
             or is_nan.producer().inputs[0] is not probs:
         return None
     if node.outputs[0].is_graph_output():
         return None  # the graph's own output (an attention map, not a training step's hot path): left as is
     softmax = probs.producer()
-    if not _is(softmax, "Softmax") or not _normalizes_last_axis(softmax, probs, opset):
+    if not is_onnx_op(softmax, "Softmax") or not _normalizes_last_axis(softmax, probs, opset):
         return None
     add = softmax.inputs[0].producer()
-    if not _is(add, "Add") or len(add.inputs) != 2 or any(v is None for v in add.inputs):
+    if not is_onnx_op(add, "Add") or len(add.inputs) != 2 or any(v is None for v in add.inputs):
         return None
     for scores, mask in (add.inputs, reversed(add.inputs)):
         found = _mask_branches(mask)
@@ -188,7 +180,7 @@ def _mask_branches(mask: ir.Value):
     ``b`` constant rank-0 floats (the mask then has ``c``'s shape), not both masking, neither
     NaN nor ``+inf``."""
     where = mask.producer()
-    if not _is(where, "Where") or len(where.inputs) != 3 or where.inputs[0] is None:
+    if not is_onnx_op(where, "Where") or len(where.inputs) != 3 or where.inputs[0] is None:
         return None
     branches = [_scalar(where.inputs[1]), _scalar(where.inputs[2])]
     if any(b is None or math.isnan(b[0]) or b[0] == math.inf for b in branches):
@@ -208,7 +200,7 @@ def _row_factors(graph: ir.Graph, where: ir.Node, opset: int, before: ir.Node) -
     both built from the mask's boolean condition (nodes inserted before ``before``)."""
     condition, a, _ = where.inputs
     dtype = _scalar(a)[1]
-    b = GraphBuilder(graph, scope=f"{_base_name(where)}/rows", opset=opset)
+    b = GraphBuilder(graph, scope=f"{base_name(where)}/rows", opset=opset)
     # the entries the mask keeps: where the condition picks the branch that does not mask
     kept = b.op.Not(condition) if _masks(_scalar(a)) else condition
     keep = b.reduce("ReduceMax", b.cast_to(kept, ir.DataType.FLOAT), [-1])

@@ -17,6 +17,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
+from onnxtrain.ir.nodes import is_onnx_op
+
 _CARRIED_ATTRIBUTES = ("reduction", "ignore_index")
 
 
@@ -24,7 +26,7 @@ class SplitCrossEntropyPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         modified = False
         for node in list(model.graph):
-            if node.op_type != "SoftmaxCrossEntropyLoss" or node.domain not in ("", "ai.onnx"):
+            if not is_onnx_op(node, "SoftmaxCrossEntropyLoss"):
                 continue
             _split(model.graph, node)
             modified = True

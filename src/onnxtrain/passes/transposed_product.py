@@ -13,7 +13,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
-_DEFAULT_DOMAINS = ("", "ai.onnx")
+from onnxtrain.ir.nodes import is_onnx_op
+
 
 
 class TransposedProductPass(ir.passes.InPlacePass):
@@ -28,7 +29,7 @@ class TransposedProductPass(ir.passes.InPlacePass):
 
 
 def _is_2d_transpose(node: ir.Node | None) -> bool:
-    if node is None or node.op_type != "Transpose" or node.domain not in _DEFAULT_DOMAINS:
+    if not is_onnx_op(node, "Transpose"):
         return False
     perm = node.attributes.get("perm")
     return perm is not None and list(perm.value) == [1, 0]
@@ -39,7 +40,7 @@ def _transposed_product(node: ir.Node) -> ir.Node | None:
     if not _is_2d_transpose(node):
         return None
     product = node.inputs[0].producer() if node.inputs[0] is not None else None
-    if product is None or product.op_type != "MatMul" or product.domain not in _DEFAULT_DOMAINS:
+    if not is_onnx_op(product, "MatMul"):
         return None
     out = product.outputs[0]
     if out.is_graph_output() or len(out.uses()) != 1 or product.graph is not node.graph:

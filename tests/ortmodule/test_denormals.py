@@ -10,7 +10,7 @@ import pytest
 from tests.torch_models import torch
 
 from onnxtrain.torch import DebugOptions, ORTModule
-from onnxtrain.torch._denormals import can_flush_denormals, thread_flushes_denormals
+from onnxtrain.runtime.denormals import can_flush_denormals, thread_flushes_denormals
 
 pytestmark = pytest.mark.skipif(not can_flush_denormals(), reason="PyTorch cannot set FTZ/DAZ on this CPU")
 
@@ -55,7 +55,7 @@ def test_flush_denormals_false_keeps_them():
 _FRESH_PROCESS_CHECK = """
 import sys, torch
 from onnxtrain.torch import DebugOptions, ORTModule
-from onnxtrain.torch._denormals import thread_flushes_denormals
+from onnxtrain.runtime.denormals import thread_flushes_denormals
 user_setting = sys.argv[1] == "on"
 torch.set_flush_denormal(user_setting)
 model = ORTModule(torch.nn.Linear(4, 4), DebugOptions(fallback=False))

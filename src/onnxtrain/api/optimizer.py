@@ -30,6 +30,7 @@ from onnxtrain.api.module import Module
 from onnxtrain.errors import CheckpointError, ModelError
 from onnxtrain.runtime import fusions
 from onnxtrain.runtime.binding import BindingCache
+from onnxtrain.runtime.denormals import denormals_flushed
 from onnxtrain.runtime.session import create_session, input_specs, is_ort_format, output_specs
 from onnxtrain.runtime.values import from_numpy, zeros
 
@@ -237,7 +238,8 @@ class Optimizer:
         if self._fused is None or not self._fused.take_update():
             binding = self._bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
             self._bind_step_inputs(binding)
-            self._session.run_with_iobinding(binding)
+            with denormals_flushed(self._module._flush_denormals):
+                self._session.run_with_iobinding(binding)
         # else the fused run already wrote exactly this update into the spare buffers
         props = state._properties
         state._param_phase = 1 - state._param_phase

@@ -10,6 +10,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxtrain.errors import ModelError
+from onnxtrain.runtime.denormals import creating_thread_kept
 
 # onnxruntime type strings -> numpy dtypes (bfloat16 has no numpy dtype and is left out).
 _ORT_TYPES = {
@@ -53,24 +54,33 @@ def output_specs(session: ort.InferenceSession) -> list[IOSpec]:
     return [_spec(a) for a in session.get_outputs()]
 
 
+def quiet_session_options() -> ort.SessionOptions:
+    """onnxruntime's default session options with its own log quiet: failed runs reach the
+    caller as exceptions."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return options
+
+
 def create_session(model: str | os.PathLike | bytes, providers: list,
                    session_options: ort.SessionOptions | None = None, what: str = "model",
                    disabled_optimizers: list[str] | None = None) -> ort.InferenceSession:
     """An InferenceSession for ``model`` (a path or serialized bytes); ModelError if ORT rejects it.
 
     ``disabled_optimizers``: names of onnxruntime graph transformers to leave out for this session.
+    The calling thread's denormal flags are as before afterwards, whatever ``session_options``
+    ask (``onnxtrain.runtime.denormals``).
     """
     if isinstance(model, (str, os.PathLike)):
         model = os.fspath(model)
         if not os.path.isfile(model):
             raise ModelError(f"{what} file {model!r} does not exist")
     if session_options is None:
-        session_options = ort.SessionOptions()
-        # Failed runs are reported to the caller as exceptions; keep ORT's own log quiet.
-        session_options.log_severity_level = 3
+        session_options = quiet_session_options()
     try:
-        return ort.InferenceSession(model, sess_options=session_options, providers=providers,
-                                    disabled_optimizers=disabled_optimizers)
+        with creating_thread_kept():
+            return ort.InferenceSession(model, sess_options=session_options, providers=providers,
+                                        disabled_optimizers=disabled_optimizers)
     except Exception as exc:  # ORT raises several pybind exception types
         label = model if isinstance(model, str) else "<bytes>"
         raise ModelError(f"onnxruntime could not load the {what} {label!r}: {exc}") from exc

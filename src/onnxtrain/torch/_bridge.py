@@ -9,7 +9,6 @@ backward session.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,9 +19,9 @@ import torch
 from onnxtrain.errors import ModelError
 from onnxtrain.ir import io
 from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, ForwardBackward
+from onnxtrain.runtime.denormals import asks_for_flushing, denormals_flushed
 from onnxtrain.runtime.device import Device, providers_for
 from onnxtrain.runtime.session import create_session
-from onnxtrain.torch._denormals import asks_for_flushing, creating_thread_kept, denormals_flushed
 from onnxtrain.torch._openmp import release_torch_openmp_threads
 
 
@@ -75,12 +74,12 @@ class SessionRunner:
         except ValueError as exc:  # e.g. CUDA tensors with the CPU-only onnxruntime package
             raise ModelError(f"cannot run the {what} on {device}: {exc}") from exc
         disabled = TRAINING_CPU_DISABLED_ORT_OPTIMIZERS if training and device.type == "cpu" else None
-        # denormals as zero (onnxtrain.torch._denormals): onnxruntime sets the flags on its pool
-        # threads and on this one; this thread gets them back, and has them during runs only
+        # denormals as zero (onnxtrain.runtime.denormals): onnxruntime sets the flags on its pool
+        # threads and on this one; create_session gives this thread its own back, and the runs
+        # set them for their length only
         self._flush_denormals = asks_for_flushing(session_options) and device.type == "cpu"
-        with creating_thread_kept():
-            self.session = create_session(io.serialize(model), providers, session_options, what=what,
-                                          disabled_optimizers=disabled)
+        self.session = create_session(io.serialize(model), providers, session_options, what=what,
+                                      disabled_optimizers=disabled)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         # per input position: (parameter, data_ptr, shape, OrtValue) of the last call.
@@ -118,7 +117,7 @@ class SessionRunner:
             # for short runs restarting them afterwards costs more than it saves
             release_torch_openmp_threads()
         started = time.perf_counter()
-        with denormals_flushed() if self._flush_denormals else contextlib.nullcontext():
+        with denormals_flushed(self._flush_denormals):
             self.session.run_with_iobinding(binding, self.run_options)
         self._last_run_s = time.perf_counter() - started
         if self.device.type != "cpu":

@@ -20,9 +20,9 @@ from onnxtrain.logs import LogLevel
 from onnxtrain.passes import pipeline
 from onnxtrain.passes.partition import MemoryOptions, MemoryReport, build_forward_backward
 from onnxtrain.passes.precision import PrecisionConfig
+from onnxtrain.runtime.denormals import ask_for_flushing
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
-from onnxtrain.torch._denormals import DENORMALS_AS_ZERO, can_flush_denormals
 from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class DebugOptions:
         flush_denormals: onnxruntime's CPU runs treat denormal floats (below ~1.2e-38) as
             zero: masked attention Softmax runs several times faster. Set on the calling
             thread for the length of each run only, never for PyTorch's own arithmetic
-            (``onnxtrain.torch._denormals``); ``False`` leaves denormals to the CPU's default.
+            (``onnxtrain.runtime.denormals``); ``False`` leaves denormals to the CPU's default.
 
     Example:
         >>> model = ORTModule(net, DebugOptions(save_onnx=True, onnx_prefix="net", fallback=False))
@@ -124,8 +124,8 @@ class DebugOptions:
         register_shared_cpu_arena()
         options.add_session_config_entry("session.use_env_allocators", "1")
         options.enable_mem_pattern = False
-        if self.flush_denormals and can_flush_denormals():
-            options.add_session_config_entry(DENORMALS_AS_ZERO, "1")
+        if self.flush_denormals:
+            ask_for_flushing(options)
         return options
 
     def resolved_save_path(self) -> Path:

@@ -12,7 +12,8 @@ from onnxtrain.onnxblock import empty_base, optim
 
 torch = pytest.importorskip("torch")
 
-SHAPES = {"w": (3, 4), "b": (4,)}
+# a matrix, small vectors that the optimizer updates jointly, and a vector too long to join
+SHAPES = {"w": (3, 4), "b": (4,), "norm_w": (5,), "norm_b": (5,), "long": (optim.JOINT_UPDATE_MAX_ELEMENTS + 1,)}
 
 
 def _run_steps(block, grads_per_step, lr, init):
@@ -121,3 +122,23 @@ def test_optimizer_model_uses_standard_ops_only():
         block(list(init.items()))
     model = block.to_ir_model()
     assert {n.domain for n in model.graph} == {""}
+
+
+@pytest.mark.parametrize("block", [
+    lambda: optim.AdamW(weight_decay=0.01), lambda: optim.AdamW(mode="torch", weight_decay=0.01),
+    lambda: optim.SGD(momentum=0.9, nesterov=True, weight_decay=0.1)], ids=["adamw", "adamw-torch", "sgd"])
+def test_small_vectors_updated_jointly_give_bit_identical_results(block, monkeypatch):
+    """The joined update (one Concat per input, one Split per output) against one update per
+    parameter: the same elementwise arithmetic, so the same bits."""
+    init, grads = _data(steps=3, seed=4)
+    joined_block = block()
+    joined = _run_steps(joined_block, grads, 0.01, init)
+    ops = [n.op_type for n in joined_block.to_ir_model().graph]
+    assert ops.count("Split") == 1 + len(joined_block.states)  # b, norm_w and norm_b: one group
+    monkeypatch.setattr(optim, "JOINT_UPDATE_MAX_ELEMENTS", 0)
+    separate_block = block()
+    separate = _run_steps(separate_block, grads, 0.01, init)
+    assert "Split" not in [n.op_type for n in separate_block.to_ir_model().graph]
+    assert len(ops) < len(list(separate_block.to_ir_model().graph))
+    for k in init:
+        np.testing.assert_array_equal(joined[k], separate[k])

@@ -58,11 +58,22 @@ def _trainable(parameters) -> list[ParamSpec]:
     return specs
 
 
+# Vectors (1-D parameters: biases, normalization weights) of at most this many elements are
+# updated together when the update is elementwise (see _OptimizerBlock._joint_update): for
+# tensors this small, each node's fixed cost in onnxruntime (a few microseconds) outweighs its
+# arithmetic, and a dozen nodes per parameter add up (~400 nodes in a 4-layer GPT's AdamW).
+# Joining costs one copy of each input and output, cheap while the vectors are this short.
+JOINT_UPDATE_MAX_ELEMENTS = 4096
+
+
 class _OptimizerBlock(Block):
     """Common structure: inputs learning_rate, step and per-parameter (p, grad, states)."""
 
     type_name = ""
     states: tuple[str, ...] = ()
+    # whether update() treats every element alike (no per-tensor reductions, as LAMB's norms):
+    # then several parameters may be updated as one concatenated vector
+    elementwise = True
     clip_grad: "ClipGradNorm | None" = None
     # set for fp16 artifacts (generate_artifacts(precision="fp16")): skip non-finite steps and
     # update the loss scale (onnxblock/loss_scale.py)
@@ -103,9 +114,17 @@ class _OptimizerBlock(Block):
         if self.clip_grad is not None:
             grads = self.clip_grad.scale(b.child("clip_grad_norm"), grads)
         shared = self.prepare(b, lr, step)
+        updates = {}  # parameter index -> (new parameter, new states)
+        for members in self._update_groups(specs):
+            if len(members) == 1:
+                (i,) = members
+                updates[i] = self.update(b.child(specs[i].name), shared, params[i], grads[i], states[i])
+            else:
+                updates.update(self._joint_update(b.child("small_vectors"), shared, members, specs,
+                                                  params, grads, states))
         new_values, sources = [], []
-        for spec, p, g, p_states in zip(specs, params, grads, states):
-            new_p, new_states = self.update(b.child(spec.name), shared, p, g, p_states)
+        for i, (p, p_states) in enumerate(zip(params, states)):
+            new_p, new_states = updates[i]
             new_values += [new_p, *new_states]
             sources += [p, *p_states]
         if scaler is not None:  # the update runs only when every gradient is finite
@@ -138,6 +157,36 @@ class _OptimizerBlock(Block):
         })
         self._model = self.context.model
         return [o.name for o in outputs]
+
+    def _update_groups(self, specs: list[ParamSpec]) -> list[list[int]]:
+        """Parameter indices updated together: the small vectors of each element type (biases,
+        normalization weights) in one group when the update is elementwise, every other
+        parameter alone."""
+        groups: dict[ir.DataType, list[int]] = {}
+        alone = []
+        for i, spec in enumerate(specs):
+            small_vector = len(spec.shape) == 1 and spec.shape[0] <= JOINT_UPDATE_MAX_ELEMENTS
+            if self.elementwise and small_vector:
+                groups.setdefault(spec.dtype, []).append(i)
+            else:
+                alone.append([i])
+        return alone + list(groups.values())
+
+    def _joint_update(self, b: GraphBuilder, shared: dict, members: list[int], specs: list[ParamSpec],
+                      params, grads, states) -> dict[int, tuple]:
+        """One update over the concatenation of several vectors, split back per parameter: the
+        same elementwise arithmetic in a dozen nodes instead of a dozen per parameter."""
+        op = b.op
+
+        def joined(values):
+            return op.Concat(*values, axis=0)
+
+        new_p, new_states = self.update(b, shared, joined([params[i] for i in members]),
+                                        joined([grads[i] for i in members]),
+                                        [joined([states[i][k] for i in members]) for k in range(len(self.states))])
+        lengths = b.ints([specs[i].shape[0] for i in members])
+        pieces = [op.Split(value, lengths, axis=0, _outputs=len(members)) for value in (new_p, *new_states)]
+        return {i: (pieces[0][j], [state[j] for state in pieces[1:]]) for j, i in enumerate(members)}
 
     def to_model_proto(self):
         """The optimizer model as an ``onnx.ModelProto`` (after the block was called)."""

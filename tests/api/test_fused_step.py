@@ -91,6 +91,31 @@ def test_plain_loop_runs_one_session_per_step_and_matches(generated, monkeypatch
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
 
+def test_gradient_accumulation_stops_computing_updates_it_throws_away(generated, monkeypatch):
+    """Accumulating two micro-batches per step: the first cycle's fused update goes unused, so the
+    next cycles run the training model alone; plain steps bring the fused step back after one."""
+    (state, module, optimizer), (ref_state, ref_module, ref_optimizer) = _pair(generated)
+    fused_runs = _count_runs(monkeypatch, optimizer._fused.session)
+    training_runs = _count_runs(monkeypatch, module._train_session)
+    optimizer_runs = _count_runs(monkeypatch, optimizer._session)
+    data = list(batches(6, 8))
+    for cycle in range(3):
+        for m, o in ((module, optimizer), (ref_module, ref_optimizer)):
+            m(*data[2 * cycle])
+            m(*data[2 * cycle + 1])
+            o.step()
+            m.lazy_reset_grad()
+        _assert_same_state(state, ref_state)
+    assert (len(fused_runs), len(training_runs), len(optimizer_runs)) == (1, 5, 3)
+    for x, y in data[6:]:
+        for m, o in ((module, optimizer), (ref_module, ref_optimizer)):
+            m(x, y)
+            o.step()
+            m.lazy_reset_grad()
+        _assert_same_state(state, ref_state)
+    assert (len(fused_runs), len(training_runs), len(optimizer_runs)) == (2, 6, 4)
+
+
 @pytest.mark.parametrize("between", ["set_learning_rate", "assign_parameter", "accumulate", "copy_buffer",
                                      "reset_and_rerun"])
 def test_update_is_recomputed_when_something_changed_before_step(generated, between):

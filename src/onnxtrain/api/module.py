@@ -178,6 +178,7 @@ class Module:
         state._to_device(self._device)
         state._ensure_grads()
         self._reset_grad = True  # buffers start empty, so the first step must not add to them
+        self._runs_since_reset = 0  # training runs that wrote the current gradients
         # the fused step (forward, backward and update in one run) that serves a training step
         # starting from fresh gradients: a FusedStep set by Optimizer(..., fused_step=...)
         self._fused_step = None
@@ -199,7 +200,9 @@ class Module:
             raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint): set them with "
                                   f"copy_buffer_to_parameters or state.parameters[name] = array first")
         state = self._state
-        fused = self._fused_step if training and self._reset_grad else None
+        fresh = training and self._reset_grad
+        fused = self._fused_step if fresh and self._fused_step is not None and self._fused_step.worth_running() \
+            else None
         if fused is not None:
             session, binding = fused.session, fused.binding()
         elif training:
@@ -229,6 +232,7 @@ class Module:
             for p in sig.trainable:
                 state._slots[p].has_grad = True
             self._reset_grad = False
+            self._runs_since_reset = 1 if fresh else self._runs_since_reset + 1
         if fused is not None:  # its update waits in the spare buffers for optimizer.step()
             fused.done()
         outputs = outputs[: len(sig.user_outputs)]

@@ -235,7 +235,10 @@ class Optimizer:
         ``state.properties["loss_scale"]`` is updated as ``torch.amp.GradScaler.update`` does.
         """
         state, opt = self._state, self._opt
-        if self._fused is None or not self._fused.take_update():
+        fused = self._fused
+        if fused is None or not fused.take_update():
+            if fused is not None and self._module._runs_since_reset == 1:
+                fused.would_have_served()
             binding = self._bindings.get((state._layout, state._param_phase, state._grad_phase, opt.phase))
             self._bind_step_inputs(binding)
             with denormals_flushed(self._module._flush_denormals):

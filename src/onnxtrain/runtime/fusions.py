@@ -15,6 +15,7 @@ higher (why was not pinned down; a GatedAdd output may not reuse an input's buff
 
 from __future__ import annotations
 
+import functools
 import os
 
 import onnx_ir as ir
@@ -34,14 +35,16 @@ def _provider_name(provider) -> str:
     return provider[0] if isinstance(provider, (tuple, list)) else str(provider)
 
 
-def cpu_kernel_types(op_type: str, domain: str) -> set[str]:
-    """The type strings (``"tensor(float)"``, ...) of this onnxruntime's CPU kernels for an op."""
+@functools.cache
+def cpu_kernel_types(op_type: str, domain: str) -> frozenset[str]:
+    """The type strings (``"tensor(float)"``, ...) of this onnxruntime's CPU kernels for an op
+    (read once per process: the kernel registry does not change, and listing it takes ms)."""
     types: set[str] = set()
     for kernel in _pybind_state.get_all_opkernel_def():
         if kernel.provider == _CPU and kernel.op_name == op_type and kernel.domain == domain:
             for allowed in kernel.type_constraints.values():
                 types.update(allowed)
-    return types
+    return frozenset(types)
 
 
 def applies_to(providers) -> bool:

@@ -14,6 +14,7 @@ from onnx_ir.passes.common import (
 from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
+from onnxtrain.passes.leading_sum import LeadingAxesSumPass
 from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
 from onnxtrain.passes.softmax_guard import SoftmaxNaNGuardPass
 from onnxtrain.passes.split_cross_entropy import SplitCrossEntropyPass
@@ -36,9 +37,10 @@ def before_autodiff() -> list[ir.passes.PassBase]:
 def after_autodiff() -> list[ir.passes.PassBase]:
     """Clean a training/eval graph: fold what turned out static, merge duplicates, drop dead nodes;
     then write ops as stock onnxruntime runs them fastest (after autodiff: their gradient rules
-    are the better ones)."""
+    are the better ones; a sum over leading axes as a product with ones)."""
     return [
         SplitCrossEntropyPass(),
+        LeadingAxesSumPass(),
         RemoveUnusedNodesPass(),
         FoldConstantsPass(),
         CommonSubexpressionEliminationPass(),

@@ -1,0 +1,118 @@
+"""Write a sum over leading axes as a product with a row of ones.
+
+Un-broadcasting a gradient sums it over the leading axes: a linear layer's bias gradient is
+``ReduceSum(dY, axes=[0, 1])`` over ``[batch, seq, features]``, a LayerNorm's scale and bias
+gradients the same over ``[batch, seq, hidden]``. onnxruntime's CPU ReduceSum walks such a
+reduction slowly (every output element strided over all rows); a ``[1, rows] @ [rows, cols]``
+product with a row of ones reads the same memory once, in MLAS's GEMM: on 2 cores
+``[16, 64, 1024] -> [1024]`` takes 0.14 against 0.33 ms, ``[16, 64, 256] -> [256]`` 0.035
+against 0.084 ms, and the bench's 4-layer GPT has 36 such sums per step. This pass rewrites
+
+    ReduceSum(x, axes=[0, .., k-1])  ->  Reshape(MatMul(ones[1, rows], Reshape(x, [-1, cols])), out_shape)
+
+for float and double ``x`` whose trailing dims (after the ``k`` summed ones) are static; the
+leading dims may be symbolic, then the row of ones is built from ``Shape(x)`` at run time
+(opset 15+). The result is standard ONNX, so artifacts keep running on any onnxruntime. The
+sum's order differs (GEMM accumulates in blocks), so results match ReduceSum's to float
+rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
+
+from onnxtrain.ir.nodes import base_name, is_onnx_op
+
+_DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
+# below this many summed rows (all static) ReduceSum is as fast and the product's nodes cost more
+MIN_ROWS = 16
+# ReduceSum's axes became an input at opset 13; Shape(x, end=k) for symbolic rows needs opset 15
+_AXES_INPUT_OPSET = 13
+_SHAPE_SLICE_OPSET = 15
+
+
+class LeadingAxesSumPass(ir.passes.InPlacePass):
+    """Rewrite ``ReduceSum`` over a tensor's leading axes as a ``MatMul`` with a row of ones."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+        modified = False
+        for node in list(model.graph):
+            plan = _plan(node, opset)
+            if plan is not None:
+                _rewrite(model.graph, node, *plan)
+                modified = True
+        return ir.passes.PassResult(model, modified)
+
+
+def _reduced_axes(node: ir.Node, opset: int) -> list[int] | None:
+    """The constant axes of a ReduceSum node, or None (all axes, or computed at run time)."""
+    if opset < _AXES_INPUT_OPSET:
+        attr = node.attributes.get("axes")
+        return [int(a) for a in attr.value] if attr is not None else None
+    if len(node.inputs) < 2 or node.inputs[1] is None:
+        return None
+    tensor = get_const_tensor(node.inputs[1])
+    if tensor is None:
+        return None
+    return [int(a) for a in np.asarray(tensor.numpy()).reshape(-1)] or None
+
+
+def _plan(node: ir.Node, opset: int) -> tuple[int, int | None, int, list[int]] | None:
+    """``(k, rows or None if symbolic, cols, output shape)`` when ``node`` sums its input's
+    ``k`` leading axes in a form the product can take, else None."""
+    if not is_onnx_op(node, "ReduceSum") or not node.inputs or node.inputs[0] is None:
+        return None
+    x = node.inputs[0]
+    if x.dtype not in _DTYPES or x.shape is None:
+        return None
+    rank = len(x.shape)
+    axes = _reduced_axes(node, opset)
+    if axes is None or rank < 2:
+        return None
+    k = len(axes)
+    if sorted(a + rank if a < 0 else a for a in axes) != list(range(k)) or k >= rank:
+        return None
+    lead, trail = list(x.shape)[:k], list(x.shape)[k:]
+    if not all(isinstance(d, int) for d in trail):
+        return None
+    rows = math.prod(lead) if all(isinstance(d, int) for d in lead) else None
+    if rows is None and opset < _SHAPE_SLICE_OPSET:
+        return None
+    if rows is not None and rows < MIN_ROWS:
+        return None
+    keepdims = node.attributes.get("keepdims")
+    keep = keepdims is None or bool(keepdims.value)
+    return k, rows, math.prod(trail), ([1] * k if keep else []) + trail
+
+
+def _rewrite(graph: ir.Graph, node: ir.Node, k: int, rows: int | None, cols: int, out_shape: list[int]) -> None:
+    x, out = node.inputs[0], node.outputs[0]
+    prefix = base_name(node)
+    new_nodes: list[ir.Node] = []
+
+    def add(op_type: str, inputs, attributes=None) -> ir.Value:
+        created = ir.node(op_type, inputs, attributes=attributes, name=f"{prefix}/ones_product_{len(new_nodes)}")
+        new_nodes.append(created)
+        return created.outputs[0]
+
+    def ints(values: list[int]) -> ir.Value:
+        return add("Constant", [], attributes={"value": ir.tensor(values, dtype=ir.DataType.INT64)})
+
+    np_dtype = x.dtype.numpy()
+    if rows is not None:
+        ones = add("Constant", [], attributes={"value": ir.tensor(np.ones([1, rows], dtype=np_dtype))})
+    else:
+        row_count = add("ReduceProd", [add("Shape", [x], attributes={"end": k})], attributes={"keepdims": 1})
+        ones_shape = add("Concat", [ints([1]), row_count], attributes={"axis": 0})
+        ones = add("ConstantOfShape", [ones_shape], attributes={"value": ir.tensor(np.ones([1], dtype=np_dtype))})
+    matrix = add("Reshape", [x, ints([-1, cols])])
+    product = add("MatMul", [ones, matrix])
+    product.type, product.shape = out.type, ir.Shape([1, cols])
+    summed = add("Reshape", [product, ints(out_shape)])
+    summed.type, summed.shape = out.type, ir.Shape(out_shape)
+    replace_nodes_and_values(graph, node, [node], new_nodes, [out], [summed])

@@ -1,0 +1,69 @@
+"""LeadingAxesSumPass: ReduceSum over leading axes -> a product with a row of ones, same values."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+from onnxtrain.ir import io
+from onnxtrain.passes.leading_sum import LeadingAxesSumPass
+from tests.passes._graphs import model_of, run
+
+
+def _sum(axes, keepdims, opset, x="x", out="out"):
+    """A ReduceSum node list in the form of ``opset`` (axes an attribute before 13, an input after)."""
+    if opset < 13:
+        return [helper.make_node("ReduceSum", [x], [out], axes=axes, keepdims=keepdims)]
+    axes_tensor = helper.make_tensor("axes_value", TensorProto.INT64, [len(axes)], axes)
+    return [helper.make_node("Constant", [], ["axes"], value=axes_tensor),
+            helper.make_node("ReduceSum", [x, "axes"], [out], keepdims=keepdims)]
+
+
+# (x shape, axes, keepdims, opset, rewritten)
+CASES = {
+    "bias_grad": (["B", 64, 24], [0, 1], 0, 18, True),  # symbolic batch: ones built at run time
+    "bias_grad_static": ([8, 16, 24], [0, 1], 0, 18, True),
+    "keepdims": ([8, 16, 24], [1, 0], 1, 18, True),  # any order of the leading axes
+    "negative_axis": (["B", 16, 24], [-3], 0, 17, True),
+    "attribute_axes": ([8, 16, 24], [0, 1], 0, 11, True),
+    "symbolic_before_opset_15": (["B", 16, 24], [0, 1], 0, 13, False),  # Shape(x, end=k) needs 15
+    "inner_axis": ([8, 16, 24], [1], 0, 18, False),
+    "all_axes": ([8, 16, 24], [0, 1, 2], 0, 18, False),
+    "symbolic_trailing_dim": ([8, 16, "F"], [0], 0, 18, False),
+    "few_rows": ([2, 4, 24], [0, 1], 0, 18, False),  # 8 rows: ReduceSum is as fast
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_leading_sums_become_products(case):
+    shape, axes, keepdims, opset, rewritten = CASES[case]
+    original = model_of(_sum(axes, keepdims, opset), [("x", shape)], ["out"], opset=opset)
+    model = io.load_model(original)
+    assert LeadingAxesSumPass()(model).modified == rewritten
+    RemoveUnusedNodesPass()(model)
+    ops = [n.op_type for n in model.graph]
+    assert ("ReduceSum" in ops) != rewritten and ("MatMul" in ops) == rewritten
+    rng = np.random.default_rng(0)
+    for batch in (5, 0) if "B" in shape else (None,):
+        feeds = {"x": rng.standard_normal([batch if d == "B" else 7 if d == "F" else d for d in shape]).astype(np.float32)}
+        (expected,), (got,) = run(original, feeds), run(io.to_proto(model), feeds)
+        assert got.shape == expected.shape
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_summed_graph_output_keeps_its_name_and_double_is_rewritten():
+    nodes = _sum([0], 0, 18, out="grad")
+    original = model_of(nodes, [("x", [32, 3])], ["grad"], elem=TensorProto.DOUBLE)
+    model = io.load_model(original)
+    assert LeadingAxesSumPass()(model).modified
+    assert [v.name for v in model.graph.outputs] == ["grad"]
+    x = np.random.default_rng(1).standard_normal([32, 3])
+    (got,) = run(io.to_proto(model), {"x": x})
+    np.testing.assert_allclose(got, x.sum(0), rtol=1e-12)
+
+
+def test_integer_sums_are_left_alone():
+    original = model_of(_sum([0, 1], 0, 18), [("x", [8, 16, 4])], ["out"], elem=TensorProto.INT64)
+    assert not LeadingAxesSumPass()(io.load_model(original)).modified

@@ -265,8 +265,8 @@ class AdamW(_OptimizerBlock):
             denom = op.Add(op.Sqrt(new_v), b.like(v, self.eps))
             step_size = op.Div(op.Mul(lr, sqrt_bc2), bc1)
             new_p = op.Sub(p, op.Mul(step_size, op.Div(new_m, denom)))
-            if self.weight_decay:
-                new_p = op.Sub(new_p, op.Mul(op.Mul(lr, b.like(p, self.weight_decay)), new_p))
+            if self.weight_decay:  # p -= lr * wd * p, as one scaling pass: p *= 1 - lr * wd
+                new_p = op.Mul(new_p, op.Sub(b.like(p, 1.0), op.Mul(lr, b.like(p, self.weight_decay))))
         return new_p, [new_m, new_v]
 
 class SGD(_OptimizerBlock):

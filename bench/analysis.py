@@ -29,11 +29,46 @@ def loss_agreement(loss: float | None, reference: float | None, rtol: float = LO
     return rel <= rtol, rel
 
 
+# a cell whose slower load probe ran below this fraction of the run's typical calm rate was measured
+# while outside work slowed the shared machine (bench.probe.load_probe). The probe itself varies by
+# ~15% between calm processes; a core taken away halves it.
+STEADY_FRACTION = 0.7
+
+
+def mark_disturbed(cells: list[dict]) -> float | None:
+    """Set ``disturbed`` on every cell: True when its slower load probe (before or after its steps)
+    ran below ``STEADY_FRACTION`` of the reference rate, the upper quartile of all ``cells``'
+    slower probes (the machine's calm rate, as long as it was calm for more than a quarter of the
+    run). Returns the reference (None, and nothing disturbed, when no cell carries probes)."""
+    slower = {id(c): min(probes) for c in cells if (probes := [r for r in c.get("load_probe_gflops") or [] if r])}
+    rates = sorted(slower.values())
+    reference = None
+    if rates:
+        reference = statistics.quantiles(rates, n=4, method="inclusive")[2] if len(rates) > 1 else rates[0]
+    for c in cells:
+        c["disturbed"] = id(c) in slower and slower[id(c)] < STEADY_FRACTION * reference
+    return reference
+
+
+def unsteady_models(cells: list[dict], wanted: int) -> list[str]:
+    """Models with a system that has a successful cell but fewer than ``wanted`` undisturbed ones
+    (after :func:`mark_disturbed`): the ones another round would help."""
+    counts: dict[tuple, list[int]] = {}
+    for c in cells:
+        ok = c["status"] == "ok"
+        tally = counts.setdefault((c["model"], c["system"]), [0, 0])
+        tally[0] += ok
+        tally[1] += ok and not c.get("disturbed")
+    return list(dict.fromkeys(model for (model, _), (ok, steady) in counts.items() if ok and steady < wanted))
+
+
 def aggregate(cells: list[dict], rtol: float = LOSS_RTOL) -> dict:
     """``{model: {system: entry}}`` over all rounds.
 
     An entry has the medians over the rounds whose cell succeeded (``median_step_ms``,
-    ``first_step_s``, ``peak_rss_mb``, ``peak_increase_mb``), ``ratio_vs_eager``
+    ``first_step_s``, ``peak_rss_mb``, ``peak_increase_mb``) and was not ``disturbed`` (see
+    :func:`mark_disturbed`; all successful rounds when every one was), ``steady_rounds`` (how many
+    that is), ``disturbed_by_round``, ``ratio_vs_eager``
     (eager's median step / this system's, both from this run: > 1 is faster), the per-round
     ratios, the first-step loss check against eager's cell *of the same round*
     (``max_loss_rel``), the first ``losses`` of its first successful round, and ``status``:
@@ -53,14 +88,17 @@ def aggregate(cells: list[dict], rtol: float = LOSS_RTOL) -> dict:
         for system in systems:
             group = sorted(by_key[(model, system)], key=lambda c: c.get("round", 0))
             good = [c for c in group if c["status"] == "ok"]
+            steady = [c for c in good if not c.get("disturbed")]
+            used = steady or good
             entry = {
-                "rounds": len(group), "ok_rounds": len(good),
-                "median_step_ms": None if not good else _median([c["median_step_s"] * 1e3 for c in good]),
+                "rounds": len(group), "ok_rounds": len(good), "steady_rounds": len(steady),
+                "median_step_ms": None if not used else _median([c["median_step_s"] * 1e3 for c in used]),
                 "step_ms_by_round": [None if c["status"] != "ok" else c["median_step_s"] * 1e3 for c in group],
-                "first_step_s": _median([c.get("first_step_s") for c in good]),
-                "peak_rss_mb": _median([c.get("peak_rss_mb") for c in good]),
-                "peak_increase_mb": _median([c.get("peak_increase_mb") for c in good]),
-                "rss_before_mb": _median([c.get("rss_before_mb") for c in good]),
+                "disturbed_by_round": [bool(c.get("disturbed")) for c in group],
+                "first_step_s": _median([c.get("first_step_s") for c in used]),
+                "peak_rss_mb": _median([c.get("peak_rss_mb") for c in used]),
+                "peak_increase_mb": _median([c.get("peak_increase_mb") for c in used]),
+                "rss_before_mb": _median([c.get("rss_before_mb") for c in used]),
                 "losses": good[0].get("losses") if good else None,
                 "first_loss": good[0].get("first_loss") if good else None,
                 "errors": [c["error"] for c in group if c["status"] != "ok"],

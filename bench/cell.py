@@ -14,7 +14,9 @@ Figures (all in the JSON):
 - ``rss_before_mb``: resident set size right before the system is prepared;
   ``peak_rss_mb``: the process's peak resident set size (``ru_maxrss``) at the end;
   ``peak_increase_mb``: their difference (what training added at its peak);
-- ``losses``: the loss of every step, ``first_loss`` that of step 0.
+- ``losses``: the loss of every step, ``first_loss`` that of step 0;
+- with ``--load-probe``: ``load_probe_gflops``, :func:`bench.probe.load_probe` right before the
+  system is prepared and right after the timed steps (how much of the shared machine the cell got).
 
 A cell that fails reports ``status: "error"`` and the error instead of raising, so the suite
 records it and goes on.
@@ -37,7 +39,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 
 import numpy as np
 
-from bench import memory, models, package_versions
+from bench import memory, models, package_versions, probe
 
 SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ortmodule_recompute", "ondevice", "upstream"]
 TORCH_SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ortmodule_recompute"]
@@ -344,9 +346,14 @@ def run_cell(args) -> dict:
         if args.count_flops:
             result["flops_per_step"] = count_flops(spec, model, batches)
             model = build()  # fresh weights (and BatchNorm statistics) for the measurement
+        probes = result["load_probe_gflops"] = [] if args.load_probe else None
+        if probes is not None:
+            probes.append(probe.load_probe(args.threads))
         with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-{args.system}-") as workdir:
             if args.system == "upstream":
                 result.update(run_upstream(spec, model, batches, workdir, args, result))
+                if probes is not None:
+                    probes.append(probe.load_probe(args.threads))
                 return result
             memory.trim()
             result["rss_before_mb"] = memory.rss_mb()
@@ -363,6 +370,8 @@ def run_cell(args) -> dict:
                 losses.append(step(i))
                 times.append(time.perf_counter() - t0)
             result.update(memory.peaks(result["rss_before_mb"]))
+            if probes is not None:
+                probes.append(probe.load_probe(args.threads))
         if "onnxtrain" in sys.modules:
             result["onnxtrain_file"] = sys.modules["onnxtrain"].__file__
         result["step_times_s"] = times
@@ -390,6 +399,8 @@ def parse_args(argv=None):
                              "with_loss), so ORTModule runs the loss inside its graph")
     parser.add_argument("--upstream-venv", default=None)
     parser.add_argument("--timeout", type=float, default=1800, help="seconds for the upstream worker")
+    parser.add_argument("--load-probe", action="store_true",
+                        help="measure bench.probe.load_probe before and after the steps (load_probe_gflops)")
     parser.add_argument("--out", default=None, help="write the JSON here (default: stdout)")
     return parser.parse_args(argv)
 

@@ -31,6 +31,30 @@ def matmul_peak(n: int = 2048, reps: int = 10, threads: int = 2) -> dict:
             "gflops": 2 * n**3 / best / 1e9, "median_gflops": 2 * n**3 / sorted(times)[len(times) // 2] / 1e9}
 
 
+def load_probe(threads: int = 2, n: int = 1024, reps: int = 8) -> float:
+    """How much of the machine this process gets right now: the median rate (GFLOP/s) of a short
+    burst of ``torch.mm`` on ``n x n`` float32 matrices (~0.1 s).
+
+    Every bench cell takes it before and after its steps. The machine is shared: when outside
+    work takes a core, this rate drops with the cell's speed (onnxruntime's spinning thread
+    pools lose even more), so a cell whose probe ran far below the run's best was measured on a
+    disturbed machine (``bench.analysis.mark_disturbed``).
+    """
+    import torch
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)  # warm up
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.mm(a, b, out=out)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / sorted(times)[len(times) // 2] / 1e9
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.probe", description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=2048)

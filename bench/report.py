@@ -36,6 +36,22 @@ def capacity_section(capacity: dict | None) -> list[str]:
     return lines + [""]
 
 
+def _load_probe_lines(probe: dict | None) -> list[str]:
+    """The settings line on the load probe and the rounds it left out or added."""
+    if not probe:
+        return []
+    extra = probe.get("extra_rounds") or []
+    added = "; ".join(f"extra round {i}: {', '.join(models)}" for i, models in enumerate(extra, start=1))
+    return [f"- load probe: every cell measures a short torch.mm burst (1024x1024, median of 8) before and after "
+            f"its steps; {probe['disturbed_cells']} of {probe['cells']} cells ran it below "
+            f"{probe['steady_fraction']:.0%} of the run's calm rate (the upper quartile of the cells' slower probes, "
+            f"{probe['reference_gflops']:.0f} GFLOP/s): outside "
+            f"work had taken part of the machine, so they are left out of the medians wherever the same system "
+            f"has undisturbed rounds (marked * below)"
+            + (f"; models short of undisturbed rounds got more rounds of all their systems ({added})" if extra
+               else "; no extra rounds")]
+
+
 def _f(value, fmt="{:.1f}", none="—"):
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return none
@@ -106,11 +122,13 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               f"- settings: {settings['rounds']} rounds, {settings['steps']} timed steps after step 0 and "
               f"{settings['warmup']} warm-up steps, {settings['threads']} threads, systems interleaved "
               f"(round r runs every system once per model, order reversed on odd rounds)",
+              *_load_probe_lines(meta.get("load_probe")),
               f"- wall time of the run: {meta.get('wall_s', 0) / 60:.1f} min",
               f"- peak float32 matmul rate (torch.mm 2048x2048, {settings['threads']} threads, best of "
               f"{meta['matmul'].get('reps', '?')}): **{_f(meta['matmul'].get('gflops'), '{:.0f}')} GFLOP/s**",
               ""]
-    lines += ["How to read: *step ms* is the median over rounds of each cell's median full training step "
+    lines += ["How to read: *step ms* is the median over rounds (the undisturbed ones, see the load probe) of "
+              "each cell's median full training step "
               "(forward, loss, backward, AdamW update). *vs eager* is eager's step time / the system's, "
               "both from this run (> 1 = faster than eager). *first step s* runs from \"model and data "
               "ready\" to the end of step 0: export, artifacts, sessions and compilation included. "
@@ -122,7 +140,8 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               f"equals eager's within {analysis.LOSS_RTOL:g} relative in every round (same weights, same "
               "data, dropout 0), else **FAILED**.", "",
               "The machine is shared with other work (another engineer's test runs), so timings are "
-              "noisy; the interleaved rounds spread the drift over all systems alike.", "",
+              "noisy; the interleaved rounds spread the drift over all systems alike, and the load probe "
+              "keeps cells that ran while outside work held a core out of the medians.", "",
               "Systems: *eager* and *torch.compile* (default inductor backend, a fresh inductor cache per "
               "cell, so the first step is a cold compile) train with `torch.optim.AdamW` (its default, "
               "single-tensor CPU update); *eager + fused AdamW* is eager with `AdamW(fused=True)`, a "
@@ -150,9 +169,12 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
                          f"{_f(e.get('ratio_vs_eager'), '{:.2f}x')} | {_f(e.get('x_bound'), '{:.2f}')} | "
                          f"{_f(e.get('first_step_s'), '{:.2f}')} | {_f(e.get('peak_rss_mb'), '{:.0f}')} | "
                          f"{_f(e.get('peak_increase_mb'), '{:.0f}')} | {_status(e)} |")
-        lines += ["", "Step ms by round (the spread shows the machine's noise): " + "; ".join(
-            f"{system} " + " / ".join(_f(v, "{:.1f}") for v in e.get("step_ms_by_round", []))
-            for system, e in systems.items())]
+        lines += ["", "Step ms by round (the spread shows the machine's noise; * disturbed, left out of the "
+                  "medians): " + "; ".join(
+                      f"{system} " + " / ".join(_f(v, "{:.1f}") + ("*" if disturbed else "") for v, disturbed in
+                                                zip(e.get("step_ms_by_round", []),
+                                                    e.get("disturbed_by_round") or [False] * len(e.get("step_ms_by_round", []))))
+                      for system, e in systems.items())]
         k = settings.get("k_losses", 5)
         lines += ["", f"First {k} losses:", ""]
         for system, e in systems.items():

@@ -12,6 +12,13 @@ Round ``r`` runs every selected system once per model (in the systems' order on 
 reversed on odd ones), so slow drift of a shared machine hits all systems alike; each figure is
 the median over rounds. Before the rounds it measures the peak matmul rate and, per model, the
 FLOPs of one eager training step, each in its own process.
+
+The machine is shared, and outside work sometimes takes a core for minutes. Every cell measures
+a short matmul burst before and after its steps (``bench.probe.load_probe``); a cell whose probe
+ran below 70% of the run's calm rate counts as *disturbed* and is left out of the medians where
+its system has undisturbed rounds (``bench.analysis.mark_disturbed``). After the planned rounds, a
+model with a system short of undisturbed rounds gets another round of all its systems, up to
+``--extra-rounds`` times.
 """
 
 from __future__ import annotations
@@ -39,10 +46,10 @@ ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results"
 
 QUICK = {"models": ["mlp", "gpt"], "systems": ["eager", "ortmodule", "ondevice", "upstream"], "rounds": 2,
-         "steps": 10, "warmup": 2, "memory_cap_mb": 0}
+         "steps": 10, "warmup": 2, "memory_cap_mb": 0, "extra_rounds": 0}
 # every system but the memory-optimized ORTModule, which the memory-cap search compares
 FULL = {"models": models.MAIN_MODELS, "systems": [s for s in SYSTEMS if s != "ortmodule_recompute"], "rounds": 3, "steps": 15, "warmup": 3,
-        "memory_cap_mb": 2048}
+        "memory_cap_mb": 2048, "extra_rounds": 3}
 CAPACITY_SYSTEMS = capacity.DEFAULT_SYSTEMS
 
 
@@ -70,7 +77,7 @@ def run_subprocess_json(cmd: list[str], out_file: Path, timeout: float, env: dic
 
 def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_index: int | str = 0,
              count_flops: bool = False, batch: int | None = None, steps: int | None = None,
-             warmup: int | None = None, loss_in_module: bool = False) -> dict:
+             warmup: int | None = None, loss_in_module: bool = False, load_probe: bool = False) -> dict:
     out_file = workdir / f"{model}-{system}-r{round_index}{'-flops' if count_flops else ''}.json"
     steps = 0 if count_flops else (args.steps if steps is None else steps)
     warmup = 0 if count_flops else (args.warmup if warmup is None else warmup)
@@ -83,6 +90,8 @@ def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_inde
         cmd += ["--batch", str(batch)]
     if loss_in_module:
         cmd.append("--loss-in-module")
+    if load_probe:
+        cmd.append("--load-probe")
     if args.upstream_venv:
         cmd += ["--upstream-venv", str(args.upstream_venv)]
     if system == "compile":  # a cold compile every time: the first-step latency of a fresh script
@@ -198,6 +207,12 @@ def parse_args(argv=None):
                              "exists; create it with bench/setup_upstream.sh)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per cell")
     parser.add_argument("--no-flops", action="store_true", help="skip the FLOP count and the matmul probe")
+    parser.add_argument("--extra-rounds", type=int,
+                        help="at most this many more rounds for models whose systems have fewer undisturbed "
+                             f"rounds than --rounds (default {FULL['extra_rounds']}, {QUICK['extra_rounds']} with "
+                             "--quick)")
+    parser.add_argument("--no-load-probe", action="store_true",
+                        help="no load probe in the cells: every round counts, no extra rounds")
     parser.add_argument("--memory-cap-mb", type=float, default=None,
                         help="after the rounds, search the largest batch of --capacity-model whose cell's peak RSS "
                              f"stays within this many MB (0: skip; default {FULL['memory_cap_mb']}, "
@@ -225,7 +240,7 @@ def parse_args(argv=None):
     unknown = [s for s in args.capacity_systems if s not in SYSTEMS or s == "upstream"]
     if unknown:
         parser.error(f"--capacity-systems: unknown or unsupported {unknown}")
-    for key in ("rounds", "steps", "warmup", "memory_cap_mb"):
+    for key in ("rounds", "steps", "warmup", "memory_cap_mb", "extra_rounds"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     venv = upstream_venv(args.upstream_venv)
@@ -274,21 +289,39 @@ def main(argv=None) -> int:
 
         cells = []
         bar = tqdm(total=args.rounds * len(args.models) * len(args.systems), desc="cells", unit="cell")
-        for r in range(args.rounds):
-            for model in args.models:
+
+        def run_round(r: int, round_models: list[str]) -> None:
+            for model in round_models:
                 order = args.systems if r % 2 == 0 else list(reversed(args.systems))
                 for system in order:
                     bar.set_postfix_str(f"round {r} {model} {system}")
-                    cell = run_cell(model, system, args, workdir, env, round_index=r)
+                    cell = run_cell(model, system, args, workdir, env, round_index=r,
+                                    load_probe=not args.no_load_probe)
                     cell.pop("traceback", None)  # keep results.json small (the error stays)
                     cells.append(cell)
                     figure = (f"{cell['median_step_s'] * 1e3:.2f} ms/step, first step {cell['first_step_s']:.1f} s"
                               if cell["status"] == "ok" else f"ERROR {cell['error'][:200]}")
-                    bar.write(f"  round {r} {model:10s} {system:10s} {figure}  ({cell['wall_s']:.0f} s)")
+                    probes = " ".join(f"{p:.0f}" for p in cell.get("load_probe_gflops") or [])
+                    bar.write(f"  round {r} {model:10s} {system:10s} {figure}  ({cell['wall_s']:.0f} s"
+                              + (f", probe {probes} GFLOP/s)" if probes else ")"))
                     bar.update()
+
+        for r in range(args.rounds):
+            run_round(r, args.models)
             if r + 1 < args.rounds:  # a run stopped later still leaves the rounds it completed
                 write_outputs(args, argv, cells, r + 1, matmul, flops, onnxtrain_at, started, start, loadavg_start,
                               out, report_path, quiet=True)
+        extra = []  # the models of each extra round
+        while not args.no_load_probe and len(extra) < args.extra_rounds:
+            analysis.mark_disturbed(cells)
+            pending = analysis.unsteady_models(cells, args.rounds)
+            if not pending:
+                break
+            bar.total += len(pending) * len(args.systems)
+            bar.write(f"  extra round {args.rounds + len(extra)} for {', '.join(pending)}: disturbed cells")
+            run_round(args.rounds + len(extra), pending)
+            extra.append(pending)
+        args.extra_rounds_run = extra
         bar.close()
         capacity_result = capacity_search(args, workdir, env) if args.memory_cap_mb else None
         if not args.no_flops:  # again at the end: the machine's state may have changed
@@ -314,6 +347,7 @@ def main(argv=None) -> int:
 def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, started, start, loadavg_start,
                   out: Path, report_path: Path, quiet: bool = False, capacity_result: dict | None = None) -> dict:
     """Aggregate ``cells`` and write results.json, the plot and RESULTS.md; return the results."""
+    probe_reference = analysis.mark_disturbed(cells)
     summary = analysis.aggregate(cells)
     analysis.add_matmul_bound(summary, flops, matmul.get("gflops"))
     onnxtrain_path, onnxtrain_commit = onnxtrain_at
@@ -338,6 +372,11 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, s
                          "threads": args.threads, "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL,
                          "memory_cap_mb": args.memory_cap_mb},
             "matmul": matmul, "flops_per_step": flops,
+            "load_probe": None if probe_reference is None else {
+                "reference_gflops": probe_reference, "steady_fraction": analysis.STEADY_FRACTION,
+                "cells": sum(1 for c in cells if c.get("load_probe_gflops")),
+                "disturbed_cells": sum(1 for c in cells if c.get("disturbed")),
+                "extra_rounds": getattr(args, "extra_rounds_run", [])},
             "wall_s": time.perf_counter() - start,
         },
         "models": {m: {"description": models.get(m).description, "batch": models.get(m).batch}

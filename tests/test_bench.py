@@ -91,6 +91,46 @@ def test_loss_check_flags_a_mismatched_first_loss(tiny_cells):
     assert "**FAILED**" in text and "## tiny" in text and "## Targets" in text
 
 
+def test_disturbed_cells_are_left_out_of_the_medians_and_earn_extra_rounds(tiny_cells):
+    template = next(c for c in tiny_cells if c["system"] == "eager")
+    cells = []
+    # (eager ms, ortmodule ms, ortmodule's slower probe) by round; eager's probes read 100 GFLOP/s
+    for r, (eager_ms, ort_ms, ort_probe) in enumerate([(10.0, 5.0, 100.0), (10.0, 9.0, 60.0), (12.0, 6.0, 95.0)]):
+        for system, ms, probe in (("eager", eager_ms, 100.0), ("ortmodule", ort_ms, ort_probe)):
+            cells.append({**copy.deepcopy(template), "system": system, "round": r, "median_step_s": ms / 1e3,
+                          "load_probe_gflops": [100.0, probe]})
+    assert analysis.mark_disturbed(cells) == 100.0
+    assert [c["disturbed"] for c in cells] == [False, False, False, True, False, False]  # 60 < 0.7 * 100 (the upper quartile)
+    tiny = analysis.aggregate(cells)["tiny"]
+    assert tiny["ortmodule"]["median_step_ms"] == pytest.approx(5.5)  # rounds 0 and 2 only
+    assert tiny["ortmodule"]["steady_rounds"] == 2 and tiny["ortmodule"]["disturbed_by_round"] == [False, True, False]
+    assert tiny["eager"]["median_step_ms"] == pytest.approx(10.0)
+    assert tiny["ortmodule"]["ratio_vs_eager"] == pytest.approx(10.0 / 5.5)
+    assert analysis.unsteady_models(cells, 3) == ["tiny"] and analysis.unsteady_models(cells, 2) == []
+
+    results = {"meta": {"date": "today", "command": "python -m bench --test",
+                        "machine": {"cpu": "cpu", "cores": 2, "memory_gb": 24.0, "platform": "linux",
+                                    "loadavg_start": [0.0]},
+                        "versions": {"torch": torch.__version__}, "settings": {
+                            "rounds": 3, "steps": STEPS, "warmup": WARMUP, "threads": 2, "k_losses": 3},
+                        "matmul": {"gflops": 100.0, "reps": 3},
+                        "load_probe": {"reference_gflops": 100.0, "steady_fraction": analysis.STEADY_FRACTION,
+                                       "cells": 6, "disturbed_cells": 1, "extra_rounds": [["tiny"]]}},
+               "models": {"tiny": {"description": "tiny MLP"}}, "summary": analysis.aggregate(cells)}
+    results["targets"] = analysis.targets(results["summary"])
+    text = report.markdown(results)
+    assert "ortmodule 5.0 / 9.0* / 6.0" in text and "1 of 6 cells" in text and "extra round 1: tiny" in text
+
+    # every round of a system disturbed: its figures fall back to all of them
+    for c in cells:
+        c["load_probe_gflops"] = [50.0, 100.0] if c["system"] == "ortmodule" else [100.0, 100.0]
+    analysis.mark_disturbed(cells)
+    tiny = analysis.aggregate(cells)["tiny"]
+    assert tiny["ortmodule"]["steady_rounds"] == 0 and tiny["ortmodule"]["median_step_ms"] == pytest.approx(6.0)
+    # cells without probes (--no-load-probe) are never disturbed
+    assert analysis.mark_disturbed([{**template, "round": 0}]) is None
+
+
 def test_targets_are_met_missed_or_not_applicable():
     def entry(ms, status=analysis.OK, first=1.0, rss=100.0):
         return {"median_step_ms": ms, "status": status, "first_step_s": first, "peak_rss_mb": rss,
@@ -133,11 +173,13 @@ def test_suite_end_to_end(tmp_path):
     """``python -m bench`` on the tiny model: results.json, RESULTS.md and the plot."""
     proc = subprocess.run([sys.executable, "-m", "bench", "--models", "tiny", "--systems", "eager,ortmodule,ondevice",
                            "--rounds", "2", "--steps", "2", "--warmup", "1", "--out", str(tmp_path),
-                           "--memory-cap-mb", "0"],
+                           "--memory-cap-mb", "0", "--extra-rounds", "0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert len(results["cells"]) == 6 and results["meta"]["flops_per_step"]["tiny"] > 0
+    assert all(len(c["load_probe_gflops"]) == 2 and min(c["load_probe_gflops"]) > 0 for c in results["cells"])
+    assert results["meta"]["load_probe"]["cells"] == 6
     assert {e["status"] for e in results["summary"]["tiny"].values()} == {"reference", "OK"}
     text = (tmp_path / "RESULTS.md").read_text()
     assert "## tiny" in text and "## Targets" in text

@@ -33,6 +33,7 @@ CASES = {
     "all_axes": ([8, 16, 24], [0, 1, 2], 0, 18, False),
     "symbolic_trailing_dim": ([8, 16, "F"], [0], 0, 18, False),
     "few_rows": ([2, 4, 24], [0, 1], 0, 18, False),  # 8 rows: ReduceSum is as fast
+    "no_columns": (["B", 0], [0], 0, 18, False),
 }
 
 

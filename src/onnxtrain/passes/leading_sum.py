@@ -78,8 +78,8 @@ def _plan(node: ir.Node, opset: int) -> tuple[int, int | None, int, list[int]] |
     if sorted(a + rank if a < 0 else a for a in axes) != list(range(k)) or k >= rank:
         return None
     lead, trail = list(x.shape)[:k], list(x.shape)[k:]
-    if not all(isinstance(d, int) for d in trail):
-        return None
+    if not all(isinstance(d, int) for d in trail) or math.prod(trail) == 0:
+        return None  # Reshape(x, [-1, 0]) could not infer the rows
     rows = math.prod(lead) if all(isinstance(d, int) for d in lead) else None
     if rows is None and opset < _SHAPE_SLICE_OPSET:
         return None

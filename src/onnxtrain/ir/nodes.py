@@ -17,3 +17,18 @@ def base_name(node: ir.Node) -> str:
     """A name for nodes that replace ``node``: its first output's (value names are unique; node
     names may be empty)."""
     return node.outputs[0].name or node.name
+
+
+class NewNodes:
+    """The nodes a pass creates to replace ``at``, in creation order (for
+    ``onnx_ir.convenience.replace_nodes_and_values``), named ``<at's base name>/<label>_<i>``."""
+
+    def __init__(self, at: ir.Node, label: str):
+        self.nodes: list[ir.Node] = []
+        self._prefix = f"{base_name(at)}/{label}"
+
+    def add(self, op_type: str, inputs, attributes=None) -> ir.Value:
+        """A new default-domain node; its (first) output."""
+        node = ir.node(op_type, inputs, attributes=attributes, name=f"{self._prefix}_{len(self.nodes)}")
+        self.nodes.append(node)
+        return node.outputs[0]

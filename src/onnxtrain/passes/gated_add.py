@@ -26,7 +26,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
-from onnxtrain.ir.nodes import base_name, is_onnx_op
+from onnxtrain.ir.nodes import NewNodes, base_name, is_onnx_op
 
 MS_DOMAIN = "com.microsoft"
 # the dtypes onnxruntime 1.32's CPU kernel is registered for
@@ -46,13 +46,13 @@ class GatedAddFusionPass(ir.passes.InPlacePass):
             if match is None:
                 continue
             x, product, y, r = match
-            new_nodes: list[ir.Node] = []
-            gate = _gate(r, x, node, new_nodes, negate=node.op_type == "Sub")
+            new_nodes = NewNodes(node, "gate")
+            gate = _gate(r, x, new_nodes, negate=node.op_type == "Sub")
             fused = ir.node("GatedAdd", [x, y, gate], domain=MS_DOMAIN, name=f"{base_name(node)}/gated")
-            new_nodes.append(fused)
+            new_nodes.nodes.append(fused)
             out = fused.outputs[0]
             out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
-            replace_nodes_and_values(model.graph, node, [node], new_nodes, [node.outputs[0]], [out])
+            replace_nodes_and_values(model.graph, node, [node], new_nodes.nodes, [node.outputs[0]], [out])
             model.graph.remove(product, safe=True)
             modified = True
         if modified:
@@ -101,16 +101,11 @@ def _match(node: ir.Node, symbolic_ok: bool) -> tuple[ir.Value, ir.Node, ir.Valu
     return None
 
 
-def _gate(r: ir.Value, x: ir.Value, at: ir.Node, new_nodes: list[ir.Node], negate: bool) -> ir.Value:
+def _gate(r: ir.Value, x: ir.Value, new_nodes: NewNodes, negate: bool) -> ir.Value:
     """``r`` (negated for a Sub) as a ``[*x.shape[:-1], 1]`` tensor."""
     lead = list(x.shape)[:-1]
     target = [*lead, 1]
-
-    def add(op_type: str, inputs, attributes=None) -> ir.Value:
-        node = ir.node(op_type, inputs, attributes=attributes, name=f"{base_name(at)}/gate_{len(new_nodes)}")
-        new_nodes.append(node)
-        return node.outputs[0]
-
+    add = new_nodes.add
     gate = r
     if negate:
         gate = add("Neg", [gate])

@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
 
-from onnxtrain.ir.nodes import base_name, is_onnx_op
+from onnxtrain.ir.nodes import NewNodes, is_onnx_op
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
 # below this many summed rows (all static) ReduceSum is as fast and the product's nodes cost more
@@ -92,13 +92,8 @@ def _plan(node: ir.Node, opset: int) -> tuple[int, int | None, int, list[int]] |
 
 def _rewrite(graph: ir.Graph, node: ir.Node, k: int, rows: int | None, cols: int, out_shape: list[int]) -> None:
     x, out = node.inputs[0], node.outputs[0]
-    prefix = base_name(node)
-    new_nodes: list[ir.Node] = []
-
-    def add(op_type: str, inputs, attributes=None) -> ir.Value:
-        created = ir.node(op_type, inputs, attributes=attributes, name=f"{prefix}/ones_product_{len(new_nodes)}")
-        new_nodes.append(created)
-        return created.outputs[0]
+    new_nodes = NewNodes(node, "ones_product")
+    add = new_nodes.add
 
     def ints(values: list[int]) -> ir.Value:
         return add("Constant", [], attributes={"value": ir.tensor(values, dtype=ir.DataType.INT64)})
@@ -115,4 +110,4 @@ def _rewrite(graph: ir.Graph, node: ir.Node, k: int, rows: int | None, cols: int
     product.type, product.shape = out.type, ir.Shape([1, cols])
     summed = add("Reshape", [product, ints(out_shape)])
     summed.type, summed.shape = out.type, ir.Shape(out_shape)
-    replace_nodes_and_values(graph, node, [node], new_nodes, [out], [summed])
+    replace_nodes_and_values(graph, node, [node], new_nodes.nodes, [out], [summed])

@@ -18,7 +18,7 @@ from onnxtrain import names
 from onnxtrain.api.checkpoint_state import CheckpointState
 from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
 from onnxtrain.runtime.binding import BindingCache
-from onnxtrain.runtime.denormals import ask_for_flushing, asks_for_flushing, denormals_flushed
+from onnxtrain.runtime.denormals import ask_for_flushing, denormals_flushed, runs_flush_denormals
 from onnxtrain.runtime.device import parse_device, providers_for
 from onnxtrain.runtime.inputs import gather_inputs, to_ortvalues
 from onnxtrain.runtime.session import (IOSpec, create_session, input_specs, is_ort_format, output_specs,
@@ -163,7 +163,7 @@ class Module:
         if session_options is None and self._device.type == "cpu":
             session_options = ask_for_flushing(quiet_session_options())
         self._session_options = session_options
-        self._flush_denormals = self._device.type == "cpu" and asks_for_flushing(session_options)
+        self._flush_denormals = runs_flush_denormals(session_options, self._device.type)
         self._train_model_uri = os.fspath(train_model_uri)
         self._train_session = create_session(train_model_uri, self._providers, session_options, "training model")
         self._train = _Signature(self._train_session, state, training=True, what="training model")

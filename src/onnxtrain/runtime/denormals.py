@@ -111,7 +111,14 @@ def can_flush_denormals() -> bool:
     return _set_thread_flush(thread_flushes_denormals())
 
 
-def asks_for_flushing(options: ort.SessionOptions | None) -> bool:
+def runs_flush_denormals(options: ort.SessionOptions | None, device_type: str) -> bool:
+    """Whether runs of a session with ``options`` on a ``device_type`` device ("cpu", "cuda")
+    should hold the calling thread's flags (:func:`denormals_flushed`): CPU sessions whose
+    options set ``session.set_denormal_as_zero``."""
+    return device_type == "cpu" and _asks_for_flushing(options)
+
+
+def _asks_for_flushing(options: ort.SessionOptions | None) -> bool:
     """Whether ``options`` set ``session.set_denormal_as_zero``."""
     if options is None:
         return False

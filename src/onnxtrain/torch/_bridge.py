@@ -19,7 +19,7 @@ import torch
 from onnxtrain.errors import ModelError
 from onnxtrain.ir import io
 from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, ForwardBackward
-from onnxtrain.runtime.denormals import asks_for_flushing, denormals_flushed
+from onnxtrain.runtime.denormals import denormals_flushed, runs_flush_denormals
 from onnxtrain.runtime.device import Device, providers_for
 from onnxtrain.runtime.session import create_session
 from onnxtrain.torch._openmp import release_torch_openmp_threads
@@ -77,7 +77,7 @@ class SessionRunner:
         # denormals as zero (onnxtrain.runtime.denormals): onnxruntime sets the flags on its pool
         # threads and on this one; create_session gives this thread its own back, and the runs
         # set them for their length only
-        self._flush_denormals = asks_for_flushing(session_options) and device.type == "cpu"
+        self._flush_denormals = runs_flush_denormals(session_options, device.type)
         self.session = create_session(io.serialize(model), providers, session_options, what=what,
                                       disabled_optimizers=disabled)
         self.input_names = [i.name for i in self.session.get_inputs()]

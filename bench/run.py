@@ -321,7 +321,6 @@ def main(argv=None) -> int:
             bar.write(f"  extra round {args.rounds + len(extra)} for {', '.join(pending)}: disturbed cells")
             run_round(args.rounds + len(extra), pending)
             extra.append(pending)
-        args.extra_rounds_run = extra
         bar.close()
         capacity_result = capacity_search(args, workdir, env) if args.memory_cap_mb else None
         if not args.no_flops:  # again at the end: the machine's state may have changed
@@ -335,7 +334,7 @@ def main(argv=None) -> int:
                 pass
 
     results = write_outputs(args, argv, cells, args.rounds, matmul, flops, onnxtrain_at, started, start,
-                            loadavg_start, out, report_path, capacity_result=capacity_result)
+                            loadavg_start, out, report_path, capacity_result=capacity_result, extra_rounds=extra)
     summary = results["summary"]
     failed = [f"{m}/{s}" for m, ss in summary.items() for s, e in ss.items() if e["status"] == analysis.FAILED]
     if failed:
@@ -345,8 +344,10 @@ def main(argv=None) -> int:
 
 
 def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, started, start, loadavg_start,
-                  out: Path, report_path: Path, quiet: bool = False, capacity_result: dict | None = None) -> dict:
-    """Aggregate ``cells`` and write results.json, the plot and RESULTS.md; return the results."""
+                  out: Path, report_path: Path, quiet: bool = False, capacity_result: dict | None = None,
+                  extra_rounds: list[list[str]] | None = None) -> dict:
+    """Aggregate ``cells`` and write results.json, the plot and RESULTS.md; return the results.
+    ``extra_rounds``: the models of each extra round run for disturbed cells."""
     probe_reference = analysis.mark_disturbed(cells)
     summary = analysis.aggregate(cells)
     analysis.add_matmul_bound(summary, flops, matmul.get("gflops"))
@@ -376,7 +377,7 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, s
                 "reference_gflops": probe_reference, "steady_fraction": analysis.STEADY_FRACTION,
                 "cells": sum(1 for c in cells if c.get("load_probe_gflops")),
                 "disturbed_cells": sum(1 for c in cells if c.get("disturbed")),
-                "extra_rounds": getattr(args, "extra_rounds_run", [])},
+                "extra_rounds": extra_rounds or []},
             "wall_s": time.perf_counter() - start,
         },
         "models": {m: {"description": models.get(m).description, "batch": models.get(m).batch}

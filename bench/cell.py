@@ -347,13 +347,16 @@ def run_cell(args) -> dict:
             result["flops_per_step"] = count_flops(spec, model, batches)
             model = build()  # fresh weights (and BatchNorm statistics) for the measurement
         probes = result["load_probe_gflops"] = [] if args.load_probe else None
-        if probes is not None:
-            probes.append(probe.load_probe(args.threads))
+
+        def take_probe() -> None:
+            if probes is not None:
+                probes.append(probe.load_probe(args.threads))
+
+        take_probe()
         with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-{args.system}-") as workdir:
             if args.system == "upstream":
                 result.update(run_upstream(spec, model, batches, workdir, args, result))
-                if probes is not None:
-                    probes.append(probe.load_probe(args.threads))
+                take_probe()
                 return result
             memory.trim()
             result["rss_before_mb"] = memory.rss_mb()
@@ -370,8 +373,7 @@ def run_cell(args) -> dict:
                 losses.append(step(i))
                 times.append(time.perf_counter() - t0)
             result.update(memory.peaks(result["rss_before_mb"]))
-            if probes is not None:
-                probes.append(probe.load_probe(args.threads))
+            take_probe()
         if "onnxtrain" in sys.modules:
             result["onnxtrain_file"] = sys.modules["onnxtrain"].__file__
         result["step_times_s"] = times

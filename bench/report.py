@@ -36,6 +36,17 @@ def capacity_section(capacity: dict | None) -> list[str]:
     return lines + [""]
 
 
+def _matmul_line(matmul: dict, threads: int) -> str:
+    """The peak matmul rate line: the faster library's rate, and each library's."""
+    libraries = matmul.get("by_library", {})
+    each = ", ".join(f"{name} {_f(r.get('gflops'), '{:.0f}')}" if "gflops" in r else f"{name} failed: {r.get('error')}"
+                     for name, r in libraries.items())
+    how = (f"the faster of {' and '.join(libraries)}" if libraries else "torch.mm")  # results.json of older runs
+    return (f"- peak float32 matmul rate ({how}, 2048x2048, {threads} threads, best of "
+            f"{matmul.get('reps', '?')}): **{_f(matmul.get('gflops'), '{:.0f}')} GFLOP/s**"
+            + (f" ({each} GFLOP/s)" if each else ""))
+
+
 def _load_probe_lines(probe: dict | None) -> list[str]:
     """The settings line on the load probe and the rounds it left out or added."""
     if not probe:
@@ -124,8 +135,7 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               f"(round r runs every system once per model, order reversed on odd rounds)",
               *_load_probe_lines(meta.get("load_probe")),
               f"- wall time of the run: {meta.get('wall_s', 0) / 60:.1f} min",
-              f"- peak float32 matmul rate (torch.mm 2048x2048, {settings['threads']} threads, best of "
-              f"{meta['matmul'].get('reps', '?')}): **{_f(meta['matmul'].get('gflops'), '{:.0f}')} GFLOP/s**",
+              _matmul_line(meta["matmul"], settings["threads"]),
               ""]
     lines += ["How to read: *step ms* is the median over rounds (the undisturbed ones, see the load probe) of "
               "each cell's median full training step "

@@ -154,6 +154,27 @@ def test_targets_are_met_missed_or_not_applicable():
     assert by_name["GPT step within 1.2x of the matmul bound (ORTModule)"] == "MISSED"
 
 
+def test_peak_matmul_rate_is_the_faster_library(monkeypatch):
+    """The bound's peak rate is the best of torch.mm and onnxruntime's MatMul (each measured for
+    real, here on small matrices); a library that fails is reported and left out."""
+    from bench import probe
+
+    peak = probe.matmul_peak(n=128, reps=3, threads=1)
+    rates = {name: r["gflops"] for name, r in peak["by_library"].items()}
+    assert set(rates) == {"torch.mm", "onnxruntime MatMul"} and min(rates.values()) > 0
+    assert peak["gflops"] == max(rates.values()) and rates[peak["library"]] == peak["gflops"]
+    line = report._matmul_line(peak, 1)
+    assert f"**{peak['gflops']:.0f} GFLOP/s**" in line and "torch.mm" in line and "onnxruntime MatMul" in line
+
+    def broken(a, b, reps, threads):
+        raise RuntimeError("no such library here")
+
+    monkeypatch.setitem(probe.LIBRARIES, "onnxruntime MatMul", broken)
+    peak = probe.matmul_peak(n=64, reps=2, threads=1)
+    assert peak["library"] == "torch.mm" and peak["gflops"] == peak["by_library"]["torch.mm"]["gflops"]
+    assert "no such library here" in peak["by_library"]["onnxruntime MatMul"]["error"]
+
+
 def test_quick_preset_and_options():
     from bench import run
 

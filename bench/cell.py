@@ -16,7 +16,9 @@ Figures (all in the JSON):
   ``peak_increase_mb``: their difference (what training added at its peak);
 - ``losses``: the loss of every step, ``first_loss`` that of step 0;
 - with ``--load-probe``: ``load_probe_gflops``, :func:`bench.probe.load_probe` right before the
-  system is prepared and right after the timed steps (how much of the shared machine the cell got).
+  system is prepared (in a child process, :func:`bench.probe.load_probe_in_child`, so that it does
+  not warm this process's PyTorch) and right after the timed steps (how much of the shared machine
+  the cell got).
 
 A cell that fails reports ``status: "error"`` and the error instead of raising, so the suite
 records it and goes on.
@@ -348,11 +350,11 @@ def run_cell(args) -> dict:
             model = build()  # fresh weights (and BatchNorm statistics) for the measurement
         probes = result["load_probe_gflops"] = [] if args.load_probe else None
 
-        def take_probe() -> None:
-            if probes is not None:
-                probes.append(probe.load_probe(args.threads))
+        def take_probe(before: bool = False) -> None:
+            if probes is not None:  # before the system: in a child process (see load_probe_in_child)
+                probes.append(probe.load_probe_in_child(args.threads) if before else probe.load_probe(args.threads))
 
-        take_probe()
+        take_probe(before=True)
         with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-{args.system}-") as workdir:
             if args.system == "upstream":
                 result.update(run_upstream(spec, model, batches, workdir, args, result))

@@ -53,8 +53,8 @@ def _load_probe_lines(probe: dict | None) -> list[str]:
         return []
     extra = probe.get("extra_rounds") or []
     added = "; ".join(f"extra round {i}: {', '.join(models)}" for i, models in enumerate(extra, start=1))
-    return [f"- load probe: every cell measures a short torch.mm burst (1024x1024, median of 8) before and after "
-            f"its steps; {probe['disturbed_cells']} of {probe['cells']} cells ran it below "
+    return [f"- load probe: every cell measures a short torch.mm burst (1024x1024, median of 8) before (in a child "
+            f"process, so as not to warm the cell's PyTorch) and after its steps; {probe['disturbed_cells']} of {probe['cells']} cells ran it below "
             f"{probe['steady_fraction']:.0%} of the run's calm rate (the upper quartile of the cells' slower probes, "
             f"{probe['reference_gflops']:.0f} GFLOP/s): outside "
             f"work had taken part of the machine, so they are left out of the medians wherever the same system "

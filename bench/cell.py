@@ -3,8 +3,8 @@
 Run by the suite as ``python -m bench.cell --model gpt --system ortmodule --out cell.json``
 (one fresh process per cell, so its memory figures are its own). The cell builds the model
 (fixed seed) and its batches, measures the resident set size, then *prepares* the system
-(wrap / compile / export + artifacts + sessions) and runs step 0, sleeps ``--settle-s`` seconds
-(:func:`settle`), then runs ``--warmup`` more steps, then ``--steps`` timed steps. A step is a full training step: forward, loss,
+(wrap / compile / export + artifacts + sessions) and runs step 0, then ``--warmup`` more
+steps, then ``--steps`` timed steps. A step is a full training step: forward, loss,
 backward and the AdamW update.
 
 Figures (all in the JSON):
@@ -51,20 +51,6 @@ RECOMPUTE_LEVEL = 2
 HERE = Path(__file__).resolve().parent
 DEFAULT_UPSTREAM_VENV = HERE / ".venv-upstream"
 UPSTREAM_WORKER = HERE / "upstream_worker.py"
-
-
-def settle(seconds: float) -> None:
-    """Let the machine settle after step 0 (export, artifacts, sessions or compilation just ran).
-
-    On this workplace's 2-core hosts the first fraction of a second after a heavy preparation
-    runs slow whatever the process does: measured on an AMD EPYC host, the on-device MLP's
-    steps 4-18 took 1.2-1.9 ms by median right after it and 0.9-1.1 ms after a 0.25 s sleep (four
-    pairs of fresh processes; a full ``gc.collect()``, which takes about as long, did the same). The
-    step time the suite reports is the steady state; the cost of preparing is ``first_step_s``.
-    Every system sleeps the same (the upstream worker too).
-    """
-    if seconds > 0:
-        time.sleep(seconds)
 
 
 # -- PyTorch systems ---------------------------------------------------------------------------
@@ -290,7 +276,6 @@ def run_upstream(spec, model, batches, workdir, args, info) -> dict:
     job = {"model_path": str(model_path), "data_path": str(data_path), "n_batches": len(batches),
            "input_names": spec.input_names, "kind": spec.kind, "vocab": spec.vocab, "lr": spec.lr,
            "requires_grad": params, "frozen_params": running, "steps": args.steps, "warmup": args.warmup,
-           "settle_s": args.settle_s,
            "artifact_dir": str(workdir / "upstream_artifacts")}
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps(job))
@@ -345,8 +330,7 @@ def run_cell(args) -> dict:
     if args.loss_in_module:
         spec = dataclasses.replace(spec, extra={**spec.extra, "loss_in_module": True})
     result: dict = {"model": spec.name, "system": args.system, "status": "ok", "error": None,
-                    "steps": args.steps, "warmup": args.warmup, "settle_s": args.settle_s, "threads": args.threads,
-                    "pid": os.getpid(),
+                    "steps": args.steps, "warmup": args.warmup, "threads": args.threads, "pid": os.getpid(),
                     "notes": [], "phases_s": {}}
     try:
         import torch
@@ -383,7 +367,6 @@ def run_cell(args) -> dict:
             result["phases_s"]["prepare"] = time.perf_counter() - ready
             losses = [step(0)]
             result["first_step_s"] = time.perf_counter() - ready
-            settle(args.settle_s)
             for i in range(1, 1 + args.warmup):
                 losses.append(step(i))
             times = []
@@ -412,8 +395,6 @@ def parse_args(argv=None):
     parser.add_argument("--system", required=True, choices=SYSTEMS)
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps after step 0")
-    parser.add_argument("--settle-s", type=float, default=0.0,
-                        help="seconds to sleep after step 0, before the warm-up steps (see settle)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--count-flops", action="store_true", help="also count one eager step's FLOPs")
     parser.add_argument("--batch", type=int, default=None, help="override the model's batch size")

@@ -36,12 +36,6 @@ def capacity_section(capacity: dict | None) -> list[str]:
     return lines + [""]
 
 
-def _settle(settings: dict) -> str:
-    """The pause between step 0 and the warm-up, for the settings line (older runs had none)."""
-    seconds = settings.get("settle_s") or 0
-    return f" (each cell first sleeps {seconds:g} s after step 0: bench.cell.settle)" if seconds else ""
-
-
 def _matmul_line(matmul: dict, threads: int) -> str:
     """The peak matmul rate line: the faster library's rate, and each library's."""
     libraries = matmul.get("by_library", {})
@@ -137,7 +131,7 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               *([f"- **partial results: {settings['rounds_done']} of {settings['rounds']} rounds completed**"]
                 if settings.get("rounds_done", settings["rounds"]) < settings["rounds"] else []),
               f"- settings: {settings['rounds']} rounds, {settings['steps']} timed steps after step 0 and "
-              f"{settings['warmup']} warm-up steps{_settle(settings)}, {settings['threads']} threads, systems interleaved "
+              f"{settings['warmup']} warm-up steps, {settings['threads']} threads, systems interleaved "
               f"(round r runs every system once per model, order reversed on odd rounds)",
               *_load_probe_lines(meta.get("load_probe")),
               f"- wall time of the run: {meta.get('wall_s', 0) / 60:.1f} min",

@@ -46,10 +46,9 @@ ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results"
 
 QUICK = {"models": ["mlp", "gpt"], "systems": ["eager", "ortmodule", "ondevice", "upstream"], "rounds": 2,
-         "steps": 10, "warmup": 2, "settle_s": 0.5, "memory_cap_mb": 0, "extra_rounds": 0}
+         "steps": 10, "warmup": 2, "memory_cap_mb": 0, "extra_rounds": 0}
 # every system but the memory-optimized ORTModule, which the memory-cap search compares
 FULL = {"models": models.MAIN_MODELS, "systems": [s for s in SYSTEMS if s != "ortmodule_recompute"], "rounds": 3, "steps": 15, "warmup": 3,
-        "settle_s": 0.5,
         "memory_cap_mb": 2048, "extra_rounds": 3}
 CAPACITY_SYSTEMS = capacity.DEFAULT_SYSTEMS
 
@@ -78,15 +77,12 @@ def run_subprocess_json(cmd: list[str], out_file: Path, timeout: float, env: dic
 
 def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_index: int | str = 0,
              count_flops: bool = False, batch: int | None = None, steps: int | None = None,
-             warmup: int | None = None, loss_in_module: bool = False, load_probe: bool = False,
-             settle_s: float | None = None) -> dict:
+             warmup: int | None = None, loss_in_module: bool = False, load_probe: bool = False) -> dict:
     out_file = workdir / f"{model}-{system}-r{round_index}{'-flops' if count_flops else ''}.json"
     steps = 0 if count_flops else (args.steps if steps is None else steps)
     warmup = 0 if count_flops else (args.warmup if warmup is None else warmup)
-    settle_s = 0.0 if count_flops else (args.settle_s if settle_s is None else settle_s)
     cmd = [sys.executable, "-m", "bench.cell", "--model", model, "--system", system, "--steps", str(steps),
-           "--warmup", str(warmup), "--settle-s", str(settle_s), "--threads", str(args.threads),
-           "--out", str(out_file),
+           "--warmup", str(warmup), "--threads", str(args.threads), "--out", str(out_file),
            "--timeout", str(args.timeout)]
     if count_flops:
         cmd.append("--count-flops")
@@ -120,7 +116,7 @@ def capacity_search(args, workdir: Path, env: dict) -> dict:
         def run(batch: int, system=system) -> dict:
             # the on-device system has its loss in its training graph anyway
             cell = run_cell(model, system, args, workdir, env, round_index=f"cap{batch}", batch=batch, steps=1,
-                            warmup=1, settle_s=0.0, loss_in_module=loss_in_module and system in TORCH_SYSTEMS)
+                            warmup=1, loss_in_module=loss_in_module and system in TORCH_SYSTEMS)
             figure = f"peak RSS {cell.get('peak_rss_mb', float('nan')):.0f} MB" if cell["status"] == "ok" else \
                 f"ERROR {str(cell.get('error'))[:200]}"
             print(f"  memory cap {args.memory_cap_mb:.0f} MB: {model} {system:10s} batch {batch:5d} {figure}",
@@ -202,8 +198,6 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--steps", type=int, help="timed steps per cell")
     parser.add_argument("--warmup", type=int, help="untimed steps after step 0")
-    parser.add_argument("--settle-s", type=float,
-                        help="seconds each cell sleeps after step 0, before its warm-up (bench.cell.settle)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k-losses", type=int, default=5, help="losses of the first K steps in the report")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="folder for results.json and speedup.png")
@@ -246,7 +240,7 @@ def parse_args(argv=None):
     unknown = [s for s in args.capacity_systems if s not in SYSTEMS or s == "upstream"]
     if unknown:
         parser.error(f"--capacity-systems: unknown or unsupported {unknown}")
-    for key in ("rounds", "steps", "warmup", "settle_s", "memory_cap_mb", "extra_rounds"):
+    for key in ("rounds", "steps", "warmup", "memory_cap_mb", "extra_rounds"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     venv = upstream_venv(args.upstream_venv)
@@ -376,7 +370,7 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, s
             "onnxtrain_snapshot": not args.no_snapshot,
             "settings": {"models": args.models, "systems": args.systems, "rounds": args.rounds,
                          "rounds_done": rounds_done, "steps": args.steps, "warmup": args.warmup,
-                         "settle_s": args.settle_s, "threads": args.threads, "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL,
+                         "threads": args.threads, "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL,
                          "memory_cap_mb": args.memory_cap_mb},
             "matmul": matmul, "flops_per_step": flops,
             "load_probe": None if probe_reference is None else {

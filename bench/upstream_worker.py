@@ -135,7 +135,6 @@ def run(job: dict) -> dict:
 
     losses = [step(0)]
     result["first_step_s"] = time.perf_counter() - ready
-    time.sleep(job.get("settle_s", 0.0))  # as bench.cell.settle: every system sleeps the same
     for i in range(1, 1 + job["warmup"]):
         losses.append(step(i))
     times = []

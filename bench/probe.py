@@ -17,8 +17,9 @@ import time
 import numpy as np
 
 
-def _best_times(run, reps: int) -> list[float]:
-    for _ in range(2):  # warm up
+def _timed_runs(run, reps: int, warmup: int = 2) -> list[float]:
+    """The wall time of each of ``reps`` calls of ``run``, after ``warmup`` untimed ones."""
+    for _ in range(warmup):
         run()
     times = []
     for _ in range(reps):
@@ -34,7 +35,7 @@ def _torch_mm_times(a, b, reps: int, threads: int) -> list[float]:
     torch.set_num_threads(threads)
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     out = torch.empty(a.shape[0], b.shape[1])
-    return _best_times(lambda: torch.mm(ta, tb, out=out), reps)
+    return _timed_runs(lambda: torch.mm(ta, tb, out=out), reps)
 
 
 def _onnxruntime_matmul_times(a, b, reps: int, threads: int) -> list[float]:
@@ -56,7 +57,7 @@ def _onnxruntime_matmul_times(a, b, reps: int, threads: int) -> list[float]:
     binding.bind_cpu_input("a", a)
     binding.bind_cpu_input("b", b)
     binding.bind_ortvalue_output("c", ort.OrtValue.ortvalue_from_shape_and_type([n, m], np.float32))
-    return _best_times(lambda: session.run_with_iobinding(binding), reps)
+    return _timed_runs(lambda: session.run_with_iobinding(binding), reps)
 
 
 LIBRARIES = {"torch.mm": _torch_mm_times, "onnxruntime MatMul": _onnxruntime_matmul_times}
@@ -94,7 +95,7 @@ def load_probe(threads: int = 2, n: int = 1024, reps: int = 8) -> float:
     """How much of the machine this process gets right now: the median rate (GFLOP/s) of a short
     burst of ``torch.mm`` on ``n x n`` float32 matrices (~0.1 s).
 
-    Every bench cell takes it before and after its steps. The machine is shared: when outside
+    Every bench cell takes it before (through :func:`load_probe_in_child`) and after its steps. The machine is shared: when outside
     work takes a core, this rate drops with the cell's speed (onnxruntime's spinning thread
     pools lose even more), so a cell whose probe ran far below the run's best was measured on a
     disturbed machine (``bench.analysis.mark_disturbed``).
@@ -105,27 +106,8 @@ def load_probe(threads: int = 2, n: int = 1024, reps: int = 8) -> float:
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     out = torch.empty(n, n)
-    torch.mm(a, b, out=out)  # warm up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        torch.mm(a, b, out=out)
-        times.append(time.perf_counter() - t0)
+    times = _timed_runs(lambda: torch.mm(a, b, out=out), reps, warmup=1)
     return 2 * n**3 / sorted(times)[len(times) // 2] / 1e9
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.probe", description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=2048)
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--load", action="store_true", help="print the load probe's rate instead (load_probe)")
-    args = parser.parse_args(argv)
-    if args.load:
-        print(json.dumps({"gflops": load_probe(args.threads)}))
-    else:
-        print(json.dumps(matmul_peak(args.n, args.reps, args.threads)))
-    return 0
 
 
 def load_probe_in_child(threads: int = 2, timeout: float = 300) -> float:
@@ -142,6 +124,20 @@ def load_probe_in_child(threads: int = 2, timeout: float = 300) -> float:
     proc = subprocess.run([sys.executable, "-m", "bench.probe", "--load", "--threads", str(threads)],
                           capture_output=True, text=True, timeout=timeout, check=True)
     return float(json.loads(proc.stdout)["gflops"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.probe", description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=2048)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--load", action="store_true", help="print the load probe's rate instead (load_probe)")
+    args = parser.parse_args(argv)
+    if args.load:
+        print(json.dumps({"gflops": load_probe(args.threads)}))
+    else:
+        print(json.dumps(matmul_peak(args.n, args.reps, args.threads)))
+    return 0
 
 
 if __name__ == "__main__":

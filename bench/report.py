@@ -39,10 +39,11 @@ def capacity_section(capacity: dict | None) -> list[str]:
 def _matmul_line(matmul: dict, threads: int) -> str:
     """The peak matmul rate line: the faster library's rate, and each library's."""
     libraries = matmul.get("by_library", {})
-    each = ", ".join(f"{name} {_f(r.get('gflops'), '{:.0f}')}" if "gflops" in r else f"{name} failed: {r.get('error')}"
-                     for name, r in libraries.items())
-    how = (f"the faster of {' and '.join(libraries)}" if libraries else "torch.mm")  # results.json of older runs
-    return (f"- peak float32 matmul rate ({how}, 2048x2048, {threads} threads, best of "
+    each = ", ".join(f"{name} {_f(r.get('gflops'), '{:.0f}')}" if "gflops" in r
+                     else f"{name} failed: {r.get('error')}" for name, r in libraries.items())
+    how = f"the faster of {' and '.join(libraries)}" if libraries else "torch.mm"  # results.json of older runs
+    n = matmul.get("n", 2048)
+    return (f"- peak float32 matmul rate ({how}, {n}x{n}, {threads} threads, best of "
             f"{matmul.get('reps', '?')}): **{_f(matmul.get('gflops'), '{:.0f}')} GFLOP/s**"
             + (f" ({each} GFLOP/s)" if each else ""))
 
@@ -54,7 +55,8 @@ def _load_probe_lines(probe: dict | None) -> list[str]:
     extra = probe.get("extra_rounds") or []
     added = "; ".join(f"extra round {i}: {', '.join(models)}" for i, models in enumerate(extra, start=1))
     return [f"- load probe: every cell measures a short torch.mm burst (1024x1024, median of 8) before (in a child "
-            f"process, so as not to warm the cell's PyTorch) and after its steps; {probe['disturbed_cells']} of {probe['cells']} cells ran it below "
+            f"process, so as not to warm the cell's PyTorch) and after its steps; "
+            f"{probe['disturbed_cells']} of {probe['cells']} cells ran it below "
             f"{probe['steady_fraction']:.0%} of the run's calm rate (the upper quartile of the cells' slower probes, "
             f"{probe['reference_gflops']:.0f} GFLOP/s): outside "
             f"work had taken part of the machine, so they are left out of the medians wherever the same system "

@@ -281,7 +281,8 @@ def main(argv=None) -> int:
                                                    timeout=300).stdout)
             except (ValueError, subprocess.SubprocessError) as exc:
                 matmul = {"error": str(exc)}
-            print(f"  peak matmul: {matmul.get('gflops', float('nan')):.0f} GFLOP/s ({matmul.get('library')})", flush=True)
+            print(f"  peak matmul: {matmul.get('gflops', float('nan')):.0f} GFLOP/s ({matmul.get('library')})",
+                  flush=True)
             for model in args.models:
                 cell = run_cell(model, "eager", args, workdir, env, count_flops=True)
                 flops[model] = cell.get("flops_per_step")

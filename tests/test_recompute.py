@@ -166,6 +166,30 @@ def test_value_sizes_follow_shapes_computed_in_the_graph():
     assert not sizes.guessed
 
 
+def test_views_and_transposes_folded_into_a_product_take_no_memory_of_their_own():
+    """ONNX Runtime's Reshape aliases its input, and a Transpose of the last two axes read by one
+    MatMul becomes part of a FusedMatMul: neither allocates, and the value they stand for lives
+    until their reader has run. A Transpose read by anything else is a copy."""
+    def run(transpose_reader: str):
+        x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([4, 8]))
+        a = ir.node("Neg", [x], num_outputs=1)
+        view = ir.node("Reshape", [a.outputs[0], ir.Value(name="shape")], num_outputs=1)
+        t = ir.node("Transpose", [view.outputs[0]], attributes={"perm": [1, 0]}, num_outputs=1)
+        t.outputs[0].dtype = ir.DataType.FLOAT
+        reader = ir.node(transpose_reader, [x, t.outputs[0]] if transpose_reader == "MatMul" else [t.outputs[0]],
+                         num_outputs=1)
+        graph = ir.Graph([x], reader.outputs, nodes=[a, view, t, reader])
+        sizes = memory.ValueSizes({v.name: 100 for n in graph for v in n.outputs}, frozenset())
+        return graph, memory.live_peak(graph, sizes)
+
+    graph, peak = run("MatMul")
+    assert set(memory.shared_buffers(graph)) == {graph.node(1).outputs[0], graph.node(2).outputs[0]}
+    assert peak.bytes == 200  # a (read through the view and the transpose by the product), the product
+    graph, peak = run("Neg")
+    assert set(memory.shared_buffers(graph)) == {graph.node(1).outputs[0]}
+    assert peak.bytes == 200 and peak.node == graph.node(2).name  # a, then the transposed copy
+
+
 MiB = 2**20
 
 

@@ -266,21 +266,70 @@ class LivePeak:
     at_end: int
 
 
+# ONNX Runtime's CPU kernels for these ops declare their output an alias of their input 0
+_VIEW_OPS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
+_FUSED_TRANSPOSE_DTYPES = (ir.DataType.FLOAT,)
+
+
+def _is_default_domain(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _folded_into_product(node: ir.Node, graph_outputs: set[ir.Value]) -> bool:
+    """Whether ONNX Runtime folds this Transpose into the MatMul that reads it.
+
+    Its ``MatmulTransposeFusion`` (optimization level 2 and up, the sessions' default) turns
+    ``MatMul(a, Transpose(b))`` into one ``FusedMatMul`` reading ``b`` when the Transpose swaps
+    the last two axes, is float32 and has that MatMul as its only reader.
+    """
+    out = node.outputs[0]
+    perm = node.attributes.get("perm")
+    rank = len(perm.value) if perm is not None else 0
+    if rank < 2 or list(perm.value) != [*range(rank - 2), rank - 1, rank - 2]:
+        return False
+    uses = out.uses()
+    if out in graph_outputs or out.dtype not in _FUSED_TRANSPOSE_DTYPES or len(uses) != 1:
+        return False
+    return uses[0].node.op_type == "MatMul" and _is_default_domain(uses[0].node)
+
+
+def shared_buffers(graph: ir.Graph) -> dict[ir.Value, ir.Value]:
+    """Values ONNX Runtime computes without a buffer of their own, as ``value -> the value whose
+    buffer it is``: the outputs of views (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Flatten``,
+    ``Identity``: the same buffer as their input) and of transposes folded into the product that
+    reads them (:func:`_folded_into_product`: the product reads the untransposed input). The
+    value they stand for lives as long as they are read. Graph outputs keep their buffers.
+    """
+    shared: dict[ir.Value, ir.Value] = {}
+    outputs = set(graph.outputs)
+    for node in graph:  # in order: a view of a view resolves to the first one's input
+        if not node.inputs or node.inputs[0] is None or not _is_default_domain(node) or node.outputs[0] in outputs:
+            continue
+        if node.op_type in _VIEW_OPS or (node.op_type == "Transpose" and _folded_into_product(node, outputs)):
+            source = node.inputs[0]
+            shared[node.outputs[0]] = shared.get(source, source)
+    return shared
+
+
 def _run_steps(graph: ir.Graph, order: Sequence[ir.Node] | None) -> Iterator[tuple[ir.Node, list[ir.Value]]]:
     """Each node of a run of ``graph`` in ``order`` (default: :func:`execution_order`), with
     the values freed once it has run: those it was the last reader of, and its outputs that
     nothing reads. Graph inputs and initializers (the caller's) and graph outputs (alive to
-    the end) are never freed."""
+    the end) are never freed. Values without a buffer of their own (:func:`shared_buffers`)
+    are not allocated: their readers keep the value whose buffer they share alive."""
     order = execution_order(graph) if order is None else order
+    shared = shared_buffers(graph)
+    order = [node for node in order if node.outputs[0] not in shared] if shared else order
     position = {node: k for k, node in enumerate(order)}
     outputs = set(graph.outputs)
     last_use: dict[ir.Value, int] = {}
     for node in order:
         for value in node.inputs:
+            value = shared.get(value, value)
             if value is not None and value.producer() in position:
                 last_use[value] = max(last_use.get(value, -1), position[node])
     for k, node in enumerate(order):
-        freed = [value for value in {*node.inputs, *node.outputs}
+        freed = [value for value in {*(shared.get(v, v) for v in node.inputs), *node.outputs}
                  if value is not None and value not in outputs and value.producer() in position
                  and last_use.get(value, -1) <= k]
         yield node, freed

@@ -15,9 +15,11 @@ from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
+from onnxtrain.passes.pool_first import PoolBeforeReluPass
 from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
 from onnxtrain.passes.softmax_guard import SoftmaxNaNGuardPass
 from onnxtrain.passes.split_cross_entropy import SplitCrossEntropyPass
+from onnxtrain.passes.sum_of_squares import SumOfSquaresPass
 from onnxtrain.passes.transposed_product import TransposedProductPass
 
 
@@ -28,18 +30,21 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     ONNX function bodies where they have one. Folding also rewrites sequence idioms
     exporters emit (SplitToSequence + SequenceAt with constant indices) into plain Split
     outputs, which autodiff handles. The exporter's NaN guard after a masked attention Softmax
-    becomes a per-row factor (passes/softmax_guard.py).
+    becomes a per-row factor (passes/softmax_guard.py). A ReLU before a MaxPool runs after it,
+    on the smaller tensor (passes/pool_first.py).
     """
-    return [InlinePass(), DecomposePass(), FoldConstantsPass(), SoftmaxNaNGuardPass(), RemoveUnusedNodesPass(),
-            TopologicalSortPass()]
+    return [InlinePass(), DecomposePass(), FoldConstantsPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(),
+            RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 
 def after_autodiff() -> list[ir.passes.PassBase]:
     """Clean a training/eval graph: fold what turned out static, merge duplicates, drop dead nodes;
     then write ops as stock onnxruntime runs them fastest (after autodiff: their gradient rules
-    are the better ones; a sum over leading axes as a product with ones)."""
+    are the better ones; a sum of squares as a sum of products; a sum over leading axes as a
+    product with ones)."""
     return [
         SplitCrossEntropyPass(),
+        SumOfSquaresPass(),
         LeadingAxesSumPass(),
         RemoveUnusedNodesPass(),
         FoldConstantsPass(),

@@ -1,4 +1,4 @@
-"""Gradients that broadcast: reductions' ``Broadcast`` gradients summed without an Expand, and
+"""Gradients that broadcast: reductions' ``Broadcast`` gradients added without an Expand, and
 Sub/Div un-broadcasting before their minus sign and division.
 
 The numerical checker covers each rule alone (tests/autodiff/rows); these graphs make a value
@@ -79,8 +79,10 @@ def test_reductions_join_the_sum_without_expanding():
     # the loss's ReduceSum and the variance's ReduceMean give their inputs' only gradients:
     # expanded; the mean's gradient is a [1, C, 1, 1] operand of the sum that gathers x's
     assert _count(graph, "Expand") == 2
-    sums = [n for n in graph if n.op_type == "Sum"]
-    assert len(sums) == 2
+    # the builder's accumulations (Adds in its own scope): centered's three contributions (the
+    # Div, and the square's two) take two Adds, x's full-sized one and the mean's one Add
+    sums = [n for n in graph if n.op_type == "Add" and n.name.startswith("grad/Add_")]
+    assert len(sums) == 3
     assert not [i for n in sums for i in n.inputs if i.producer().op_type == "Expand"]
     assert any(i.producer().name.startswith("grad/n_mean/") for i in sums[-1].inputs)
 

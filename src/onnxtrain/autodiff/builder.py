@@ -61,14 +61,19 @@ def _op_key(node: ir.Node) -> str:
 
 
 def _accumulate(b: GraphBuilder, parts: list[ir.Value | Broadcast], primal: ir.Value) -> ir.Value:
-    """The sum of a value's gradient contributions, shaped like ``primal``. Sum broadcasts, so
-    :class:`Broadcast` parts join full-sized ones as they are; only a gradient made of
-    ``Broadcast`` parts alone is expanded."""
+    """The sum of a value's gradient contributions, shaped like ``primal``: a chain of Adds, which
+    broadcast, so :class:`Broadcast` parts join full-sized ones as they are (added last); only a
+    gradient made of ``Broadcast`` parts alone is expanded. Not one variadic Sum: onnxruntime's
+    CPU Sum runs at half Add's speed (two ``[64, 32, 28, 28]`` tensors: 0.22 against 0.115 ms,
+    three with a per-channel one: 0.43 against 0.23 ms for two Adds)."""
     full = [p for p in parts if not isinstance(p, Broadcast)]
     small = [p.value for p in parts if isinstance(p, Broadcast)]
     if not full:
         full = [b.op.Expand(small.pop(0), b.op.Shape(primal))]
-    return full[0] if len(full) + len(small) == 1 else b.op.Sum(*full, *small)
+    total, *rest = [*full, *small]
+    for part in rest:
+        total = b.op.Add(total, part)
+    return total
 
 
 def _with_shape_of(grad: ir.Value, primal: ir.Value) -> ir.Value:

@@ -26,6 +26,7 @@ import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.passes.rewrite import NodeRewritePass
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
 # below this many summed rows (all static) ReduceSum is as fast and the product's nodes cost more
@@ -35,18 +36,14 @@ _AXES_INPUT_OPSET = 13
 _SHAPE_SLICE_OPSET = 15
 
 
-class LeadingAxesSumPass(ir.passes.InPlacePass):
+class LeadingAxesSumPass(NodeRewritePass):
     """Rewrite ``ReduceSum`` over a tensor's leading axes as a ``MatMul`` with a row of ones."""
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-        modified = False
-        for node in list(model.graph):
-            plan = _plan(node, opset)
-            if plan is not None:
-                _rewrite(model.graph, node, *plan)
-                modified = True
-        return ir.passes.PassResult(model, modified)
+    def match(self, node: ir.Node, opset: int):
+        return _plan(node, opset)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node, plan) -> None:
+        _rewrite(graph, node, *plan)
 
 
 def _reduced_axes(node: ir.Node, opset: int) -> list[int] | None:

@@ -22,19 +22,17 @@ import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.passes.rewrite import NodeRewritePass
 
 
-class PoolBeforeReluPass(ir.passes.InPlacePass):
+class PoolBeforeReluPass(NodeRewritePass):
     """Rewrite ``MaxPool(Relu(x))`` as ``Relu(MaxPool(x))`` where that changes no other value."""
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        modified = False
-        for node in list(model.graph):
-            relu = _swappable_relu(node)
-            if relu is not None:
-                _swap(model.graph, relu, node)
-                modified = True
-        return ir.passes.PassResult(model, modified)
+    def match(self, node: ir.Node, opset: int) -> ir.Node | None:
+        return _swappable_relu(node)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node, relu: ir.Node) -> None:
+        _swap(graph, relu, node)
 
 
 def _swappable_relu(pool: ir.Node) -> ir.Node | None:

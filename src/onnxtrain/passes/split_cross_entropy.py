@@ -18,19 +18,19 @@ import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
 from onnxtrain.ir.nodes import is_onnx_op
+from onnxtrain.passes.rewrite import NodeRewritePass
 
 _CARRIED_ATTRIBUTES = ("reduction", "ignore_index")
 
 
-class SplitCrossEntropyPass(ir.passes.InPlacePass):
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        modified = False
-        for node in list(model.graph):
-            if not is_onnx_op(node, "SoftmaxCrossEntropyLoss"):
-                continue
-            _split(model.graph, node)
-            modified = True
-        return ir.passes.PassResult(model, modified)
+class SplitCrossEntropyPass(NodeRewritePass):
+    """Rewrite ``SoftmaxCrossEntropyLoss`` as ``NegativeLogLikelihoodLoss(LogSoftmax(scores, axis=1))``."""
+
+    def match(self, node: ir.Node, opset: int) -> bool | None:
+        return True if is_onnx_op(node, "SoftmaxCrossEntropyLoss") else None
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: bool) -> None:
+        _split(graph, node)
 
 
 def _split(graph: ir.Graph, node: ir.Node) -> None:

@@ -24,6 +24,7 @@ import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.passes.rewrite import NodeRewritePass
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
 # ReduceSumSquare's axes became an input at opset 18, ReduceSum's at opset 13
@@ -31,18 +32,15 @@ _SUM_SQUARE_AXES_INPUT_OPSET = 18
 _SUM_AXES_INPUT_OPSET = 13
 
 
-class SumOfSquaresPass(ir.passes.InPlacePass):
+class SumOfSquaresPass(NodeRewritePass):
     """Rewrite ``ReduceSumSquare`` over part of its input as ``ReduceSum(Mul(x, x))``."""
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
-        modified = False
-        for node in list(model.graph):
-            axes = _partial_axes(node, opset)
-            if axes is not None:
-                _rewrite(model.graph, node, axes, opset)
-                modified = True
-        return ir.passes.PassResult(model, modified)
+    def match(self, node: ir.Node, opset: int) -> tuple[list[int], int] | None:
+        axes = _partial_axes(node, opset)
+        return None if axes is None else (axes, opset)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: tuple[list[int], int]) -> None:
+        _rewrite(graph, node, *plan)
 
 
 def _constant_axes(node: ir.Node, opset: int) -> list[int] | None:

@@ -14,18 +14,17 @@ import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
 from onnxtrain.ir.nodes import is_onnx_op
+from onnxtrain.passes.rewrite import NodeRewritePass
 
 
+class TransposedProductPass(NodeRewritePass):
+    """Rewrite ``Transpose(A @ B)`` (2-D) as ``B^T @ A^T`` where nothing else reads ``A @ B``."""
 
-class TransposedProductPass(ir.passes.InPlacePass):
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        modified = False
-        for node in list(model.graph):
-            product = _transposed_product(node)
-            if product is not None:
-                _swap(model.graph, node, product)
-                modified = True
-        return ir.passes.PassResult(model, modified)
+    def match(self, node: ir.Node, opset: int) -> ir.Node | None:
+        return _transposed_product(node)
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node, product: ir.Node) -> None:
+        _swap(graph, node, product)
 
 
 def _is_2d_transpose(node: ir.Node | None) -> bool:

@@ -1,0 +1,34 @@
+"""The shape most of onnxtrain's passes share: find the nodes a rule matches, rewrite each one."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import onnx_ir as ir
+
+
+def default_opset(model: ir.Model) -> int:
+    """The model's version of the default ONNX domain (1 if it imports none)."""
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 1))
+
+
+class NodeRewritePass(ir.passes.InPlacePass):
+    """An in-place pass that visits the main graph's nodes once, in order: :meth:`match` says
+    whether a node is to be rewritten (returning what :meth:`rewrite` needs, or None), and
+    :meth:`rewrite` replaces it. Nodes a rewrite adds are not visited."""
+
+    def match(self, node: ir.Node, opset: int) -> Any | None:
+        raise NotImplementedError
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: Any) -> None:
+        raise NotImplementedError
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        opset = default_opset(model)
+        modified = False
+        for node in list(model.graph):
+            plan = self.match(node, opset)
+            if plan is not None:
+                self.rewrite(model.graph, node, plan)
+                modified = True
+        return ir.passes.PassResult(model, modified)

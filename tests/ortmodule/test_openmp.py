@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -40,3 +41,15 @@ def test_long_cpu_runs_release_the_threads_and_short_ones_do_not(monkeypatch):
     out.sum().backward()
     assert len(calls) == first + 2
     assert torch.allclose(out, inner(x), atol=1e-6)  # same results either way
+
+
+def test_a_runner_that_released_keeps_releasing_while_its_runs_stay_near_the_threshold():
+    """A released run is the faster one: judged by the bare threshold it would stop the release
+    that made it fast, and the runs would alternate between fast and slow."""
+    runner = SimpleNamespace(_releasing=False, _last_run_s=0.0)
+    threshold = _bridge.RELEASE_OPENMP_FOR_RUNS_S
+    decisions = []
+    for last in (0.8, 2.0, 0.8, 0.6, 0.3, 0.6, 1.0):  # in thresholds
+        runner._last_run_s = last * threshold
+        decisions.append(_bridge.SessionRunner._releases_openmp(runner))
+    assert decisions == [False, True, True, True, False, False, True]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
+from onnx_ir.convenience import get_const_tensor
 
 # the default ONNX domain's two spellings
 ONNX_DOMAINS = ("", "ai.onnx")
@@ -11,6 +13,19 @@ ONNX_DOMAINS = ("", "ai.onnx")
 def is_onnx_op(node: ir.Node | None, *op_types: str) -> bool:
     """Whether ``node`` is an op of the default ONNX domain, and one of ``op_types`` if any are given."""
     return node is not None and node.domain in ONNX_DOMAINS and (not op_types or node.op_type in op_types)
+
+
+def constant_axes(node: ir.Node, opset: int, axes_input_opset: int) -> list[int] | None:
+    """A Reduce* node's axes when they are constant and not empty, else None (none given: every
+    axis; or computed at run time). They are an attribute below ``axes_input_opset``, an input
+    from it on (13 for ReduceSum, 18 for the other reductions)."""
+    if opset < axes_input_opset:
+        attr = node.attributes.get("axes")
+        axes = [int(a) for a in attr.value] if attr is not None else []
+    else:
+        tensor = get_const_tensor(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        axes = [int(a) for a in np.asarray(tensor.numpy()).reshape(-1)] if tensor is not None else []
+    return axes or None
 
 
 def base_name(node: ir.Node) -> str:

@@ -23,9 +23,9 @@ import math
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
+from onnx_ir.convenience import replace_nodes_and_values
 
-from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.ir.nodes import NewNodes, constant_axes, is_onnx_op
 from onnxtrain.passes.rewrite import NodeRewritePass
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
@@ -46,19 +46,6 @@ class LeadingAxesSumPass(NodeRewritePass):
         _rewrite(graph, node, *plan)
 
 
-def _reduced_axes(node: ir.Node, opset: int) -> list[int] | None:
-    """The constant axes of a ReduceSum node, or None (all axes, or computed at run time)."""
-    if opset < _AXES_INPUT_OPSET:
-        attr = node.attributes.get("axes")
-        return [int(a) for a in attr.value] if attr is not None else None
-    if len(node.inputs) < 2 or node.inputs[1] is None:
-        return None
-    tensor = get_const_tensor(node.inputs[1])
-    if tensor is None:
-        return None
-    return [int(a) for a in np.asarray(tensor.numpy()).reshape(-1)] or None
-
-
 def _plan(node: ir.Node, opset: int) -> tuple[int, int | None, int, list[int]] | None:
     """``(k, rows or None if symbolic, cols, output shape)`` when ``node`` sums its input's
     ``k`` leading axes in a form the product can take, else None."""
@@ -68,7 +55,7 @@ def _plan(node: ir.Node, opset: int) -> tuple[int, int | None, int, list[int]] |
     if x.dtype not in _DTYPES or x.shape is None:
         return None
     rank = len(x.shape)
-    axes = _reduced_axes(node, opset)
+    axes = constant_axes(node, opset, _AXES_INPUT_OPSET)
     if axes is None or rank < 2:
         return None
     k = len(axes)

@@ -21,6 +21,7 @@ import onnx_ir as ir
 from onnxscript.optimizer import fold_constants
 
 from onnxtrain.ir import io
+from onnxtrain.ir.nodes import is_onnx_op
 from onnxtrain.passes.fold import never_fold_random
 
 
@@ -271,10 +272,6 @@ _VIEW_OPS = ("Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity")
 _FUSED_TRANSPOSE_DTYPES = (ir.DataType.FLOAT,)
 
 
-def _is_default_domain(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
-
-
 def _folded_into_product(node: ir.Node, graph_outputs: set[ir.Value]) -> bool:
     """Whether ONNX Runtime folds this Transpose into the MatMul that reads it.
 
@@ -290,7 +287,7 @@ def _folded_into_product(node: ir.Node, graph_outputs: set[ir.Value]) -> bool:
     uses = out.uses()
     if out in graph_outputs or out.dtype not in _FUSED_TRANSPOSE_DTYPES or len(uses) != 1:
         return False
-    return uses[0].node.op_type == "MatMul" and _is_default_domain(uses[0].node)
+    return is_onnx_op(uses[0].node, "MatMul")
 
 
 def shared_buffers(graph: ir.Graph) -> dict[ir.Value, ir.Value]:
@@ -303,7 +300,7 @@ def shared_buffers(graph: ir.Graph) -> dict[ir.Value, ir.Value]:
     shared: dict[ir.Value, ir.Value] = {}
     outputs = set(graph.outputs)
     for node in graph:  # in order: a view of a view resolves to the first one's input
-        if not node.inputs or node.inputs[0] is None or not _is_default_domain(node) or node.outputs[0] in outputs:
+        if not node.inputs or node.inputs[0] is None or not is_onnx_op(node) or node.outputs[0] in outputs:
             continue
         if node.op_type in _VIEW_OPS or (node.op_type == "Transpose" and _folded_into_product(node, outputs)):
             source = node.inputs[0]

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
+from onnx_ir.convenience import replace_nodes_and_values
 
-from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.ir.nodes import NewNodes, constant_axes, is_onnx_op
 from onnxtrain.passes.rewrite import NodeRewritePass
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
@@ -43,19 +43,6 @@ class SumOfSquaresPass(NodeRewritePass):
         _rewrite(graph, node, *plan)
 
 
-def _constant_axes(node: ir.Node, opset: int) -> list[int] | None:
-    """The node's axes as a list ([] for none given), or None if computed at run time."""
-    if opset < _SUM_SQUARE_AXES_INPUT_OPSET:
-        attr = node.attributes.get("axes")
-        return [int(a) for a in attr.value] if attr is not None else []
-    if len(node.inputs) < 2 or node.inputs[1] is None:
-        return []
-    tensor = get_const_tensor(node.inputs[1])
-    if tensor is None:
-        return None
-    return [int(a) for a in np.asarray(tensor.numpy()).reshape(-1)]
-
-
 def _partial_axes(node: ir.Node, opset: int) -> list[int] | None:
     """The axes of a ReduceSumSquare this pass rewrites (it keeps more than one element), else None."""
     if not is_onnx_op(node, "ReduceSumSquare") or not node.inputs or node.inputs[0] is None:
@@ -66,9 +53,9 @@ def _partial_axes(node: ir.Node, opset: int) -> list[int] | None:
     noop = node.attributes.get("noop_with_empty_axes")
     if noop is not None and noop.value:
         return None  # empty axes would make it an elementwise square: not this pass's business
-    axes = _constant_axes(node, opset)
+    axes = constant_axes(node, opset, _SUM_SQUARE_AXES_INPUT_OPSET)
     rank = len(x.shape)
-    if not axes or rank == 0:
+    if axes is None or rank == 0:
         return None  # run-time axes, or every axis (one element: ReduceSumSquare is the faster)
     kept = [d for i, d in enumerate(x.shape) if i not in {a % rank for a in axes}]
     if all(isinstance(d, int) for d in kept) and int(np.prod(kept)) <= 1:

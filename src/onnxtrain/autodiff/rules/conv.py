@@ -165,11 +165,11 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
                                         b.ints(kernel), axis=0))
 
 
-def _static_output_padding(ctx, r: int, begin, end, strides, dilations) -> list[int] | None:
+def _static_output_padding(ctx, r: int, kernel: list[int] | None, begin, end, strides,
+                           dilations) -> list[int] | None:
     """The ``output_padding`` that makes ``ConvTranspose(dy, w, pads=begin + end)`` exactly the
     input's gradient (the input rows past the last window, which no window reads), when the pads,
     the kernel and the spatial sizes are static and those rows are fewer than the stride; else None."""
-    kernel = _static_kernel(ctx, r)
     x_shape, y_shape = ctx.x.shape, ctx.y.shape
     if kernel is None or not isinstance(begin, np.ndarray) or not isinstance(end, np.ndarray):
         return None
@@ -197,9 +197,10 @@ def _conv(ctx):
     strides, dilations = _ints_attr(ctx, "strides", r, 1), _ints_attr(ctx, "dilations", r, 1)
     group = int(ctx.attr("group", 1))
     begin, end = _forward_pads(ctx, r, x, ctx.y, strides, dilations)
+    kernel = _static_kernel(ctx, r)
     dx = dw = db = None
     if ctx.needs(0):
-        output_padding = _static_output_padding(ctx, r, begin, end, strides, dilations)
+        output_padding = _static_output_padding(ctx, r, kernel, begin, end, strides, dilations)
         if output_padding is not None:  # ConvTranspose crops the pads itself: no cropped copy
             dx = op.ConvTranspose(dy, w, strides=strides, dilations=dilations, group=group,
                                   pads=[*begin.tolist(), *end.tolist()], output_padding=output_padding)
@@ -207,7 +208,6 @@ def _conv(ctx):
             full = op.ConvTranspose(dy, w, strides=strides, dilations=dilations, group=group)
             dx = _fit(b, full, x, begin)
     if ctx.needs(1):
-        kernel = _static_kernel(ctx, r)
         if group == 1 and kernel is not None and int(np.prod(kernel)) <= _MAX_PATCH_TAPS:
             dw = _correlate_by_patches(b, _pad(b, x, begin, end), dy, kernel, strides, dilations)
         else:

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from onnxtrain.errors import ExportError
 from onnxtrain.passes import pipeline
+from onnxtrain.torch._exporter import export_program
 from onnxtrain.torch._translations import translation_table
 
 # The wrapper's attribute holding the user's module: the exporter names its parameters
@@ -242,10 +243,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         if dynamic else None
     try:
         with quiet_exporter():
-            program = torch.onnx.export(
-                wrapper, tuple(call.tensors), dynamo=True, optimize=False, verbose=False,
-                dynamic_shapes=dynamic_shapes, custom_translation_table=translation_table(),
-            )
+            program = export_program(wrapper, tuple(call.tensors), dynamic_shapes, translation_table())
     except Exception as exc:  # the exporter raises many types; the reason is in the message
         raise export_failure(f"torch.onnx.export could not export {type(module).__name__}", exc) from exc
 

@@ -1,0 +1,108 @@
+"""Run ``torch.onnx``'s dynamo exporter with its op registry built once per process.
+
+``torch.onnx.export(dynamo=True)`` rebuilds its table of ATen-to-ONNX functions (the torchlib
+registry) on every call. In torch 2.13 with onnxscript's torchlib that costs ~0.45 s, most of
+it spent re-parsing the source of every traced torchlib function only to read its ONNX
+domain, a value the registry never uses. For ORTModule that is a large part of the first
+step and the whole of the registry cost of every later export (eval mode, a new shape).
+
+:func:`export_program` builds the table once from the same sources, in the same way but
+without that parse (:func:`torchlib_functions`, cached per opset), copies it for each export,
+registers the custom translations on the copy and calls the exporter's core with it: the
+same graph ``torch.onnx.export`` produces. Where torch's internal exporter API is not the one
+this module was written against, it falls back to ``torch.onnx.export``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Mapping
+
+import torch
+
+_LOG = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=4)
+def torchlib_functions(opset_version: int) -> Mapping[object, tuple]:
+    """The torchlib registry's functions for ``opset_version``: a read-only mapping from an op
+    (qualified name or Python callable) to its ``OnnxDecompMeta`` entries, as
+    ``ONNXRegistry.from_torchlib(opset_version).functions`` holds them.
+
+    Built once per opset and process (the sources are the installed torch and onnxscript);
+    :func:`registry` copies it for each export.
+    """
+    from onnxscript.function_libs.torch_lib import ops as _load_torchlib  # noqa: F401  (registers the ops)
+    from onnxscript.function_libs.torch_lib import registration as torchlib
+    from torch.onnx._internal.exporter import _registration
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+
+    table = _registration.ONNXRegistry()
+    table._opset_version = opset_version
+    for meta in _torchlib_registry.get_torchlib_ops():
+        table._register(meta.fx_target, meta)
+    for qualified_name, overloads in torchlib.default_registry.items():
+        if qualified_name.startswith("internal::"):
+            continue  # torchlib's own helpers, not ATen ops
+        target = _registration._get_overload(qualified_name)
+        if target is None:
+            continue
+        for function, is_complex in [(f, False) for f in overloads.overloads] + \
+                                    [(f, True) for f in overloads.complex]:
+            try:
+                meta = _registration.OnnxDecompMeta(onnx_function=function, fx_target=target, signature=None,
+                                                    is_custom=False, is_complex=is_complex)
+            except Exception:  # noqa: BLE001  (as from_torchlib: one bad function does not stop the rest)
+                _LOG.debug("skipped torchlib function %s for %s", function, qualified_name, exc_info=True)
+                continue
+            table._register(target, meta)
+    table._cleanup_registry_based_on_opset_version()
+    return {target: tuple(metas) for target, metas in table.functions.items()}
+
+
+def registry(opset_version: int, custom_translations: Mapping[Callable, Callable]):
+    """A fresh ``ONNXRegistry`` for one export: the cached torchlib functions plus
+    ``custom_translations`` (registered first, as ``torch.onnx.export`` does)."""
+    from torch.onnx._internal.exporter import _registration
+
+    fresh = _registration.ONNXRegistry()
+    fresh._opset_version = opset_version
+    fresh.functions = {target: list(metas) for target, metas in torchlib_functions(opset_version).items()}
+    for op, function in custom_translations.items():
+        fresh.register_op(op, function, is_complex=False)
+    return fresh
+
+
+def _internal_export():
+    """The exporter's core ``export`` and its default opset, or None when this torch's internal
+    API differs from the one :func:`registry` builds for."""
+    try:
+        from torch.onnx import _constants
+        from torch.onnx._internal.exporter import _core, _registration
+        from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+    except ImportError:
+        return None
+    needed = (hasattr(_registration.ONNXRegistry, "_register")
+              and hasattr(_registration.ONNXRegistry, "_cleanup_registry_based_on_opset_version")
+              and hasattr(_registration, "_get_overload") and hasattr(_torchlib_registry, "get_torchlib_ops"))
+    return (_core.export, _constants.ONNX_DEFAULT_OPSET) if needed else None
+
+
+def export_program(module: torch.nn.Module, args: tuple, dynamic_shapes,
+                   custom_translations: Mapping[Callable, Callable]):
+    """``torch.onnx.export(module, args, dynamo=True, optimize=False, dynamic_shapes=...,
+    custom_translation_table=custom_translations)`` with the cached registry; returns the
+    ``ONNXProgram``."""
+    internal = _internal_export()
+    if internal is not None:
+        core_export, opset_version = internal
+        try:
+            table = registry(opset_version, custom_translations)
+        except Exception:  # noqa: BLE001  (the internal API changed: use the public path)
+            _LOG.debug("building the export registry failed; using torch.onnx.export", exc_info=True)
+        else:
+            return core_export(module, args, None, registry=table, dynamic_shapes=dynamic_shapes,
+                               optimize=False, verbose=False, opset_version=opset_version)
+    return torch.onnx.export(module, args, dynamo=True, optimize=False, verbose=False,
+                             dynamic_shapes=dynamic_shapes, custom_translation_table=dict(custom_translations))

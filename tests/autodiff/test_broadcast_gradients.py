@@ -79,10 +79,10 @@ def test_reductions_join_the_sum_without_expanding():
     # the loss's ReduceSum and the variance's ReduceMean give their inputs' only gradients:
     # expanded; the mean's gradient is a [1, C, 1, 1] operand of the sum that gathers x's
     assert _count(graph, "Expand") == 2
-    # the builder's accumulations (Adds in its own scope): centered's three contributions (the
-    # Div, and the square's two) take two Adds, x's full-sized one and the mean's one Add
+    # the builder's accumulations (Adds in its own scope): centered's two contributions (the
+    # Div's and the square's, one 2 * c * dy) take one Add, x's full-sized one and the mean's one
     sums = [n for n in graph if n.op_type == "Add" and n.name.startswith("grad/Add_")]
-    assert len(sums) == 3
+    assert len(sums) == 2
     assert not [i for n in sums for i in n.inputs if i.producer().op_type == "Expand"]
     assert any(i.producer().name.startswith("grad/n_mean/") for i in sums[-1].inputs)
 
@@ -116,3 +116,27 @@ def test_a_value_read_only_by_reductions_gets_an_expanded_gradient(keepdims):
     x = np.random.default_rng(1).standard_normal([2, 3, 4]).astype(np.float32)
     check_gradients(model, {"x": x})
     assert _count(_gradient_graph(model, wrt=["x"]), "Expand") == 2
+
+
+def _square_model(op: str):
+    """loss = sum(square(x) * t), the square written as Mul(x, x) or Pow(x, 2)."""
+    nodes = [_node("Mul", ["x", "x"], "sq") if op == "Mul" else _node("Pow", ["x", "two"], "sq"),
+             _node("Mul", ["sq", "t"], "weighted"), _node("ReduceSum", ["weighted"], "loss", keepdims=0)]
+    two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
+    graph = helper.make_graph(
+        nodes, "square",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, SHAPE),
+         helper.make_tensor_value_info("t", TensorProto.FLOAT, SHAPE)],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [two])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+@pytest.mark.parametrize("op", ["Mul", "Pow"])
+def test_a_square_costs_two_passes(op):
+    """d(x * x) = dy * (x + x): one product and one sum, no Pow and no accumulation of two products."""
+    inputs = _inputs()
+    check_gradients(_square_model(op), {"x": inputs["x"], "t": inputs["t"]}, wrt=["x"])
+    graph = _gradient_graph(_square_model(op), wrt=("x",))
+    square = [n for n in graph if n.name.startswith("grad/n_sq/")]
+    assert sorted(n.op_type for n in square) == ["Add", "Mul"]
+    assert not [n for n in graph if n.name.startswith("grad/Add_")]  # x has a single contribution

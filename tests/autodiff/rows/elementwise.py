@@ -20,6 +20,7 @@ ROWS: list[Case] = [
     Case("Pow", [pos("N", 3), I("N", 1)], id="Pow-symbolic"),
     Case("Pow", [I(2, 3), C(np.array(3.0, _F32))], id="Pow-negative-base"),
     Case("Pow", [I(2, 3), C(np.array(2, np.int64))], id="Pow-int-exponent"),
+    Case("Pow", [I(3), C(np.array([[2.0]], _F32))], id="Pow-square-broadcast"),
     Case("Mod", [I(2, 3, low=2.1, high=3.1), I(3, low=1.6, high=2.0)], attrs={"fmod": 1}, id="Mod-broadcast"),
     Case("Mod", [I("N", 3, low=-3.1, high=-2.1), I(1, low=1.6, high=2.0)], attrs={"fmod": 1},
          id="Mod-negative-symbolic"),

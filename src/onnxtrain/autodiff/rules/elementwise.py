@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+import onnx_ir as ir
+
 from onnxtrain.autodiff.registry import grad, unary
 from onnxtrain.ir.shapes import sum_to_shape
 
@@ -33,8 +35,15 @@ def _sub(ctx):
 def _mul(ctx):
     a, b = ctx.inputs
     op = ctx.op
+    if a is b:  # a square: 2 * a * dy in two passes, not two products and their sum
+        return _square_grad(ctx, a), None
     return (op.Mul(ctx.dy, b) if ctx.needs(0) else None,
             op.Mul(ctx.dy, a) if ctx.needs(1) else None)
+
+
+def _square_grad(ctx, a: ir.Value) -> ir.Value:
+    """The gradient of ``a * a`` (or ``a ** 2``) with respect to ``a``: ``dy * (a + a)``."""
+    return ctx.op.Mul(ctx.dy, ctx.op.Add(a, a))
 
 
 @grad("Div", versions=(7, None))
@@ -53,7 +62,10 @@ def _pow(ctx):
     a, e = ctx.inputs
     op, b = ctx.op, ctx.b
     da = db = None
-    if ctx.needs(0):
+    exponent = ctx.const_input(1)
+    if ctx.needs(0) and exponent is not None and exponent.size == 1 and float(exponent.ravel()[0]) == 2.0:
+        da = _square_grad(ctx, a)  # a square
+    elif ctx.needs(0):
         ef = b.cast_to(e, a.dtype)  # the exponent may be an integer tensor
         # e * a^(e-1) rather than e * y / a: finite at a = 0, exact for a < 0 with integer e
         da = op.Mul(ctx.dy, op.Mul(ef, op.Pow(a, op.Sub(ef, ctx.like(ef, 1.0)))))

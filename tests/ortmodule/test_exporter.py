@@ -52,3 +52,15 @@ def test_falls_back_to_torch_onnx_export_without_the_internal_api(monkeypatch):
     ops = [n.op_type for n in program.model.graph]
     assert "Gemm" in ops or "MatMul" in ops
     assert "BatchNormalization" not in ops  # onnxtrain's training-mode translation was used
+
+
+def test_signatures_are_inferred_at_dispatch_as_torch_onnx_infers_them():
+    from torch.onnx._internal.exporter import _registration
+
+    expected = _registration.ONNXRegistry.from_torchlib(20)
+    ours = _exporter.registry(20, {})
+    for op in (torch.ops.aten.addmm.default, torch.ops.aten.relu.default, torch.ops.aten.native_layer_norm.default):
+        theirs, mine = expected.get_decomps(op), ours.get_decomps(op)
+        assert [m.onnx_function for m in mine] == [m.onnx_function for m in theirs]
+        assert [str(m.signature) for m in mine] == [str(m.signature) for m in theirs]
+        assert all(str(m.onnx_function._pt_onnx_signature) == str(m.signature) for m in mine)

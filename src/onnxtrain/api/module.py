@@ -17,6 +17,7 @@ import onnxruntime as ort
 from onnxtrain import names
 from onnxtrain.api.checkpoint_state import CheckpointState
 from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
+from onnxtrain.runtime import fusions
 from onnxtrain.runtime.binding import BindingCache
 from onnxtrain.runtime.denormals import ask_for_flushing, denormals_flushed, runs_flush_denormals
 from onnxtrain.runtime.device import parse_device, providers_for
@@ -165,7 +166,8 @@ class Module:
         self._session_options = session_options
         self._flush_denormals = runs_flush_denormals(session_options, self._device.type)
         self._train_model_uri = os.fspath(train_model_uri)
-        self._train_session = create_session(train_model_uri, self._providers, session_options, "training model")
+        self._train_session = create_session(fusions.session_model(train_model_uri, self._providers, gated_add=False),
+                                             self._providers, session_options, "training model")
         self._train = _Signature(self._train_session, state, training=True, what="training model")
         self._eval_model_uri = None if eval_model_uri is None else os.fspath(eval_model_uri)
         self._eval_session = self._eval = None

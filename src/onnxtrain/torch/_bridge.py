@@ -13,12 +13,14 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
 from onnxtrain.errors import ModelError
 from onnxtrain.ir import io
 from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, ForwardBackward
+from onnxtrain.runtime import fusions
 from onnxtrain.runtime.denormals import denormals_flushed, runs_flush_denormals
 from onnxtrain.runtime.device import Device, providers_for
 from onnxtrain.runtime.session import create_session
@@ -59,6 +61,16 @@ def _to_ort(tensor: torch.Tensor) -> ort.OrtValue:
 TRAINING_CPU_DISABLED_ORT_OPTIMIZERS = ["MatMulAddFusion"]
 
 
+def _session_bytes(model: ir.Model, providers: list) -> bytes:
+    """The model's bytes for a session on ``providers``: on the CPU provider, with the Conv weight
+    gradients' patches gathered by a grouped Conv (``onnxtrain.runtime.fusions``), in a copy (the
+    graph ORTModule keeps, saves and estimates stays in standard ops)."""
+    if fusions.applies_to(providers) and fusions.has_patches(model):
+        model = ir.from_proto(io.to_proto(model))
+        fusions.for_session(model, providers, gated_add=False)
+    return io.serialize(model)
+
+
 class SessionRunner:
     """One InferenceSession and the names of its inputs and outputs, run on torch tensors."""
 
@@ -83,7 +95,7 @@ class SessionRunner:
         # threads and on this one; create_session gives this thread its own back, and the runs
         # set them for their length only
         self._flush_denormals = runs_flush_denormals(session_options, device.type)
-        self.session = create_session(io.serialize(model), providers, session_options, what=what,
+        self.session = create_session(_session_bytes(model, providers), providers, session_options, what=what,
                                       disabled_optimizers=disabled)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]

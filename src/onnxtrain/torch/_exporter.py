@@ -7,9 +7,10 @@ domain, a value the registry never uses. For ORTModule that is a large part of t
 step and the whole of the registry cost of every later export (eval mode, a new shape).
 
 :func:`export_program` builds the table once from the same sources, in the same way but
-without that parse (:func:`torchlib_functions`, cached per opset), copies it for each export,
-registers the custom translations on the copy and calls the exporter's core with it: the
-same graph ``torch.onnx.export`` produces. Where torch's internal exporter API is not the one
+without that parse (:func:`torchlib_functions`, cached per opset), and infers a function's
+signature only when an export first dispatches to it (most of the rest of the cost); it copies
+the table for each export, registers the custom translations on the copy and calls the
+exporter's core with it: the same graph ``torch.onnx.export`` produces. Where torch's internal exporter API is not the one
 this module was written against, it falls back to ``torch.onnx.export``.
 """
 
@@ -50,23 +51,54 @@ def torchlib_functions(opset_version: int) -> Mapping[object, tuple]:
             continue
         for function, is_complex in [(f, False) for f in overloads.overloads] + \
                                     [(f, True) for f in overloads.complex]:
-            try:
-                meta = _registration.OnnxDecompMeta(onnx_function=function, fx_target=target, signature=None,
-                                                    is_custom=False, is_complex=is_complex)
-            except Exception:  # noqa: BLE001  (as from_torchlib: one bad function does not stop the rest)
-                _LOG.debug("skipped torchlib function %s for %s", function, qualified_name, exc_info=True)
-                continue
+            # the signature is inferred when an export first dispatches to the function (see _lazy_registry_class)
+            meta = _registration.OnnxDecompMeta(onnx_function=function, fx_target=target, signature=None,
+                                                is_custom=False, is_complex=is_complex, skip_signature_inference=True)
             table._register(target, meta)
     table._cleanup_registry_based_on_opset_version()
     return {target: tuple(metas) for target, metas in table.functions.items()}
 
 
+def _infer_signature(meta) -> None:
+    """What ``OnnxDecompMeta.__post_init__`` does for a torchlib function, deferred to its first
+    dispatch: the function's ONNX signature, on the meta and on the function (where the graph
+    builder reads it)."""
+    if meta.signature is not None:
+        return
+    import onnxscript
+    from torch.onnx._internal.exporter import _schemas
+
+    function = meta.onnx_function
+    if isinstance(function, onnxscript.OnnxFunction):
+        signature = _schemas.op_signature_from_function(function, function.function_ir.domain, function.name,
+                                                        since_version=function.opset.version)
+    else:
+        signature = _schemas.op_signature_from_function(function, "__traced", function.__name__)
+    meta.signature = signature
+    function._pt_onnx_signature = signature
+
+
+@functools.cache
+def _lazy_registry_class():
+    """``ONNXRegistry`` whose torchlib entries get their signatures when an export dispatches to
+    them: inferring all ~560 up front is most of the cost of building the table (~0.2 s)."""
+    from torch.onnx._internal.exporter import _registration
+
+    class LazyRegistry(_registration.ONNXRegistry):
+        def get_decomps(self, target):
+            decomps = super().get_decomps(target)
+            for meta in decomps:
+                if not meta.is_custom:
+                    _infer_signature(meta)
+            return decomps
+
+    return LazyRegistry
+
+
 def registry(opset_version: int, custom_translations: Mapping[Callable, Callable]):
     """A fresh ``ONNXRegistry`` for one export: the cached torchlib functions plus
     ``custom_translations`` (registered first, as ``torch.onnx.export`` does)."""
-    from torch.onnx._internal.exporter import _registration
-
-    fresh = _registration.ONNXRegistry()
+    fresh = _lazy_registry_class()()
     fresh._opset_version = opset_version
     fresh.functions = {target: list(metas) for target, metas in torchlib_functions(opset_version).items()}
     for op, function in custom_translations.items():

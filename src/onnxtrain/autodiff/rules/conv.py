@@ -21,6 +21,7 @@ import onnx_ir as ir
 from onnxtrain.autodiff.registry import Broadcast, grad
 from onnxtrain.autodiff.rules.index import SCATTER_ADD_OPSET
 from onnxtrain.ir.shapes import rank_of
+from onnxtrain.passes.conv_patches import mark_patches
 
 _INT64_MAX = np.iinfo(np.int64).max
 
@@ -132,7 +133,8 @@ def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, d
 _MAX_PATCH_TAPS = 25  # kernels up to 5x5: the patch tensor holds that many copies of the input
 
 
-def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], strides, dilations) -> ir.Value:
+def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], strides, dilations,
+                          channels: int | None) -> ir.Value:
     """The ungrouped Conv weight gradient as one batched product with the input's patches.
 
     ``out[o, c, s] = sum_{n, t} kern[n, o, t] * data[n, c, t * stride + s * dilation]``: one
@@ -142,7 +144,8 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
     one grouped Conv with unit-vector kernels (im2col): twice as fast on onnxruntime's CPU
     provider (CNN conv2, ``[64, 32, 14, 14]``, 3x3: 1.26 against 2.2 ms), but onnxruntime-web's
     WebGPU provider computes that grouped Conv wrongly (the digits CNN's losses 0.09 off
-    Python's after 20 steps).
+    Python's after 20 steps). With ``channels`` (the input's, when static) known, the patches'
+    node is marked so that CPU sessions make that Conv of them (passes/conv_patches.py).
     """
     op = b.op
     r = len(kernel)
@@ -158,6 +161,8 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
         taps.append(op.Reshape(tap, tap_shape))
     patches = op.Concat(*taps, axis=2) if len(taps) > 1 else taps[0]  # (N, C, K, T)
     patches = op.Reshape(patches, op.Concat(b.ints([0, -1]), plane, axis=0))  # (N, C*K, T)
+    if channels is not None:
+        mark_patches(patches.producer(), kernel, strides, dilations, channels)
     flat_kern = op.Reshape(kern, b.ints([0, 0, -1]))  # (N, O, T)
     per_sample = op.MatMul(flat_kern, op.Transpose(patches, perm=[0, 2, 1]))  # (N, O, C*K)
     summed = b.reduce_sum(per_sample, [0], keepdims=False)
@@ -209,7 +214,9 @@ def _conv(ctx):
             dx = _fit(b, full, x, begin)
     if ctx.needs(1):
         if group == 1 and kernel is not None and int(np.prod(kernel)) <= _MAX_PATCH_TAPS:
-            dw = _correlate_by_patches(b, _pad(b, x, begin, end), dy, kernel, strides, dilations)
+            channels = w.shape[1] if w.shape is not None and len(w.shape) == r + 2 else None
+            dw = _correlate_by_patches(b, _pad(b, x, begin, end), dy, kernel, strides, dilations,
+                                       channels if isinstance(channels, int) else None)
         else:
             # strides and dilations swap roles; windows may reach past the kernel: crop to it
             dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)

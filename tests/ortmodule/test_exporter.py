@@ -64,3 +64,13 @@ def test_signatures_are_inferred_at_dispatch_as_torch_onnx_infers_them():
         assert [m.onnx_function for m in mine] == [m.onnx_function for m in theirs]
         assert [str(m.signature) for m in mine] == [str(m.signature) for m in theirs]
         assert all(str(m.onnx_function._pt_onnx_signature) == str(m.signature) for m in mine)
+
+
+def test_internal_api_that_differs_is_not_used(monkeypatch):
+    """A core export without every keyword argument export_program passes: torch.onnx.export is used."""
+    assert _exporter._internal_export() is not None
+    monkeypatch.setattr(_exporter, "_CORE_EXPORT_PARAMETERS", {*_exporter._CORE_EXPORT_PARAMETERS, "renamed"})
+    assert _exporter._internal_export() is None
+    model = torch.nn.Linear(4, 3)
+    program = _exporter.export_program(model, (torch.randn(5, 4),), None, translation_table())
+    assert [n.op_type for n in program.model.graph]

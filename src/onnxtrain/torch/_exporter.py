@@ -17,12 +17,15 @@ this module was written against, it falls back to ``torch.onnx.export``.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 from collections.abc import Callable, Mapping
 
 import torch
 
 _LOG = logging.getLogger(__name__)
+# the keyword arguments export_program passes to the exporter's core
+_CORE_EXPORT_PARAMETERS = {"registry", "dynamic_shapes", "optimize", "verbose", "opset_version"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -117,7 +120,9 @@ def _internal_export():
         return None
     needed = (hasattr(_registration.ONNXRegistry, "_register")
               and hasattr(_registration.ONNXRegistry, "_cleanup_registry_based_on_opset_version")
-              and hasattr(_registration, "_get_overload") and hasattr(_torchlib_registry, "get_torchlib_ops"))
+              and hasattr(_registration, "_get_overload") and hasattr(_torchlib_registry, "get_torchlib_ops")
+              and "skip_signature_inference" in getattr(_registration.OnnxDecompMeta, "__dataclass_fields__", {})
+              and _CORE_EXPORT_PARAMETERS <= set(inspect.signature(_core.export).parameters))
     return (_core.export, _constants.ONNX_DEFAULT_OPSET) if needed else None
 
 

@@ -26,6 +26,7 @@ import json
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain.ir.nodes import NewNodes, base_name, is_onnx_op
 
@@ -95,6 +96,8 @@ class PatchConvPass(ir.passes.InPlacePass):
             spec = node.metadata_props.get(PATCHES_METADATA)
             if spec is not None and is_onnx_op(node, "Reshape") and self._rewrite(model.graph, node, json.loads(spec)):
                 modified = True
+        if modified:
+            RemoveUnusedNodesPass()(model)  # the taps, their Pad and the old shape arithmetic
         return ir.passes.PassResult(model, modified)
 
     @staticmethod
@@ -124,21 +127,5 @@ class PatchConvPass(ir.passes.InPlacePass):
         flat = new_nodes.add("Reshape", [patches, shape])
         out = node.outputs[0]
         flat.type, flat.shape = out.type, out.shape
-        replaced_inputs = [v for v in node.inputs if v is not None]  # the taps and the shape's arithmetic
         replace_nodes_and_values(graph, node, [node], new_nodes.nodes, [out], [flat])
-        for value in replaced_inputs:
-            if value.producer() is not None:
-                _remove_unused(graph, value.producer())
         return True
-
-
-def _remove_unused(graph: ir.Graph, node: ir.Node) -> None:
-    """Remove ``node`` and, recursively, the producers of its inputs that nothing else reads."""
-    if node.graph is not graph or any(out.uses() or out.is_graph_output() for out in node.outputs):
-        return
-    inputs = [v for v in node.inputs if v is not None]
-    graph.remove(node, safe=True)
-    for value in inputs:
-        producer = value.producer()
-        if producer is not None:
-            _remove_unused(graph, producer)

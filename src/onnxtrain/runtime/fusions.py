@@ -104,6 +104,4 @@ def session_model(path: str | os.PathLike, providers, gated_add: bool = True) ->
         model = io.load_model(path)
     except ModelError:
         return path
-    if not gated_add and not has_patches(model):
-        return path  # unchanged: let the session read the file
     return io.serialize(model) if _rewrite(model, infer_shapes=False, gated_add=gated_add) else path

@@ -214,9 +214,9 @@ def _conv(ctx):
             dx = _fit(b, full, x, begin)
     if ctx.needs(1):
         if group == 1 and kernel is not None and int(np.prod(kernel)) <= _MAX_PATCH_TAPS:
-            channels = w.shape[1] if w.shape is not None and len(w.shape) == r + 2 else None
+            static = w.shape is not None and len(w.shape) == r + 2 and isinstance(w.shape[1], int)
             dw = _correlate_by_patches(b, _pad(b, x, begin, end), dy, kernel, strides, dilations,
-                                       channels if isinstance(channels, int) else None)
+                                       int(w.shape[1]) if static else None)
         else:
             # strides and dilations swap roles; windows may reach past the kernel: crop to it
             dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)

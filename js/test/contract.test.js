@@ -4,7 +4,7 @@
 import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
 import { test } from 'node:test';
-import { CheckpointState, Module, Optimizer, ort } from 'onnxtrain-web/node';
+import { bindPlatform, CheckpointState, Module, Optimizer, ort } from 'onnxtrain-web/node';
 import { fixturePath, maxAbsDiff, settings } from './fixtures.js';
 
 /** Train the small MLP `name` as tests/js/fixtures.py does; return the state and skip flags. */
@@ -60,4 +60,22 @@ test('fp16 artifacts: overflowing steps are skipped, the scale backs off and gro
   assert.equal(skipped[small.overflow_step], true, 'the step with the overflowing scale is skipped');
   assert.equal(skipped.at(-1), false, 'training recovers once the scale has backed off');
   assert.equal(optimizer.stepCount, skipped.filter((s) => !s).length, 'skipped steps do not count');
+});
+
+test('sessions are created without the memory pattern unless the options ask for it', async () => {
+  const seen = [];
+  const recording = {
+    ...ort,
+    InferenceSession: { create: (bytes, options) => { seen.push(options); return ort.InferenceSession.create(bytes, options); } },
+  };
+  const api = bindPlatform({ name: 'recording', ort: recording, readBytes: async (path) => new Uint8Array(readFileSync(path)) });
+  const artifact = (file) => fixturePath(`small/batchnorm/${file}`);
+  const state = await api.CheckpointState.load(artifact('checkpoint'));
+  const module = await api.Module.create(artifact('training_model.onnx'), state, artifact('eval_model.onnx'),
+    { sessionOptions: { executionProviders: ['cpu'] } });
+  await api.Optimizer.create(artifact('optimizer_model.onnx'), module);
+  assert.deepEqual(seen, [{ enableMemPattern: false, executionProviders: ['cpu'] },
+    { enableMemPattern: false, executionProviders: ['cpu'] }, { enableMemPattern: false }]);
+  await api.Module.create(artifact('training_model.onnx'), state, null, { sessionOptions: { enableMemPattern: true } });
+  assert.deepEqual(seen.at(-1), { enableMemPattern: true });
 });

@@ -103,7 +103,8 @@ export class CheckpointState {
 }
 
 export interface CreateOptions {
-  /** onnxruntime InferenceSession options, e.g. `{executionProviders: ['webgpu', 'wasm']}`. */
+  /** onnxruntime InferenceSession options, e.g. `{executionProviders: ['webgpu', 'wasm']}`; over
+   * the default `{enableMemPattern: false}` (less peak memory on the wasm and Node backends). */
   sessionOptions?: Record<string, unknown>;
 }
 

@@ -139,7 +139,8 @@ export class Module {
    * @param {string | URL | ArrayBuffer | ArrayBufferView} trainingModel  training_model.onnx (or .ort): path, URL or bytes
    * @param {CheckpointState} state
    * @param {string | URL | ArrayBuffer | ArrayBufferView | null} [evalModel]  eval_model.onnx, for evalStep and export
-   * @param {{sessionOptions?: object}} [options]  onnxruntime InferenceSession options (e.g. executionProviders)
+   * @param {{sessionOptions?: object}} [options]  onnxruntime InferenceSession options (e.g. executionProviders),
+   *   over the default `{enableMemPattern: false}`
    * @returns {Promise<Module>}
    */
   static async create(trainingModel, state, evalModel = null, options = {}) {

@@ -2,8 +2,10 @@
 
 - ``run.py``: the suite (rounds of cells, each in its own process), results.json, RESULTS.md, plot;
 - ``cell.py``: one model x one system in this process (eager, compile, ortmodule, ondevice, upstream);
-- ``upstream_worker.py``: the upstream onnxruntime-training 1.19.2 cell, run by the virtualenv
-  that ``setup_upstream.sh`` creates (bench/.venv-upstream);
+- ``upstream_worker.py``: the upstream onnxruntime-training 1.19.2 cell's worker, run by the
+  virtualenv that ``setup_upstream.sh`` creates (bench/.venv-upstream); ``ondevice_worker.py``:
+  the onnxtrain on-device cell's worker, a process without torch; ``worker_loop.py``: their
+  shared training loop;
 - ``models.py``: models and data (fixed seeds); ``probe.py``: peak matmul rate;
 - ``analysis.py``: medians over rounds, loss check against eager, targets; ``report.py``: the report
   (``python -m bench.report`` renders it again from results.json).

@@ -3,7 +3,7 @@
 For each system, cells of one model run at growing batch sizes (doubling from the model's
 own batch, then bisecting between the last batch that fit and the first that did not),
 each in its own process for one warm-up and one timed step. A batch *fits* when the cell
-ran and its peak resident set size (``ru_maxrss``: the whole process, libraries and the
+ran and its peak resident set size (``VmHWM``: the whole process, libraries and the
 model included) stayed within the cap. The cap is measured, not enforced, so a batch that
 needs more memory than the machine has is never tried: the search stops at the first batch
 over the cap.

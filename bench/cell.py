@@ -12,7 +12,7 @@ Figures (all in the JSON):
 - ``first_step_s``: from "model and data ready" to the end of step 0 (export, artifacts,
   session creation, compilation included);
 - ``rss_before_mb``: resident set size right before the system is prepared;
-  ``peak_rss_mb``: the process's peak resident set size (``ru_maxrss``) at the end;
+  ``peak_rss_mb``: the process's peak resident set size (``VmHWM``, bench.memory) at the end;
   ``peak_increase_mb``: their difference (what training added at its peak);
 - ``losses``: the loss of every step, ``first_loss`` that of step 0;
 - with ``--load-probe``: ``load_probe_gflops``, :func:`bench.probe.load_probe` right before the
@@ -51,6 +51,7 @@ RECOMPUTE_LEVEL = 2
 HERE = Path(__file__).resolve().parent
 DEFAULT_UPSTREAM_VENV = HERE / ".venv-upstream"
 UPSTREAM_WORKER = HERE / "upstream_worker.py"
+ONDEVICE_WORKER = HERE / "ondevice_worker.py"
 
 
 # -- PyTorch systems ---------------------------------------------------------------------------
@@ -196,38 +197,57 @@ def _trainable_names(spec, model, onnx_model) -> list[str]:
     return names
 
 
-def prepare_ondevice(spec, model, batches, workdir, info):
-    from onnxtrain import artifacts
-    from onnxtrain.api import CheckpointState, Module, Optimizer
+def run_ondevice(spec, model, batches, workdir, args, info) -> dict:
+    """Export here (``torch.onnx.export``, dynamo), then generate the artifacts and train with
+    ``onnxtrain.api`` in a worker process without torch (``bench/ondevice_worker.py``), as the
+    upstream cell does; the figures are the worker's, ``first_step_s`` includes the export."""
+    import onnx
 
+    workdir = Path(workdir)
     t0 = time.perf_counter()
     onnx_model = _export_dynamo(spec, model, batches)
-    info["phases_s"]["export"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    out = Path(workdir) / "artifacts"
-    loss = flat_cross_entropy_block() if spec.kind == "lm" else artifacts.LossType.CrossEntropyLoss
-    artifacts.generate_artifacts(onnx_model, requires_grad=_trainable_names(spec, model, onnx_model), loss=loss,
-                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=out,
-                                 loss_input_names=["output"])
+    requires_grad = _trainable_names(spec, model, onnx_model)
+    model_path = workdir / "model.onnx"
+    onnx.save(onnx_model, str(model_path))
     del onnx_model
-    info["phases_s"]["artifacts"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    state = CheckpointState.load_checkpoint(out / "checkpoint")
-    module = Module(out / "training_model.onnx", state, out / "eval_model.onnx")
-    optimizer = Optimizer(out / "optimizer_model.onnx", module)
-    optimizer.set_learning_rate(spec.lr)
-    info["phases_s"]["sessions"] = time.perf_counter() - t0
-    info["notes"].append("onnxtrain artifacts (OptimType.AdamW: upstream's AdamW update) + onnxtrain.api")
-    data = [([b[n] for n in spec.input_names], b["labels"].astype(np.int32)) for b in batches]
+    export_s = time.perf_counter() - t0
+    job = _worker_job(spec, batches, workdir, args, model_path, requires_grad, frozen=[],
+                      artifact_dir=workdir / "artifacts")
+    result = _run_worker([sys.executable, str(ONDEVICE_WORKER)], job, workdir, dict(os.environ), args, "on-device")
+    result["phases_s"] = {"export": export_s, **result.get("phases_s", {})}
+    result["first_step_s"] = export_s + result["first_step_s"]
+    result["notes"] = ["exported here (torch.onnx.export, dynamo); onnxtrain artifacts (OptimType.AdamW: upstream's "
+                       "AdamW) generated and trained with onnxtrain.api in a worker process without torch, as "
+                       "upstream's; memory figures are the worker's; first_step_s includes the export",
+                       *result.get("notes", [])]
+    return result
 
-    def step(i: int) -> float:
-        inputs, labels = data[i % len(data)]
-        loss = module(*inputs, labels)
-        optimizer.step()
-        module.lazy_reset_grad()
-        return float(loss)
 
-    return step
+def _worker_job(spec, batches, workdir: Path, args, model_path: Path, requires_grad: list[str], frozen: list[str],
+                artifact_dir: Path) -> dict:
+    """What an on-device worker (``worker_loop``) needs: the model, the batches (written to
+    ``data.npz``), the parameters to train and the step counts."""
+    data_path = workdir / "data.npz"
+    np.savez(data_path, **{f"{i}/{k}": v for i, b in enumerate(batches) for k, v in b.items()})
+    return {"model_path": str(model_path), "data_path": str(data_path), "n_batches": len(batches),
+            "input_names": spec.input_names, "kind": spec.kind, "vocab": spec.vocab, "lr": spec.lr,
+            "requires_grad": requires_grad, "frozen_params": frozen, "steps": args.steps, "warmup": args.warmup,
+            "artifact_dir": str(artifact_dir)}
+
+
+def _run_worker(command: list[str], job: dict, workdir: Path, env: dict, args, what: str) -> dict:
+    """Run an on-device worker on ``job`` with ``args.threads`` OpenMP threads; its result."""
+    job_path, result_path = workdir / "job.json", workdir / "worker_result.json"
+    job_path.write_text(json.dumps(job))
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    proc = subprocess.run([*command, str(job_path), str(result_path)], capture_output=True, text=True, env=env,
+                          timeout=args.timeout)
+    if not result_path.exists():
+        raise RuntimeError(f"{what} worker exited {proc.returncode} without a result: {proc.stderr[-3000:]}")
+    result = json.loads(result_path.read_text())
+    if result.get("status") != "ok":
+        raise RuntimeError(f"{what}: {result.get('error')}")
+    return result
 
 
 # -- upstream onnxruntime-training 1.19.2, in its own virtualenv ----------------------------------
@@ -271,24 +291,10 @@ def run_upstream(spec, model, batches, workdir, args, info) -> dict:
     if missing:
         raise RuntimeError(f"parameters missing from the legacy export's initializers: {missing[:8]}")
     running = [n for n, _ in spec.export_model(model).named_buffers() if n in initializers and "running_" in n]
-    data_path = workdir / "data.npz"
-    np.savez(data_path, **{f"{i}/{k}": v for i, b in enumerate(batches) for k, v in b.items()})
-    job = {"model_path": str(model_path), "data_path": str(data_path), "n_batches": len(batches),
-           "input_names": spec.input_names, "kind": spec.kind, "vocab": spec.vocab, "lr": spec.lr,
-           "requires_grad": params, "frozen_params": running, "steps": args.steps, "warmup": args.warmup,
-           "artifact_dir": str(workdir / "upstream_artifacts")}
-    job_path = workdir / "job.json"
-    job_path.write_text(json.dumps(job))
-    result_path = workdir / "upstream_result.json"
+    job = _worker_job(spec, batches, workdir, args, model_path, params, frozen=running,
+                      artifact_dir=workdir / "upstream_artifacts")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    env["OMP_NUM_THREADS"] = str(args.threads)
-    proc = subprocess.run([str(venv / "bin" / "python"), str(UPSTREAM_WORKER), str(job_path), str(result_path)],
-                          capture_output=True, text=True, env=env, timeout=args.timeout)
-    if not result_path.exists():
-        raise RuntimeError(f"upstream worker exited {proc.returncode} without a result: {proc.stderr[-3000:]}")
-    result = json.loads(result_path.read_text())
-    if result.get("status") != "ok":
-        raise RuntimeError(f"upstream: {result.get('error')}")
+    result = _run_worker([str(venv / "bin" / "python"), str(UPSTREAM_WORKER)], job, workdir, env, args, "upstream")
     result["phases_s"] = {"export": export_s, **result.get("phases_s", {})}
     result["first_step_s"] = export_s + result["first_step_s"]
     result["notes"] = ["exported in the main environment (TorchScript exporter, opset 14, training mode); "
@@ -299,8 +305,9 @@ def run_upstream(spec, model, batches, workdir, args, info) -> dict:
 
 
 PREPARE = {"eager": prepare_eager, "eager_fused": prepare_eager_fused, "compile": prepare_compile, "ortmodule": prepare_ortmodule,
-           "ortmodule_recompute": prepare_ortmodule_recompute,
-           "ondevice": prepare_ondevice}
+           "ortmodule_recompute": prepare_ortmodule_recompute}
+# systems trained by a worker process (their figures are the worker's)
+WORKER_SYSTEMS = {"ondevice": run_ondevice, "upstream": run_upstream}
 
 
 # -- the cell ------------------------------------------------------------------------------------
@@ -356,8 +363,8 @@ def run_cell(args) -> dict:
 
         take_probe(before=True)
         with tempfile.TemporaryDirectory(prefix=f"bench-{spec.name}-{args.system}-") as workdir:
-            if args.system == "upstream":
-                result.update(run_upstream(spec, model, batches, workdir, args, result))
+            if args.system in WORKER_SYSTEMS:
+                result.update(WORKER_SYSTEMS[args.system](spec, model, batches, workdir, args, result))
                 take_probe()
                 return result
             memory.trim()

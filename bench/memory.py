@@ -20,13 +20,24 @@ def rss_mb() -> float:
 
 
 def peak_rss_mb() -> float:
-    """The peak resident set size of this process so far in MB (``ru_maxrss``)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
+    """The peak resident set size of this process so far in MB: Linux's ``VmHWM`` where there is
+    /proc, else ``ru_maxrss``.
+
+    ``ru_maxrss`` outlives ``exec``: a process started by ``subprocess`` from a parent holding
+    800 MB reads ~800 MB there before doing anything (Linux carries the old address space's peak
+    into the new program's rusage), which buried a small worker's own peak under its parent's.
+    ``VmHWM`` belongs to the process's own address space (unless reset, see below).
+    """
+    try:
+        return high_water_mark_mb()
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB on Linux
 
 
 def reset_high_water_mark() -> None:
-    """Restart the resident set's high-water mark (Linux: ``/proc/self/clear_refs``)."""
+    """Restart the resident set's high-water mark (Linux: ``/proc/self/clear_refs``); the next
+    :func:`peak_rss_mb` counts from now."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
 

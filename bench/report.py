@@ -144,7 +144,7 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               "(forward, loss, backward, AdamW update). *vs eager* is eager's step time / the system's, "
               "both from this run (> 1 = faster than eager). *first step s* runs from \"model and data "
               "ready\" to the end of step 0: export, artifacts, sessions and compilation included. "
-              "*peak RSS MB* is the cell process's peak resident set size (`ru_maxrss`); *Δ MB* is that "
+              "*peak RSS MB* is the cell process's peak resident set size (`VmHWM`; the worker's for the on-device systems); *Δ MB* is that "
               "peak minus the RSS measured right before the system was prepared (what training added). "
               "Every cell runs in its own process. *x bound* is the step time / the matmul-bound time "
               "(the step's FLOPs, counted with `torch.utils.flop_counter.FlopCounterMode` on an eager "
@@ -161,11 +161,14 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               "`onnxtrain.torch.optim.FusedAdam` in `torch.optim.AdamW`'s mode and defaults; "
               "*on-device* exports with `torch.onnx.export(dynamo=True, optimize=False)` (dynamic batch; "
               "onnxtrain's ORTModule translations for training-mode batch norm and padded embeddings), "
-              "generates artifacts with `OptimType.AdamW` and trains with `onnxtrain.api`; *upstream* "
-              "exports with the TorchScript exporter (opset 14, training mode) and trains with "
-              "onnxruntime-training 1.19.2's artifacts and `onnxruntime.training.api` in its own "
-              "virtualenv. `OptimType.AdamW` is upstream's (Hugging Face-style) AdamW, so the losses of the "
-              "two on-device systems drift slightly from torch's after step 0 (step 0 is checked).", ""]
+              "then generates artifacts with `OptimType.AdamW` and trains with `onnxtrain.api` in a worker "
+              "process that does not import torch (`bench/ondevice_worker.py`); *upstream* exports with the "
+              "TorchScript exporter (opset 14, training mode), then generates onnxruntime-training 1.19.2's "
+              "artifacts and trains with `onnxruntime.training.api` in a worker in its own virtualenv. For "
+              "both on-device systems the memory figures are the worker's (artifacts, sessions and steps, "
+              "as on a device) and the first step includes the export. `OptimType.AdamW` is upstream's "
+              "(Hugging Face-style) AdamW, so the losses of the two on-device systems drift slightly from "
+              "torch's after step 0 (step 0 is checked).", ""]
     for model, systems in summary.items():
         spec = results["models"].get(model, {})
         first = next(iter(systems.values()))

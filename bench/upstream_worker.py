@@ -7,11 +7,10 @@ onnxruntime-training, onnx and numpy but neither torch nor onnxtrain:
     bench/.venv-upstream/bin/python bench/upstream_worker.py --check   # the venv works
 
 ``job.json`` (written by ``bench.cell``) names the ONNX model exported by the TorchScript
-exporter, the batches (``data.npz``), the parameters to train, the loss kind and the step
-counts. The worker measures its resident set size, then generates the artifacts
-(``onnxruntime.training.artifacts.generate_artifacts``, cross entropy, AdamW), loads them
-with ``onnxruntime.training.api`` and trains: step = ``module(*inputs, labels)``,
-``optimizer.step()``, ``module.lazy_reset_grad()``. It writes the same figures as a cell.
+exporter; ``worker_loop.train`` measures the resident set size, has the artifacts generated
+(``onnxruntime.training.artifacts.generate_artifacts``, cross entropy, AdamW), loads them with
+``onnxruntime.training.api`` and trains (``bench/ondevice_worker.py`` does the same with
+onnxtrain). It writes the same figures as a cell.
 
 ``onnxruntime.training``'s package ``__init__`` imports torch (for ORTModule and its fp16
 optimizers), which the on-device part does not use; when torch is missing the worker imports
@@ -20,16 +19,13 @@ optimizers), which the on-device part does not use; when torch is missing the wo
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
-import time
-import traceback
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import memory  # noqa: E402  (bench/memory.py: standard library only, so the upstream venv can import it)
+import worker_loop  # noqa: E402  (standard library, numpy and onnx only, so the upstream venv can import it)
 
 
 def import_training():
@@ -91,60 +87,33 @@ def run(job: dict) -> dict:
                            "onnx": onnx.__version__, "numpy": np.__version__}}
     artifacts, api, onnxblock, notes = import_training()
     result["notes"] = notes
-    data = np.load(job["data_path"])
-    batches = [{k.split("/", 1)[1]: data[k] for k in data.files if k.startswith(f"{i}/")}
-               for i in range(job["n_batches"])]
-    feeds = [([b[n] for n in job["input_names"]], b["labels"].astype(np.int64)) for b in batches]
     model = onnx.load(job["model_path"])
-    memory.trim()
-    result["rss_before_mb"] = memory.rss_mb()
-    ready = time.perf_counter()
 
-    out = job["artifact_dir"]
-    os.makedirs(out, exist_ok=True)  # upstream does not create it
-    loss = flat_cross_entropy(onnxblock, job["vocab"]) if job["kind"] == "lm" else \
-        artifacts.LossType.CrossEntropyLoss
-    artifacts.generate_artifacts(model, requires_grad=job["requires_grad"], frozen_params=job["frozen_params"],
-                                 loss=loss, optimizer=artifacts.OptimType.AdamW, artifact_directory=out)
-    del model
-    result["phases_s"]["artifacts"] = time.perf_counter() - ready
-    t0 = time.perf_counter()
-    state = api.CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
-    try:
-        module = api.Module(os.path.join(out, "training_model.onnx"), state, os.path.join(out, "eval_model.onnx"))
-    except Exception as exc:  # noqa: BLE001 - e.g. its eval model of a training-mode BatchNormalization
-        # does not load; training does not need the eval model: go on without it, and say so
-        reason = re.sub(r"Load model from \S+ failed: ?", "", str(exc).split("FAIL : ")[-1]).strip()[:300]
-        notes.append(f"upstream's eval_model.onnx does not load ({reason}); "
-                     f"the Module was created without it")
-        module = api.Module(os.path.join(out, "training_model.onnx"), state)
-    optimizer = api.Optimizer(os.path.join(out, "optimizer_model.onnx"), module)
-    optimizer.set_learning_rate(job["lr"])
-    result["phases_s"]["sessions"] = time.perf_counter() - t0
-    labels_type = {i.name: i.type for i in onnx.load(os.path.join(out, "training_model.onnx"),
-                                                       load_external_data=False).graph.input}.get("labels")
-    if labels_type is not None and labels_type.tensor_type.elem_type == onnx.TensorProto.INT32:
-        feeds = [(inputs, labels.astype(np.int32)) for inputs, labels in feeds]
+    def generate(out: str) -> None:
+        nonlocal model
+        loss = flat_cross_entropy(onnxblock, job["vocab"]) if job["kind"] == "lm" else \
+            artifacts.LossType.CrossEntropyLoss
+        artifacts.generate_artifacts(model, requires_grad=job["requires_grad"], frozen_params=job["frozen_params"],
+                                     loss=loss, optimizer=artifacts.OptimType.AdamW, artifact_directory=out)
+        model = None
 
-    def step(i: int) -> float:
-        inputs, labels = feeds[i % len(feeds)]
-        value = module(*inputs, labels)
-        optimizer.step()
-        module.lazy_reset_grad()
-        return float(value)
+    def open_module(out: str):
+        state = api.CheckpointState.load_checkpoint(os.path.join(out, "checkpoint"))
+        try:
+            module = api.Module(os.path.join(out, "training_model.onnx"), state, os.path.join(out, "eval_model.onnx"))
+        except Exception as exc:  # noqa: BLE001 - e.g. its eval model of a training-mode BatchNormalization
+            # does not load; training does not need the eval model: go on without it, and say so
+            reason = re.sub(r"Load model from \S+ failed: ?", "", str(exc).split("FAIL : ")[-1]).strip()[:300]
+            notes.append(f"upstream's eval_model.onnx does not load ({reason}); "
+                         f"the Module was created without it")
+            module = api.Module(os.path.join(out, "training_model.onnx"), state)
+        labels = {i.name: i.type for i in onnx.load(os.path.join(out, "training_model.onnx"),
+                                                      load_external_data=False).graph.input}.get("labels")
+        int32 = labels is not None and labels.tensor_type.elem_type == onnx.TensorProto.INT32
+        return module, api.Optimizer(os.path.join(out, "optimizer_model.onnx"), module), \
+            np.int32 if int32 else np.int64
 
-    losses = [step(0)]
-    result["first_step_s"] = time.perf_counter() - ready
-    for i in range(1, 1 + job["warmup"]):
-        losses.append(step(i))
-    times = []
-    for i in range(1 + job["warmup"], 1 + job["warmup"] + job["steps"]):
-        t0 = time.perf_counter()
-        losses.append(step(i))
-        times.append(time.perf_counter() - t0)
-    result.update(step_times_s=times, median_step_s=float(np.median(times)) if times else None, losses=losses,
-                  first_loss=losses[0], **memory.peaks(result["rss_before_mb"]))
-    return result
+    return worker_loop.train(job, result, generate, open_module)
 
 
 def check() -> int:
@@ -158,18 +127,5 @@ def check() -> int:
     return 0
 
 
-def main(job_path: str, result_path: str) -> int:
-    with open(job_path) as f:
-        job = json.load(f)
-    try:
-        result = run(job)
-    except Exception as exc:  # noqa: BLE001 - reported to the cell
-        result = {"status": "error", "error": f"{type(exc).__name__}: {exc}"[:4000],
-                  "traceback": traceback.format_exc()[-6000:]}
-    with open(result_path, "w") as f:
-        json.dump(result, f)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(check() if sys.argv[1:] == ["--check"] else main(*sys.argv[1:3]))
+    sys.exit(check() if sys.argv[1:] == ["--check"] else worker_loop.main(run, sys.argv[1:3]))

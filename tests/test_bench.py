@@ -58,6 +58,27 @@ def test_every_system_runs_a_tiny_cell_and_reports_its_figures(tiny_cells):
     assert {e["status"] for e in summary["tiny"].values()} == {analysis.REFERENCE, analysis.OK}
 
 
+def test_worker_systems_report_their_worker_process_without_torch(tiny_cells):
+    """The on-device systems train in a worker process (bench/*_worker.py) whose memory figures
+    are its own: no torch, and not the cell's resident set carried over by exec."""
+    for c in tiny_cells:
+        if c["system"] in cell.WORKER_SYSTEMS:
+            assert c["pid"] != tiny_cells[0]["pid"] and "export" in c["phases_s"], c["system"]
+            assert c["rss_before_mb"] < 200 and c["peak_increase_mb"] < 150, (c["system"], c["rss_before_mb"])
+
+
+def test_peak_rss_of_a_child_process_is_its_own():
+    """``ru_maxrss`` of a process started from a big parent starts at the parent's size; the
+    suite's peak (VmHWM) does not."""
+    import numpy as np
+
+    ballast = np.ones(400 * 2**20 // 8)  # 400 MB resident in this process
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import memory; print(memory.peak_rss_mb())"
+    child = subprocess.run([sys.executable, "-c", code, str(ROOT / "bench")], capture_output=True, text=True,
+                           check=True)
+    assert float(child.stdout) < 100 < ballast.nbytes / 2**20
+
+
 def test_loss_check_flags_a_mismatched_first_loss(tiny_cells):
     cells = copy.deepcopy(tiny_cells)
     bad = next(c for c in cells if c["system"] == "ondevice")

@@ -3,9 +3,9 @@
 Run by the suite as ``python -m bench.cell --model gpt --system ortmodule --out cell.json``
 (one fresh process per cell, so its memory figures are its own). The cell builds the model
 (fixed seed) and its batches, measures the resident set size, then *prepares* the system
-(wrap / compile / export + artifacts + sessions) and runs step 0, then ``--warmup`` more
-steps, then ``--steps`` timed steps. A step is a full training step: forward, loss,
-backward and the AdamW update.
+(wrap / compile / export + artifacts + sessions) and runs step 0, then warm-up steps (at
+least ``--warmup`` of them and ``--warmup-s`` seconds), then ``--steps`` timed steps. A step
+is a full training step: forward, loss, backward and the AdamW update.
 
 Figures (all in the JSON):
 - ``step_times_s``: each timed step; ``median_step_s`` their median;
@@ -42,6 +42,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported:
 import numpy as np
 
 from bench import memory, models, package_versions, probe
+from bench.worker_loop import run_steps
 
 SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ortmodule_recompute", "ondevice", "upstream"]
 TORCH_SYSTEMS = ["eager", "eager_fused", "compile", "ortmodule", "ortmodule_recompute"]
@@ -232,6 +233,7 @@ def _worker_job(spec, batches, workdir: Path, args, model_path: Path, requires_g
     return {"model_path": str(model_path), "data_path": str(data_path), "n_batches": len(batches),
             "input_names": spec.input_names, "kind": spec.kind, "vocab": spec.vocab, "lr": spec.lr,
             "requires_grad": requires_grad, "frozen_params": frozen, "steps": args.steps, "warmup": args.warmup,
+            "warmup_s": args.warmup_s,
             "artifact_dir": str(artifact_dir)}
 
 
@@ -374,13 +376,8 @@ def run_cell(args) -> dict:
             result["phases_s"]["prepare"] = time.perf_counter() - ready
             losses = [step(0)]
             result["first_step_s"] = time.perf_counter() - ready
-            for i in range(1, 1 + args.warmup):
-                losses.append(step(i))
-            times = []
-            for i in range(1 + args.warmup, 1 + args.warmup + args.steps):
-                t0 = time.perf_counter()
-                losses.append(step(i))
-                times.append(time.perf_counter() - t0)
+            more, times, result["warmup_steps_run"] = run_steps(step, args.warmup, args.warmup_s, args.steps)
+            losses += more
             result.update(memory.peaks(result["rss_before_mb"]))
             take_probe()
         if "onnxtrain" in sys.modules:
@@ -401,7 +398,9 @@ def parse_args(argv=None):
     parser.add_argument("--model", required=True, help=f"one of {', '.join(models.SPECS)}")
     parser.add_argument("--system", required=True, choices=SYSTEMS)
     parser.add_argument("--steps", type=int, default=20, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after step 0")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps after step 0 (at least)")
+    parser.add_argument("--warmup-s", type=float, default=0.0,
+                        help="warm up for at least this many seconds too (bench.worker_loop.run_steps)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--count-flops", action="store_true", help="also count one eager step's FLOPs")
     parser.add_argument("--batch", type=int, default=None, help="override the model's batch size")

@@ -48,6 +48,24 @@ def _matmul_line(matmul: dict, threads: int) -> str:
             + (f" ({each} GFLOP/s)" if each else ""))
 
 
+def _warmup(settings: dict) -> str:
+    seconds = settings.get("warmup_s")
+    return (f"warm-up steps until at least {settings['warmup']} have run and {seconds:g} s have passed" if seconds
+            else f"{settings['warmup']} warm-up steps")
+
+
+def _more_rounds(settings: dict) -> str:
+    """`` (5 for mlp, cnn: steps of a few ms)`` for models that run more rounds than the suite's."""
+    more = settings.get("more_rounds") or {}
+    by_count: dict[int, list[str]] = {}
+    for model, extra in more.items():
+        by_count.setdefault(settings["rounds"] + extra, []).append(model)
+    if not by_count:
+        return ""
+    parts = "; ".join(f"{n} for {', '.join(ms)}" for n, ms in sorted(by_count.items()))
+    return f" ({parts}: steps of a few ms, where one slow spell of the host moves a cell's median)"
+
+
 def _load_probe_lines(probe: dict | None) -> list[str]:
     """The settings line on the load probe and the rounds it left out or added."""
     if not probe:
@@ -132,8 +150,9 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               f"- upstream: {meta.get('upstream') or 'not run'}",
               *([f"- **partial results: {settings['rounds_done']} of {settings['rounds']} rounds completed**"]
                 if settings.get("rounds_done", settings["rounds"]) < settings["rounds"] else []),
-              f"- settings: {settings['rounds']} rounds, {settings['steps']} timed steps after step 0 and "
-              f"{settings['warmup']} warm-up steps, {settings['threads']} threads, systems interleaved "
+              f"- settings: {settings['rounds']} rounds{_more_rounds(settings)}, {settings['steps']} timed steps "
+              f"after step 0 and "
+              f"{_warmup(settings)}, {settings['threads']} threads, systems interleaved "
               f"(round r runs every system once per model, order reversed on odd rounds)",
               *_load_probe_lines(meta.get("load_probe")),
               f"- wall time of the run: {meta.get('wall_s', 0) / 60:.1f} min",

@@ -10,7 +10,8 @@ and the report ``RESULTS.md`` (``bench/RESULTS.md`` when ``--out`` is the defaul
 
 Round ``r`` runs every selected system once per model (in the systems' order on even rounds,
 reversed on odd ones), so slow drift of a shared machine hits all systems alike; each figure is
-the median over rounds. Before the rounds it measures the peak matmul rate and, per model, the
+the median over rounds. Models with steps of a few milliseconds (``Spec.more_rounds``: the MLP
+and the CNN) run that many rounds more than ``--rounds``. Before the rounds it measures the peak matmul rate and, per model, the
 FLOPs of one eager training step, each in its own process.
 
 The machine is shared, and outside work sometimes takes a core for minutes. Every cell measures
@@ -46,9 +47,9 @@ ROOT = HERE.parent
 DEFAULT_OUT = HERE / "results"
 
 QUICK = {"models": ["mlp", "gpt"], "systems": ["eager", "ortmodule", "ondevice", "upstream"], "rounds": 2,
-         "steps": 10, "warmup": 2, "memory_cap_mb": 0, "extra_rounds": 0}
+         "steps": 10, "warmup": 2, "warmup_s": 0.5, "memory_cap_mb": 0, "extra_rounds": 0}
 # every system but the memory-optimized ORTModule, which the memory-cap search compares
-FULL = {"models": models.MAIN_MODELS, "systems": [s for s in SYSTEMS if s != "ortmodule_recompute"], "rounds": 3, "steps": 15, "warmup": 3,
+FULL = {"models": models.MAIN_MODELS, "systems": [s for s in SYSTEMS if s != "ortmodule_recompute"], "rounds": 3, "steps": 15, "warmup": 3, "warmup_s": 1.0,
         "memory_cap_mb": 2048, "extra_rounds": 3}
 CAPACITY_SYSTEMS = capacity.DEFAULT_SYSTEMS
 
@@ -78,11 +79,14 @@ def run_subprocess_json(cmd: list[str], out_file: Path, timeout: float, env: dic
 def run_cell(model: str, system: str, args, workdir: Path, env: dict, round_index: int | str = 0,
              count_flops: bool = False, batch: int | None = None, steps: int | None = None,
              warmup: int | None = None, loss_in_module: bool = False, load_probe: bool = False) -> dict:
+    """One cell in its own process. ``warmup`` given (the memory-cap search, the FLOP count): that
+    many warm-up steps and no more; else ``args.warmup`` steps and ``args.warmup_s`` seconds."""
     out_file = workdir / f"{model}-{system}-r{round_index}{'-flops' if count_flops else ''}.json"
     steps = 0 if count_flops else (args.steps if steps is None else steps)
+    warmup_s = args.warmup_s if warmup is None and not count_flops else 0.0
     warmup = 0 if count_flops else (args.warmup if warmup is None else warmup)
     cmd = [sys.executable, "-m", "bench.cell", "--model", model, "--system", system, "--steps", str(steps),
-           "--warmup", str(warmup), "--threads", str(args.threads), "--out", str(out_file),
+           "--warmup", str(warmup), "--warmup-s", str(warmup_s), "--threads", str(args.threads), "--out", str(out_file),
            "--timeout", str(args.timeout)]
     if count_flops:
         cmd.append("--count-flops")
@@ -197,7 +201,10 @@ def parse_args(argv=None):
     parser.add_argument("--systems", help=f"comma-separated, from {', '.join(SYSTEMS)}")
     parser.add_argument("--rounds", type=int)
     parser.add_argument("--steps", type=int, help="timed steps per cell")
-    parser.add_argument("--warmup", type=int, help="untimed steps after step 0")
+    parser.add_argument("--warmup", type=int, help="untimed steps after step 0 (at least)")
+    parser.add_argument("--warmup-s", type=float,
+                        help=f"and at least this many seconds of them (default {FULL['warmup_s']}, "
+                             f"{QUICK['warmup_s']} with --quick)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--k-losses", type=int, default=5, help="losses of the first K steps in the report")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="folder for results.json and speedup.png")
@@ -240,7 +247,7 @@ def parse_args(argv=None):
     unknown = [s for s in args.capacity_systems if s not in SYSTEMS or s == "upstream"]
     if unknown:
         parser.error(f"--capacity-systems: unknown or unsupported {unknown}")
-    for key in ("rounds", "steps", "warmup", "memory_cap_mb", "extra_rounds"):
+    for key in ("rounds", "steps", "warmup", "warmup_s", "memory_cap_mb", "extra_rounds"):
         if getattr(args, key) is None:
             setattr(args, key, preset[key])
     venv = upstream_venv(args.upstream_venv)
@@ -289,7 +296,8 @@ def main(argv=None) -> int:
                 print(f"  {model}: {flops[model] and flops[model] / 1e9:.2f} GFLOP per step", flush=True)
 
         cells = []
-        bar = tqdm(total=args.rounds * len(args.models) * len(args.systems), desc="cells", unit="cell")
+        planned = {model: args.rounds + models.get(model).more_rounds for model in args.models}
+        bar = tqdm(total=sum(planned.values()) * len(args.systems), desc="cells", unit="cell")
 
         def run_round(r: int, round_models: list[str]) -> None:
             for model in round_models:
@@ -307,8 +315,8 @@ def main(argv=None) -> int:
                               + (f", probe {probes} GFLOP/s)" if probes else ")"))
                     bar.update()
 
-        for r in range(args.rounds):
-            run_round(r, args.models)
+        for r in range(max(planned.values(), default=0)):
+            run_round(r, [model for model in args.models if r < planned[model]])
             if r + 1 < args.rounds:  # a run stopped later still leaves the rounds it completed
                 write_outputs(args, argv, cells, r + 1, matmul, flops, onnxtrain_at, started, start, loadavg_start,
                               out, report_path, quiet=True)
@@ -319,8 +327,9 @@ def main(argv=None) -> int:
             if not pending:
                 break
             bar.total += len(pending) * len(args.systems)
-            bar.write(f"  extra round {args.rounds + len(extra)} for {', '.join(pending)}: disturbed cells")
-            run_round(args.rounds + len(extra), pending)
+            index = max(planned[model] for model in pending) + len(extra)
+            bar.write(f"  extra round {index} for {', '.join(pending)}: disturbed cells")
+            run_round(index, pending)
             extra.append(pending)
         bar.close()
         capacity_result = capacity_search(args, workdir, env) if args.memory_cap_mb else None
@@ -370,7 +379,9 @@ def write_outputs(args, argv, cells, rounds_done, matmul, flops, onnxtrain_at, s
             "onnxtrain_path": onnxtrain_path, "onnxtrain_commit": onnxtrain_commit,
             "onnxtrain_snapshot": not args.no_snapshot,
             "settings": {"models": args.models, "systems": args.systems, "rounds": args.rounds,
-                         "rounds_done": rounds_done, "steps": args.steps, "warmup": args.warmup,
+                         "more_rounds": {m: models.get(m).more_rounds for m in args.models
+                                         if models.get(m).more_rounds},
+                         "rounds_done": rounds_done, "steps": args.steps, "warmup": args.warmup, "warmup_s": args.warmup_s,
                          "threads": args.threads, "k_losses": args.k_losses, "loss_rtol": analysis.LOSS_RTOL,
                          "memory_cap_mb": args.memory_cap_mb},
             "matmul": matmul, "flops_per_step": flops,

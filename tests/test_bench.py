@@ -67,6 +67,25 @@ def test_worker_systems_report_their_worker_process_without_torch(tiny_cells):
             assert c["rss_before_mb"] < 200 and c["peak_increase_mb"] < 150, (c["system"], c["rss_before_mb"])
 
 
+def test_warm_up_runs_for_its_count_and_its_seconds():
+    import time
+
+    from bench.worker_loop import run_steps
+
+    seen = []
+
+    def step(i):
+        seen.append(i)
+        time.sleep(0.01)
+        return float(i)
+
+    losses, times, warmup = run_steps(step, warmup=2, warmup_s=0.08, steps=3)
+    assert warmup >= 8 and seen == list(range(1, warmup + 4)) and losses == [float(i) for i in seen]
+    assert len(times) == 3 and all(t >= 0.01 for t in times)
+    seen.clear()
+    assert run_steps(step, warmup=2, warmup_s=0.0, steps=1)[2] == 2 and seen == [1, 2, 3]
+
+
 def test_peak_rss_of_a_child_process_is_its_own():
     """``ru_maxrss`` of a process started from a big parent starts at the parent's size; the
     suite's peak (VmHWM) does not."""

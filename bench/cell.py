@@ -214,14 +214,10 @@ def run_ondevice(spec, model, batches, workdir, args, info) -> dict:
     export_s = time.perf_counter() - t0
     job = _worker_job(spec, batches, workdir, args, model_path, requires_grad, frozen=[],
                       artifact_dir=workdir / "artifacts")
-    result = _run_worker([sys.executable, str(ONDEVICE_WORKER)], job, workdir, dict(os.environ), args, "on-device")
-    result["phases_s"] = {"export": export_s, **result.get("phases_s", {})}
-    result["first_step_s"] = export_s + result["first_step_s"]
-    result["notes"] = ["exported here (torch.onnx.export, dynamo); onnxtrain artifacts (OptimType.AdamW: upstream's "
+    return _run_worker([sys.executable, str(ONDEVICE_WORKER)], job, workdir, dict(os.environ), args, export_s,
+                       "exported here (torch.onnx.export, dynamo); onnxtrain artifacts (OptimType.AdamW: upstream's "
                        "AdamW) generated and trained with onnxtrain.api in a worker process without torch, as "
-                       "upstream's; memory figures are the worker's; first_step_s includes the export",
-                       *result.get("notes", [])]
-    return result
+                       "upstream's; memory figures are the worker's; first_step_s includes the export")
 
 
 def _worker_job(spec, batches, workdir: Path, args, model_path: Path, requires_grad: list[str], frozen: list[str],
@@ -237,18 +233,23 @@ def _worker_job(spec, batches, workdir: Path, args, model_path: Path, requires_g
             "artifact_dir": str(artifact_dir)}
 
 
-def _run_worker(command: list[str], job: dict, workdir: Path, env: dict, args, what: str) -> dict:
-    """Run an on-device worker on ``job`` with ``args.threads`` OpenMP threads; its result."""
+def _run_worker(command: list[str], job: dict, workdir: Path, env: dict, args, export_s: float, note: str) -> dict:
+    """Run an on-device worker on ``job`` with ``args.threads`` OpenMP threads; its result, with
+    the cell's export (``export_s``) added to the first step and ``note`` to the notes."""
+    what = Path(command[-1]).stem
     job_path, result_path = workdir / "job.json", workdir / "worker_result.json"
     job_path.write_text(json.dumps(job))
     env["OMP_NUM_THREADS"] = str(args.threads)
     proc = subprocess.run([*command, str(job_path), str(result_path)], capture_output=True, text=True, env=env,
                           timeout=args.timeout)
     if not result_path.exists():
-        raise RuntimeError(f"{what} worker exited {proc.returncode} without a result: {proc.stderr[-3000:]}")
+        raise RuntimeError(f"{what} exited {proc.returncode} without a result: {proc.stderr[-3000:]}")
     result = json.loads(result_path.read_text())
     if result.get("status") != "ok":
         raise RuntimeError(f"{what}: {result.get('error')}")
+    result["phases_s"] = {"export": export_s, **result.get("phases_s", {})}
+    result["first_step_s"] = export_s + result["first_step_s"]
+    result["notes"] = [note, *result.get("notes", [])]
     return result
 
 
@@ -296,14 +297,10 @@ def run_upstream(spec, model, batches, workdir, args, info) -> dict:
     job = _worker_job(spec, batches, workdir, args, model_path, params, frozen=running,
                       artifact_dir=workdir / "upstream_artifacts")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-    result = _run_worker([str(venv / "bin" / "python"), str(UPSTREAM_WORKER)], job, workdir, env, args, "upstream")
-    result["phases_s"] = {"export": export_s, **result.get("phases_s", {})}
-    result["first_step_s"] = export_s + result["first_step_s"]
-    result["notes"] = ["exported in the main environment (TorchScript exporter, opset 14, training mode); "
+    return _run_worker([str(venv / "bin" / "python"), str(UPSTREAM_WORKER)], job, workdir, env, args, export_s,
+                       "exported in the main environment (TorchScript exporter, opset 14, training mode); "
                        "trained in the upstream virtualenv; memory figures are the worker process's "
-                       "(no torch in it); first_step_s includes the export",
-                       *result.get("notes", [])]
-    return result
+                       "(no torch in it); first_step_s includes the export")
 
 
 PREPARE = {"eager": prepare_eager, "eager_fused": prepare_eager_fused, "compile": prepare_compile, "ortmodule": prepare_ortmodule,

@@ -151,8 +151,7 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               *([f"- **partial results: {settings['rounds_done']} of {settings['rounds']} rounds completed**"]
                 if settings.get("rounds_done", settings["rounds"]) < settings["rounds"] else []),
               f"- settings: {settings['rounds']} rounds{_more_rounds(settings)}, {settings['steps']} timed steps "
-              f"after step 0 and "
-              f"{_warmup(settings)}, {settings['threads']} threads, systems interleaved "
+              f"after step 0 and {_warmup(settings)}, {settings['threads']} threads, systems interleaved "
               f"(round r runs every system once per model, order reversed on odd rounds)",
               *_load_probe_lines(meta.get("load_probe")),
               f"- wall time of the run: {meta.get('wall_s', 0) / 60:.1f} min",

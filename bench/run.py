@@ -11,8 +11,8 @@ and the report ``RESULTS.md`` (``bench/RESULTS.md`` when ``--out`` is the defaul
 Round ``r`` runs every selected system once per model (in the systems' order on even rounds,
 reversed on odd ones), so slow drift of a shared machine hits all systems alike; each figure is
 the median over rounds. Models with steps of a few milliseconds (``Spec.more_rounds``: the MLP
-and the CNN) run that many rounds more than ``--rounds``. Before the rounds it measures the peak matmul rate and, per model, the
-FLOPs of one eager training step, each in its own process.
+and the CNN) run that many rounds more than ``--rounds``. Before the rounds it measures the peak
+matmul rate and, per model, the FLOPs of one eager training step, each in its own process.
 
 The machine is shared, and outside work sometimes takes a core for minutes. Every cell measures
 a short matmul burst before and after its steps (``bench.probe.load_probe``); a cell whose probe
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
             if not pending:
                 break
             bar.total += len(pending) * len(args.systems)
-            index = max(planned[model] for model in pending) + len(extra)
+            index = max(planned.values()) + len(extra)  # past every model's planned rounds: unique
             bar.write(f"  extra round {index} for {', '.join(pending)}: disturbed cells")
             run_round(index, pending)
             extra.append(pending)

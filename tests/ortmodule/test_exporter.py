@@ -74,3 +74,99 @@ def test_internal_api_that_differs_is_not_used(monkeypatch):
     model = torch.nn.Linear(4, 3)
     program = _exporter.export_program(model, (torch.randn(5, 4),), None, translation_table())
     assert [n.op_type for n in program.model.graph]
+
+
+# Run in a fresh interpreter: whether torchlib's functions are compiled at import or deferred is
+# decided by whichever import of torchlib comes first in a process.
+_TORCHLIB_FUNCTIONS_SCRIPT = """
+import pickle, sys
+import onnxscript
+import torch
+if sys.argv[1] == "deferred":
+    from onnxtrain.torch import _exporter
+    _exporter.torchlib_functions(20)
+    assert onnxscript.script is onnxscript._internal.main.script  # restored after the import
+else:
+    import onnxscript.function_libs.torch_lib.ops
+from onnxscript.function_libs.torch_lib import registration
+import dataclasses
+
+
+def comparable(value):  # a signature's type constraints are sets: their str() order varies by process
+    if dataclasses.is_dataclass(value):
+        return tuple((f.name, comparable(getattr(value, f.name))) for f in dataclasses.fields(value))
+    if isinstance(value, dict):
+        return tuple((str(k), comparable(v)) for k, v in value.items())
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(str(comparable(v)) for v in value))
+    if isinstance(value, (list, tuple)):
+        return tuple(comparable(v) for v in value)
+    return str(value)
+
+
+scripted = {f"{name}#{i}": f for name, overloads in registration.default_registry.items()
+            for i, f in enumerate(overloads.overloads + overloads.complex) if isinstance(f, onnxscript.OnnxFunction)}
+deferred = {key: "_compile_deferred" in f.__dict__ for key, f in scripted.items()}  # before any compiles
+functions = {key: (deferred[key], f.__name__, f.name, f.opset.version, f.function_ir.domain, comparable(f.op_signature),
+                   f.to_function_proto().SerializeToString()) for key, f in scripted.items()}
+pickle.dump(functions, sys.stdout.buffer)
+"""
+
+
+def _torchlib_functions_in_fresh_process(mode: str) -> dict:
+    import pickle
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _TORCHLIB_FUNCTIONS_SCRIPT, mode], capture_output=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return pickle.loads(done.stdout)
+
+
+def test_deferred_torchlib_functions_compile_to_what_the_import_compiles():
+    """Every scripted torchlib function the exporter's registry holds, compiled on first use,
+    is the function onnxscript compiles at import: same name, opset, signature and FunctionProto."""
+    deferred = _torchlib_functions_in_fresh_process("deferred")
+    compiled = _torchlib_functions_in_fresh_process("compiled")
+    assert len(compiled) > 20
+    assert sorted(deferred) == sorted(compiled)
+    assert all(entry[0] for entry in deferred.values())  # they were deferred until read here
+    assert not any(entry[0] for entry in compiled.values())
+    assert {k: v[1:] for k, v in deferred.items()} == {k: v[1:] for k, v in compiled.items()}
+
+
+def test_scripting_deferred_restores_onnxscript_script_when_the_import_fails(monkeypatch):
+    import sys
+
+    import onnxscript
+
+    original = onnxscript.script
+    monkeypatch.delitem(sys.modules, _exporter.TORCHLIB_OPS_MODULE, raising=False)
+    with pytest.raises(RuntimeError, match="import failed"):
+        with _exporter.scripting_deferred():
+            assert onnxscript.script is not original
+            raise RuntimeError("import failed")
+    assert onnxscript.script is original
+    # once torchlib is imported, nothing is swapped
+    monkeypatch.setitem(sys.modules, _exporter.TORCHLIB_OPS_MODULE, object())
+    with _exporter.scripting_deferred():
+        assert onnxscript.script is original
+
+
+def test_a_deferred_function_that_fails_to_compile_raises_on_every_use():
+    calls = []
+
+    def broken(python_function):
+        calls.append(python_function)
+        raise SyntaxError("not onnxscript")
+
+    def python_function(x):
+        """doc"""
+        return x
+
+    deferred = _exporter._deferred_function_class()(python_function, broken)
+    assert deferred.__name__ == "python_function" and deferred.__doc__ == "doc"
+    for _ in range(2):
+        with pytest.raises(SyntaxError):
+            deferred.function_ir  # noqa: B018
+    assert calls == [python_function, python_function]

@@ -405,6 +405,54 @@ def test_unsupported_op_raises_when_fallback_is_off():
         wrapped(torch.randn(4, 6)).sum().backward()
 
 
+@pytest.mark.parametrize("fallback", [False, True])
+def test_numpy_inputs_are_rejected_with_the_argument_named(fallback):
+    """A numpy array would be baked into the graph as a constant (and key the cache by its
+    elided repr); the error names it, fallback or not, and nothing is exported."""
+    import numpy as np
+
+    from onnxtrain.errors import InputMismatchError
+
+    class TwoInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 2)
+
+        def forward(self, x, extra=None):
+            return self.linear(x) + extra["shift"][1]
+
+    wrapped = ORTModule(TwoInputs(), DebugOptions(fallback=fallback))
+    with pytest.raises(InputMismatchError, match=r"positional argument \[0\] is a numpy.ndarray \(shape \[2, 3\]"):
+        wrapped(np.zeros((2, 3), np.float32), extra={"shift": [0, torch.ones(2)]})
+    with pytest.raises(InputMismatchError, match=r"keyword argument \['extra'\]\['shift'\]\[1\] is a numpy"):
+        wrapped(torch.zeros(2, 3), extra={"shift": [0, np.ones(2)]})
+    assert wrapped.export_count == 0 and wrapped.fallback_reason is None
+    out = wrapped(torch.zeros(2, 3), extra={"shift": [0, torch.ones(2)]})
+    _assert_close(out, (wrapped.module.linear.bias + 1).expand(2, 2), "output")
+
+
+def test_an_export_that_did_not_trace_the_forward_is_an_export_error(monkeypatch):
+    """Should the exporter return a graph without having run the module's forward (one of its
+    fallback capture strategies), its outputs cannot be matched: ExportError, then fallback."""
+    from onnxtrain.errors import ExportError
+    from onnxtrain.torch import _export
+
+    real = _export.export_program
+
+    def untraced(module, args, dynamic_shapes, translations):
+        program = real(module, args, dynamic_shapes, translations)
+        module.traced_outputs.clear()
+        return program
+
+    monkeypatch.setattr(_export, "export_program", untraced)
+    with pytest.raises(ExportError, match="did not trace MLP's forward"):
+        ORTModule(MLP(), STRICT)(torch.randn(3, 12))
+    wrapped = ORTModule(MLP())
+    with pytest.warns(ORTModuleFallbackWarning, match="did not trace"):
+        out = wrapped(torch.randn(3, 12))
+    assert out.shape == (3, 5) and "did not trace" in wrapped.fallback_reason
+
+
 def test_save_onnx_writes_every_stage(tmp_path):
     torch.manual_seed(0)
     wrapped = ORTModule(MLP(), DebugOptions(save_onnx=True, onnx_prefix="mlp", save_path=tmp_path, fallback=False))

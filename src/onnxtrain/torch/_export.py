@@ -22,11 +22,12 @@ import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx_ir as ir
 import torch
 from torch.utils import _pytree as pytree
 
-from onnxtrain.errors import ExportError
+from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.passes import pipeline
 from onnxtrain.torch._exporter import export_program
 from onnxtrain.torch._translations import translation_table
@@ -95,8 +96,28 @@ class FlatCall:
         return pytree.tree_unflatten(leaves, self.spec)
 
 
+def _reject_arrays(leaves: list, args: tuple, kwargs: dict) -> None:
+    """Raise ``InputMismatchError`` naming the first numpy array among a call's leaves.
+
+    A non-tensor argument is baked into the graph as a constant and keys the graph cache by
+    its value, which for an array means stale results (its repr, the key, elides the middle
+    of large arrays) or an export per batch: data must come as torch tensors.
+    """
+    if not any(isinstance(leaf, np.ndarray) for leaf in leaves):
+        return
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, np.ndarray):
+            where = pytree.keystr(path[1:])
+            what = f"positional argument {where}" if path[0].idx == 0 else f"keyword argument {where}"
+            raise InputMismatchError(
+                f"ORTModule's inputs must be torch tensors: {what} is a numpy.ndarray "
+                f"(shape {list(leaf.shape)}, {leaf.dtype}); pass torch.from_numpy(array)")
+
+
 def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall:
+    """The call ``module(*args, **kwargs)`` flattened; ``InputMismatchError`` for numpy arrays."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
+    _reject_arrays(leaves, args, kwargs)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     tensors = [leaves[i] for i in positions]
     tensor_positions = set(positions)
@@ -247,6 +268,11 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     except Exception as exc:  # the exporter raises many types; the reason is in the message
         raise export_failure(f"torch.onnx.export could not export {type(module).__name__}", exc) from exc
 
+    if not wrapper.traced_outputs:
+        # the exporter got its graph without running the forward as written (one of its fallback
+        # capture strategies): its inputs and outputs cannot be matched to the call's
+        raise ExportError(f"torch.onnx.export did not trace {type(module).__name__}'s forward for this call "
+                          f"({len(call.tensors)} tensor arguments)")
     model = program.model
     exported_copy = ir.from_proto(ir.to_proto(model)) if keep_exported else None
     graph = model.graph

@@ -170,3 +170,34 @@ def test_a_deferred_function_that_fails_to_compile_raises_on_every_use():
         with pytest.raises(SyntaxError):
             deferred.function_ir  # noqa: B018
     assert calls == [python_function, python_function]
+
+
+def test_a_deferred_function_compiles_once_when_two_threads_first_use_it_together():
+    import threading
+    import time
+
+    calls = []
+
+    class Compiled:
+        pass
+
+    def compile_slowly(python_function):
+        calls.append(python_function)
+        time.sleep(0.2)  # the second thread asks meanwhile
+        compiled = Compiled()
+        compiled.function_ir = "ir"
+        return compiled
+
+    def python_function(x):
+        return x
+
+    deferred = _exporter._deferred_function_class()(python_function, compile_slowly)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(deferred.function_ir)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == ["ir", "ir"] and calls == [python_function]
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        deferred.missing  # noqa: B018

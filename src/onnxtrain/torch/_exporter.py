@@ -26,6 +26,7 @@ import functools
 import inspect
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -92,19 +93,26 @@ def _deferred_function_class():
         def __init__(self, python_function: Callable, compile_function: Callable[[Callable], object]):
             # no OnnxFunction.__init__: that is the compilation being deferred
             self.__dict__["_compile_deferred"] = lambda: compile_function(python_function)
+            # exports in two threads may first use the same function together: one compiles it
+            self.__dict__["_compile_lock"] = threading.RLock()
             functools.update_wrapper(self, python_function)
 
         def __getattr__(self, name: str):
-            compile_deferred = self.__dict__.pop("_compile_deferred", None)
-            if compile_deferred is None:
-                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            try:
-                compiled = compile_deferred()
-            except BaseException:
-                self.__dict__["_compile_deferred"] = compile_deferred  # raise again on the next use
-                raise
-            self.__dict__.update(compiled.__dict__)
-            return getattr(self, name)
+            lock = self.__dict__.get("_compile_lock")
+            if lock is not None:
+                with lock:
+                    compile_deferred = self.__dict__.pop("_compile_deferred", None)
+                    if compile_deferred is not None:
+                        try:
+                            compiled = compile_deferred()
+                        except BaseException:
+                            self.__dict__["_compile_deferred"] = compile_deferred  # raise again on the next use
+                            raise
+                        self.__dict__.update(compiled.__dict__)
+            try:  # not getattr: an attribute the compiled function lacks must not come back here
+                return object.__getattribute__(self, name)
+            except AttributeError:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}") from None
 
     return DeferredOnnxFunction
 

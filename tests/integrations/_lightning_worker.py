@@ -139,6 +139,10 @@ def main(rank: int, world_size: int, workdir: Path) -> None:
         if wrap:
             results[label].update(export_count=run["export_count"], fallback_reason=run["fallback_reason"])
     torch.save(results, workdir / f"rank{rank}.pt")
+    # Lightning leaves its gloo process group to the interpreter's exit, where gloo's threads can
+    # abort the process ("terminate called without an active exception", pytorch/pytorch#190489)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -79,6 +79,16 @@ def test_denormals_flushed_sets_the_flags_for_the_block_only():
         assert not thread_flushes_denormals()
 
 
+def test_denormals_flushed_restores_the_flags_when_the_block_raises_and_can_be_reused():
+    flushing = denormals_flushed()
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="run failed"):
+            with flushing:
+                assert thread_flushes_denormals()
+                raise RuntimeError("run failed")
+        assert not thread_flushes_denormals()
+
+
 def test_flags_set_natively_without_torch_on_linux():
     """On x86-64 and arm64 Linux the C library sets the flags, so the runtime needs no PyTorch."""
     if sys.platform != "linux":

@@ -75,6 +75,25 @@ class _FloatingPointMode:
         if self._set(ctypes.byref(mode)) != 0:
             raise OSError("fesetmode failed")
 
+    def flush_unless_flushing(self):
+        """Set the flush bits unless one of them is set already; the mode to restore afterwards,
+        or None when nothing was changed (two C calls: this runs around every session run)."""
+        saved = self._layout()
+        if self._get(ctypes.byref(saved)) != 0:
+            raise OSError("fegetmode failed")
+        register = getattr(saved, self._field)
+        if register & self._bits:
+            return None
+        mode = self._layout.from_buffer_copy(saved)
+        setattr(mode, self._field, register | self._bits)
+        if self._set(ctypes.byref(mode)) != 0:
+            raise OSError("fesetmode failed")
+        return saved
+
+    def restore(self, saved) -> None:
+        if self._set(ctypes.byref(saved)) != 0:
+            raise OSError("fesetmode failed")
+
 
 @functools.cache
 def _native_mode() -> _FloatingPointMode | None:
@@ -135,16 +154,32 @@ def ask_for_flushing(options: ort.SessionOptions) -> ort.SessionOptions:
     return options
 
 
-@contextlib.contextmanager
-def denormals_flushed(enabled: bool = True):
-    """FTZ/DAZ on the calling thread for the ``with`` block (if ``enabled``); its flags as before afterwards."""
-    if not enabled or thread_flushes_denormals() or not _set_thread_flush(True):
-        yield
-        return
-    try:
-        yield
-    finally:
-        _set_thread_flush(False)
+class denormals_flushed:  # noqa: N801  (used as a function: ``with denormals_flushed(): ...``)
+    """FTZ/DAZ on the calling thread for the ``with`` block (if ``enabled``); its flags as before
+    afterwards. Nothing changes where either flag is set already."""
+
+    __slots__ = ("_enabled", "_restore")
+
+    def __init__(self, enabled: bool = True):
+        self._enabled = enabled
+        self._restore = None
+
+    def __enter__(self):
+        if not self._enabled:
+            return self
+        native = _native_mode()
+        if native is not None:  # the common case, in two C calls
+            saved = native.flush_unless_flushing()
+            if saved is not None:
+                self._restore = functools.partial(native.restore, saved)
+        elif not thread_flushes_denormals() and _set_thread_flush(True):
+            self._restore = functools.partial(_set_thread_flush, False)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        restore, self._restore = self._restore, None
+        if restore is not None:
+            restore()
 
 
 @contextlib.contextmanager

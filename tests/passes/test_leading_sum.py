@@ -68,3 +68,39 @@ def test_a_summed_graph_output_keeps_its_name_and_double_is_rewritten():
 def test_integer_sums_are_left_alone():
     original = model_of(_sum([0, 1], 0, 18), [("x", [8, 16, 4])], ["out"], elem=TensorProto.INT64)
     assert not LeadingAxesSumPass()(io.load_model(original)).modified
+
+
+def test_sums_over_the_same_symbolic_rows_share_one_row_of_ones():
+    """The rows are read off a graph input carrying the symbolic dims, so the sums' rows of ones
+    are the same nodes, which the cleanup after autodiff merges into one."""
+    from onnxtrain.passes import pipeline
+
+    axes = helper.make_tensor("axes_value", TensorProto.INT64, [2], [0, 1])
+    nodes = [helper.make_node("Constant", [], ["axes"], value=axes), helper.make_node("Mul", ["y", "y"], ["y2"]),
+             helper.make_node("ReduceSum", ["x", "axes"], ["sx"], keepdims=0),
+             helper.make_node("ReduceSum", ["y2", "axes"], ["sy"], keepdims=0)]
+    original = model_of(nodes, [("x", ["B", "T", 24]), ("y", ["B", "T", 8])], ["sx", "sy"])
+    model = io.load_model(original)
+    for p in pipeline.after_autodiff():
+        p(model)
+    ops = [n.op_type for n in model.graph]
+    assert ops.count("MatMul") == 2 and ops.count("ConstantOfShape") == 1 and ops.count("ReduceProd") == 1
+    rng = np.random.default_rng(2)
+    feeds = {"x": rng.standard_normal([3, 5, 24]).astype(np.float32), "y": rng.standard_normal([3, 5, 8]).astype(np.float32)}
+    for got, expected in zip(run(io.to_proto(model), feeds), run(original, feeds)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_leading_dim_no_graph_input_carries_is_read_off_the_summed_tensor():
+    shape = helper.make_tensor("flat", TensorProto.INT64, [2], [-1, 24])
+    nodes = [helper.make_node("Constant", [], ["flat_shape"], value=shape),
+             helper.make_node("Reshape", ["x", "flat_shape"], ["rows"]), *_sum([0], 0, 18, x="rows")]
+    original = model_of(nodes, [("x", ["B", 4, 24])], ["out"])
+    original.graph.value_info.append(helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["N", 24]))
+    model = io.load_model(original)
+    assert LeadingAxesSumPass()(model).modified
+    shapes = [n for n in model.graph if n.op_type == "Shape"]
+    assert [n.inputs[0].name for n in shapes] == ["rows"]
+    x = np.random.default_rng(3).standard_normal([3, 4, 24]).astype(np.float32)
+    (got,) = run(io.to_proto(model), {"x": x})
+    np.testing.assert_allclose(got, x.reshape(-1, 24).sum(0), rtol=1e-5, atol=1e-5)

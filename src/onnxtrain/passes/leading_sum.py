@@ -11,8 +11,10 @@ against 0.084 ms, and the bench's 4-layer GPT has 36 such sums per step. This pa
     ReduceSum(x, axes=[0, .., k-1])  ->  Reshape(MatMul(ones[1, rows], Reshape(x, [-1, cols])), out_shape)
 
 for float and double ``x`` whose trailing dims (after the ``k`` summed ones) are static; the
-leading dims may be symbolic, then the row of ones is built from ``Shape(x)`` at run time
-(opset 15+). The result is standard ONNX, so artifacts keep running on any onnxruntime. The
+leading dims may be symbolic, then the row of ones is built at run time (opset 15+) from the
+shapes of the graph inputs that carry those dims, so that every sum over the same rows builds
+the same nodes and the cleanup merges them (a dynamic-batch GPT training graph: 760 -> 664
+nodes), or from ``Shape(x)`` where no input carries one. The result is standard ONNX, so artifacts keep running on any onnxruntime. The
 sum's order differs (GEMM accumulates in blocks), so results match ReduceSum's to float
 rounding, not bit for bit.
 """
@@ -86,7 +88,10 @@ def _rewrite(graph: ir.Graph, node: ir.Node, k: int, rows: int | None, cols: int
     if rows is not None:
         ones = add("Constant", [], attributes={"value": ir.tensor(np.ones([1, rows], dtype=np_dtype))})
     else:
-        row_count = add("ReduceProd", [add("Shape", [x], attributes={"end": k})], attributes={"keepdims": 1})
+        dims = _dims_from_graph_inputs(graph, list(x.shape)[:k], add, ints)
+        if dims is None:  # a leading dim no graph input carries: read it off x
+            dims = add("Shape", [x], attributes={"end": k})
+        row_count = add("ReduceProd", [dims], attributes={"keepdims": 1})
         ones_shape = add("Concat", [ints([1]), row_count], attributes={"axis": 0})
         ones = add("ConstantOfShape", [ones_shape], attributes={"value": ir.tensor(np.ones([1], dtype=np_dtype))})
     matrix = add("Reshape", [x, ints([-1, cols])])
@@ -95,3 +100,27 @@ def _rewrite(graph: ir.Graph, node: ir.Node, k: int, rows: int | None, cols: int
     summed = add("Reshape", [product, ints(out_shape)])
     summed.type, summed.shape = out.type, ir.Shape(out_shape)
     replace_nodes_and_values(graph, node, [node], new_nodes.nodes, [out], [summed])
+
+
+def _dims_from_graph_inputs(graph: ir.Graph, lead: list, add, ints) -> ir.Value | None:
+    """``lead``'s sizes as a 1-D int64 tensor read off the graph's inputs (static dims as
+    constants, each named symbolic dim from the first input that carries it), or None if one is
+    on no input. Sums over the same leading dims then build the same nodes from the same
+    values, which common-subexpression elimination merges into one row of ones per graph (a
+    GPT training graph has ~30 such sums over ``[batch, seq]``); and those nodes read graph
+    inputs only, so they can run before any sum needs them."""
+    carriers: dict[str, tuple[ir.Value, int]] = {}
+    for value in graph.inputs:
+        for axis, dim in enumerate(value.shape or ()):
+            if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
+                carriers.setdefault(dim.value, (value, axis))
+    pieces = []
+    for dim in lead:
+        if isinstance(dim, int):
+            pieces.append(ints([dim]))
+        elif isinstance(dim, ir.SymbolicDim) and dim.value in carriers:
+            value, axis = carriers[dim.value]
+            pieces.append(add("Shape", [value], attributes={"start": axis, "end": axis + 1}))
+        else:
+            return None
+    return pieces[0] if len(pieces) == 1 else add("Concat", pieces, attributes={"axis": 0})

@@ -14,9 +14,9 @@ for float and double ``x`` whose trailing dims (after the ``k`` summed ones) are
 leading dims may be symbolic, then the row of ones is built at run time (opset 15+) from the
 shapes of the graph inputs that carry those dims, so that every sum over the same rows builds
 the same nodes and the cleanup merges them (a dynamic-batch GPT training graph: 760 -> 664
-nodes), or from ``Shape(x)`` where no input carries one. The result is standard ONNX, so artifacts keep running on any onnxruntime. The
-sum's order differs (GEMM accumulates in blocks), so results match ReduceSum's to float
-rounding, not bit for bit.
+nodes), or from ``Shape(x)`` where no input carries one. The result is standard ONNX, so
+artifacts keep running on any onnxruntime. The sum's order differs (GEMM accumulates in
+blocks), so results match ReduceSum's to float rounding, not bit for bit.
 """
 
 from __future__ import annotations

@@ -66,33 +66,34 @@ class _FloatingPointMode:
         self._get, self._set = libm.fegetmode, libm.fesetmode
         self._layout, self._field, self._bits = layout, field, bits
 
-    def set_flush(self, enabled: bool) -> None:
+    def _read(self):
         mode = self._layout()
         if self._get(ctypes.byref(mode)) != 0:
             raise OSError("fegetmode failed")
-        register = getattr(mode, self._field)
-        setattr(mode, self._field, register | self._bits if enabled else register & ~self._bits)
+        return mode
+
+    def restore(self, mode) -> None:
+        """Make ``mode`` (one :meth:`flush_unless_flushing` returned) the thread's mode again."""
         if self._set(ctypes.byref(mode)) != 0:
             raise OSError("fesetmode failed")
+
+    def set_flush(self, enabled: bool) -> None:
+        mode = self._read()
+        register = getattr(mode, self._field)
+        setattr(mode, self._field, register | self._bits if enabled else register & ~self._bits)
+        self.restore(mode)
 
     def flush_unless_flushing(self):
         """Set the flush bits unless one of them is set already; the mode to restore afterwards,
         or None when nothing was changed (two C calls: this runs around every session run)."""
-        saved = self._layout()
-        if self._get(ctypes.byref(saved)) != 0:
-            raise OSError("fegetmode failed")
+        saved = self._read()
         register = getattr(saved, self._field)
         if register & self._bits:
             return None
         mode = self._layout.from_buffer_copy(saved)
         setattr(mode, self._field, register | self._bits)
-        if self._set(ctypes.byref(mode)) != 0:
-            raise OSError("fesetmode failed")
+        self.restore(mode)
         return saved
-
-    def restore(self, saved) -> None:
-        if self._set(ctypes.byref(saved)) != 0:
-            raise OSError("fesetmode failed")
 
 
 @functools.cache

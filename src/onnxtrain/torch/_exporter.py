@@ -79,7 +79,7 @@ TORCHLIB_OPS_MODULE = "onnxscript.function_libs.torch_lib.ops"
 def _deferred_function_class():
     """``onnxscript.OnnxFunction`` that compiles its Python function on first use.
 
-    Importing torchlib compiles ~50 functions with ``onnxscript.script`` (parsing their source
+    Importing torchlib compiles ~60 functions with ``onnxscript.script`` (parsing their source
     and translating it: ~0.2 s of the ~0.3 s import), though an export calls a handful of them
     at most. An instance of this class stands in for the compiled function: it is an
     ``OnnxFunction`` (``isinstance`` holds), carries the Python function's name and docstring,

@@ -129,3 +129,32 @@ def test_the_calling_threads_flags_stay_as_the_user_set_them(user_setting, tmp_p
     assert flushes == expected      # the thread's flags after sessions were created and run
     assert own_flushed == expected  # the user's own numpy arithmetic, as the user set it
     assert ran == "True"
+
+
+_FIRST_SESSION_CHECK = """
+import sys
+from onnxtrain.runtime.denormals import denormals_flushed, thread_flushes_denormals
+from onnxtrain.runtime.session import create_session, quiet_session_options
+from tests.api.test_denormals import _tiny_model_bytes
+with denormals_flushed():
+    create_session(_tiny_model_bytes(), ["CPUExecutionProvider"], quiet_session_options())
+    print(thread_flushes_denormals())
+"""
+
+
+def _tiny_model_bytes() -> bytes:
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString()
+
+
+def test_a_first_session_not_asking_leaves_the_users_flushing_on():
+    """The process's first session sets the creating thread's flags as its options say, off
+    included: creating it must not take the user's flushing away."""
+    done = subprocess.run([sys.executable, "-c", _FIRST_SESSION_CHECK], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "True"

@@ -180,7 +180,8 @@ class Module:
         self._eval_model_uri = None if eval_model_uri is None else os.fspath(eval_model_uri)
         self._eval_session = self._eval = None
         if eval_model_uri is not None:
-            self._eval_session = create_session(eval_model_uri, self._providers, session_options, "eval model")
+            self._eval_session = create_session(fusions.session_model(eval_model_uri, self._providers, gated_add=False),
+                                                self._providers, session_options, "eval model")
             self._eval = _Signature(self._eval_session, state, training=False, what="eval model")
         if self._train.loss_scaled:  # dynamic loss scale state lives in the state's properties
             state._properties.setdefault(names.LOSS_SCALE, self._train.initial_loss_scale)

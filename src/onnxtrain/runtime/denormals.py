@@ -185,10 +185,11 @@ class denormals_flushed:  # noqa: N801  (used as a function: ``with denormals_fl
 
 @contextlib.contextmanager
 def creating_thread_kept():
-    """Restore the calling thread's flags after a session creation that may have set them."""
+    """Restore the calling thread's flags after a session creation that may have changed them
+    (the process's first session sets them as its own options say, on or off)."""
     before = thread_flushes_denormals()
     try:
         yield
     finally:
-        if not before and thread_flushes_denormals():
-            _set_thread_flush(False)
+        if thread_flushes_denormals() != before:
+            _set_thread_flush(before)

@@ -63,9 +63,10 @@ TRAINING_CPU_DISABLED_ORT_OPTIMIZERS = ["MatMulAddFusion"]
 
 def _session_bytes(model: ir.Model, providers: list) -> bytes:
     """The model's bytes for a session on ``providers``: on the CPU provider, with the Conv weight
-    gradients' patches gathered by a grouped Conv (``onnxtrain.runtime.fusions``), in a copy (the
-    graph ORTModule keeps, saves and estimates stays in standard ops)."""
-    if fusions.applies_to(providers) and fusions.has_patches(model):
+    gradients' patches gathered by a grouped Conv and the Convs in onnxruntime's blocked layout
+    (``onnxtrain.runtime.fusions``), in a copy (the graph ORTModule keeps, saves and estimates
+    stays in standard ops)."""
+    if fusions.rewrites(model, providers):
         model = ir.from_proto(io.to_proto(model))
         fusions.for_session(model, providers, gated_add=False)
     return io.serialize(model)

@@ -33,6 +33,7 @@ MOVED = {
     "depthwise_padded_strided": ("Conv", [2, 24, 11, 9], [24, 1, 5, 3],
                                  {"group": 24, "strides": [2, 1], "pads": [2, 1, 1, 1]}, False),
     "depthwise_transposed": ("ConvTranspose", [2, 20, 7, 6], [20, 1, 3, 3], {"group": 20, "pads": [1, 0, 1, 2]}, True),
+    "few_odd_input_channels": ("Conv", [2, 5, 8, 8], [7, 5, 3, 3], {}, True),
 }
 # name: (op, input shape, weight shape, attributes): what the pass leaves as it is (what the
 # kernels do not take, and what the reorders would cost more than they save)
@@ -42,6 +43,10 @@ LEFT = {
     "transposed_pointwise": ("ConvTranspose", [3, 32, 6, 6], [32, 48, 1, 1], {}),
     "grouped": ("Conv", [2, 32, 8, 8], [32, 16, 3, 3], {"group": 2}),
     "depthwise_multiplier_2": ("Conv", [2, 16, 8, 8], [32, 1, 3, 3], {"group": 16}),
+    # onnxruntime's input reorder takes channels in multiples of 4 only
+    "input_channels_not_a_multiple_of_4": ("Conv", [2, 18, 8, 8], [33, 18, 3, 3], {}),
+    "transposed_input_channels_not_a_multiple_of_4": ("ConvTranspose", [2, 17, 8, 8], [17, 5, 3, 3], {}),
+    "depthwise_channels_not_a_multiple_of_4": ("Conv", [2, 17, 8, 8], [17, 1, 3, 3], {"group": 17}),
     "1d": ("Conv", [2, 16, 12], [16, 16, 3], {}),
     "3d": ("Conv", [1, 16, 4, 5, 6], [16, 16, 2, 2, 2], {}),
     "transposed_stride_2": ("ConvTranspose", [2, 16, 5, 5], [16, 16, 3, 3], {"strides": [2, 2]}),

@@ -140,7 +140,7 @@ def rewrites(model: ir.Model, providers) -> bool:
     if has_patches(model):
         return True
     block = nchwc_block_size()
-    return block is not None and any(moves_to_nchwc(node) for node in model.graph)
+    return block is not None and any(moves_to_nchwc(node, block) for node in model.graph)
 
 
 def for_session(model: ir.Model, providers, infer_shapes: bool = True, gated_add: bool = True) -> bool:

@@ -205,13 +205,15 @@ def _rewrite(graph: ir.Graph, node: ir.Node, block: int, plan: _Plan) -> None:
                                                      in_channels - plan.in_channels, 0, 0])])
         if bias is not None and out_channels != plan.out_channels:
             bias = add("Pad", [bias, constant("bias_pads", [0, out_channels - plan.out_channels])])
-    if in_channels < block:  # [O/B, B, I, kh, kw] -> [O/B, I, kh, kw, B]
-        split = [out_channels // block, block, in_channels, kh, kw]
-        perm = [0, 2, 3, 4, 1]
-    else:  # [O/B, B, I/B, B, kh, kw] -> [O/B, I/B, kh, kw, B_in, B_out]
-        split = [out_channels // block, block, in_channels // block, block, kh, kw]
-        perm = [0, 2, 4, 5, 3, 1]
-    blocked = add("Reshape", [add("Transpose", [add("Reshape", [w, constant("split_blocks", split)])], {"perm": perm}),
+    # [O, I, kh, kw] -> [O/B, I/B, kh, kw, B_in, B_out] (or [O/B, I, kh, kw, B_out] for fewer input
+    # channels than a block): the input blocks by onnxruntime's own ReorderInput, reading the
+    # weight as a batch of O images of I channels, then the output block moved innermost by one
+    # Transpose of a single axis (onnxruntime's fast path). One 6-D Transpose does the same at a
+    # crawl: 336 against 74 us for [128, 128, 3, 3], 1.52 ms against 0.25 for [256, 256, 3, 3].
+    if in_channels >= block:
+        w = add("ReorderInput", [w], {"channels_last": 0}, NCHWC_DOMAIN)
+    rows = add("Reshape", [w, constant("split_blocks", [out_channels // block, block, in_channels * kh * kw])])
+    blocked = add("Reshape", [add("Transpose", [rows], {"perm": [0, 2, 1]}),
                               constant("weight_shape", [out_channels, in_channels, kh, kw])])
     attributes: dict = {"kernel_shape": plan.kernel, "group": out_channels if plan.depthwise else 1}
     if plan.pads is not None:

@@ -59,6 +59,12 @@ ROWS: list[Case] = [
          opsets=(13, 23), id="Conv-large-kernel"),
     Case("Conv", [U(2, 2, 5, 6), U(3, 2, 2, 2)], attrs={"strides": [2, 2]}, opsets=(13, 23),
          id="Conv-stride-skips-last-row"),
+    # at least as many output channels as output positions: the weight gradient sums the batch
+    # inside one product
+    Case("Conv", [U("N", 3, 4, 4), U(8, 3, 3, 3), U(8)], attrs={"strides": [2, 2], "pads": [1, 1, 1, 1]},
+         opsets=(13, 23), id="Conv-more-channels-than-positions-symbolic-batch"),
+    Case("Conv", [U(3, 2, 5, 4), U(6, 2, 2, 3)], attrs={"dilations": [2, 1]}, opsets=(13, 23),
+         id="Conv-more-channels-than-positions-dilated"),
 ]
 ROWS += [
     # -- ConvTranspose ----------------------------------------------------------------

@@ -133,8 +133,28 @@ def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, d
 _MAX_PATCH_TAPS = 25  # kernels up to 5x5: the patch tensor holds that many copies of the input
 
 
+def _sums_batch_in_product(w: ir.Value, y: ir.Value) -> bool:
+    """Whether the weight gradient's product should run over batch and positions at once
+    (:func:`_correlate_by_patches`): where the Conv has at least as many output channels as
+    output positions, both static.
+
+    Per sample, the product is ``[O, T] @ [T, C*K]``, and the per-sample results (``N * O * C *
+    K`` floats) are summed afterwards; as one product over ``N * T`` it needs the patches'
+    transpose instead (``N * C * K * T`` floats, moved in whole rows of ``T``). Measured on
+    onnxruntime's CPU provider (2 threads, batch 32, 3x3): O = 256 over a 4x4 plane 10.2 -> 1.8
+    ms, O = 128 over 8x8 3.6 -> 1.9 ms, O = 64 over 8x8 0.81 -> 0.64 ms; where T exceeds O the
+    per-sample product wins (O = 64 over 14x14, batch 64: 1.4 against 2.6 ms; O = 32 over 7x7:
+    0.24 against 0.47 ms).
+    """
+    out_channels = w.shape[0] if w.shape is not None and len(w.shape) > 0 else None
+    plane = y.shape[2:] if y.shape is not None and len(y.shape) > 2 else None
+    if not isinstance(out_channels, int) or plane is None or not all(isinstance(d, int) for d in plane):
+        return False
+    return out_channels >= int(np.prod(plane))
+
+
 def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], strides, dilations,
-                          channels: int | None) -> ir.Value:
+                          channels: int | None, batch_in_product: bool = False) -> ir.Value:
     """The ungrouped Conv weight gradient as one batched product with the input's patches.
 
     ``out[o, c, s] = sum_{n, t} kern[n, o, t] * data[n, c, t * stride + s * dilation]``: one
@@ -146,6 +166,8 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
     WebGPU provider computes that grouped Conv wrongly (the digits CNN's losses 0.09 off
     Python's after 20 steps). With ``channels`` (the input's, when static) known, the patches'
     node is marked so that CPU sessions make that Conv of them (passes/conv_patches.py).
+    With ``batch_in_product`` the sum over the batch is part of one product, ``kern`` as ``[O,
+    N*T]`` times the patches as ``[C*K, N*T]`` transposed (:func:`_sums_batch_in_product`).
     """
     op = b.op
     r = len(kernel)
@@ -164,8 +186,13 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
     if channels is not None:
         mark_patches(patches.producer(), kernel, strides, dilations, channels)
     flat_kern = op.Reshape(kern, b.ints([0, 0, -1]))  # (N, O, T)
-    per_sample = op.MatMul(flat_kern, op.Transpose(patches, perm=[0, 2, 1]))  # (N, O, C*K)
-    summed = b.reduce_sum(per_sample, [0], keepdims=False)
+    if batch_in_product:
+        rows = op.Reshape(op.Transpose(flat_kern, perm=[1, 0, 2]), b.ints([0, -1]))  # (O, N*T)
+        patch_rows = op.Reshape(op.Transpose(patches, perm=[1, 0, 2]), b.ints([0, -1]))  # (C*K, N*T)
+        summed = op.MatMul(rows, op.Transpose(patch_rows, perm=[1, 0]))  # (O, C*K)
+    else:
+        per_sample = op.MatMul(flat_kern, op.Transpose(patches, perm=[0, 2, 1]))  # (N, O, C*K)
+        summed = b.reduce_sum(per_sample, [0], keepdims=False)
     return op.Reshape(summed, op.Concat(op.Slice(op.Shape(summed), b.ints([0]), b.ints([1])), b.ints([-1]),
                                         b.ints(kernel), axis=0))
 
@@ -216,7 +243,7 @@ def _conv(ctx):
         if group == 1 and kernel is not None and int(np.prod(kernel)) <= _MAX_PATCH_TAPS:
             static = w.shape is not None and len(w.shape) == r + 2 and isinstance(w.shape[1], int)
             dw = _correlate_by_patches(b, _pad(b, x, begin, end), dy, kernel, strides, dilations,
-                                       int(w.shape[1]) if static else None)
+                                       int(w.shape[1]) if static else None, _sums_batch_in_product(w, ctx.y))
         else:
             # strides and dilations swap roles; windows may reach past the kernel: crop to it
             dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)

@@ -1,9 +1,10 @@
-"""The Conv weight gradient's two products (per sample then summed, or one over the batch) against PyTorch.
+"""The Conv weight gradient's three products against PyTorch.
 
 Where the Conv has at least as many output channels as output positions (both static), the
-rule sums the batch inside one product; elsewhere it sums per-sample products. The gradient
-table (tests/autodiff/rows/conv.py) checks both against finite differences; these tests check
-which one each shape takes and that both give PyTorch's gradient at sizes the table cannot use.
+rule sums the batch inside one product; elsewhere it sums per-sample products, with the patches
+as the left operand for up to 64 output channels. The gradient table (tests/autodiff/rows/conv.py)
+checks them against finite differences at small sizes; these tests check which one each shape
+takes and that each gives PyTorch's gradient.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ from onnxtrain.ir.builder import GraphBuilder
 
 torch = pytest.importorskip("torch")
 
-# name: (input shape, weight shape, stride, padding, takes the one product over the batch)
+# name: (input shape, weight shape, stride, padding, the product it takes)
 CASES = {
-    "deep_small_plane": ([8, 16, 4, 4], [64, 16, 3, 3], 1, 1, True),
-    "strided_to_a_small_plane": ([4, 8, 9, 9], [32, 8, 3, 3], 2, 1, True),
-    "as_many_channels_as_positions": ([3, 4, 6, 6], [16, 4, 3, 3], 2, 1, True),
-    "wide_plane": ([4, 8, 12, 12], [16, 8, 3, 3], 1, 1, False),
-    "symbolic_plane": ([2, 4, "H", "W"], [64, 4, 3, 3], 1, 1, False),
+    "deep_small_plane": ([8, 16, 4, 4], [64, 16, 3, 3], 1, 1, "one"),
+    "strided_to_a_small_plane": ([4, 8, 9, 9], [32, 8, 3, 3], 2, 1, "one"),
+    "as_many_channels_as_positions": ([3, 4, 6, 6], [16, 4, 3, 3], 2, 1, "one"),
+    "wide_plane": ([4, 8, 12, 12], [16, 8, 3, 3], 1, 1, "patches_first"),
+    "symbolic_plane": ([2, 4, "H", "W"], [64, 4, 3, 3], 1, 1, "patches_first"),
+    "many_channels_wide_plane": ([2, 8, 12, 12], [96, 8, 3, 3], 1, 1, "per_sample"),
 }
 
 
@@ -50,16 +52,21 @@ def _weight_gradient_model(x_shape, w_shape, stride: int, padding: int) -> ir.Mo
     return model
 
 
-def _sums_in_one_product(model: ir.Model) -> bool:
-    """Whether no ReduceSum adds per-sample weight gradients (the one product over the batch)."""
-    return not any(n.op_type == "ReduceSum" for n in model.graph)
+def _product(model: ir.Model) -> str:
+    """Which product the weight gradient runs: none summed after (one over the batch), or the
+    per-sample sum transposed after (the patches first), or neither."""
+    sums = [n for n in model.graph if n.op_type == "ReduceSum"]
+    if not sums:
+        return "one"
+    transposed = any(use.op_type == "Transpose" for n in sums for use, _ in n.outputs[0].uses())
+    return "patches_first" if transposed else "per_sample"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_weight_gradient_matches_torch(name):
-    x_shape, w_shape, stride, padding, one_product = CASES[name]
+    x_shape, w_shape, stride, padding, product = CASES[name]
     model = _weight_gradient_model(x_shape, w_shape, stride, padding)
-    assert _sums_in_one_product(model) == one_product
+    assert _product(model) == product
     concrete = [7 if d == "H" else 6 if d == "W" else d for d in x_shape]
     rng = np.random.default_rng(0)
     x = torch.from_numpy(rng.standard_normal(concrete).astype(np.float32))

@@ -133,28 +133,39 @@ def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, d
 _MAX_PATCH_TAPS = 25  # kernels up to 5x5: the patch tensor holds that many copies of the input
 
 
-def _sums_batch_in_product(w: ir.Value, y: ir.Value) -> bool:
-    """Whether the weight gradient's product should run over batch and positions at once
-    (:func:`_correlate_by_patches`): where the Conv has at least as many output channels as
-    output positions, both static.
+# how the weight gradient's product over the patches runs (_correlate_by_patches)
+_PER_SAMPLE = "per_sample"        # kern[n] @ patches[n]^T, summed over n
+_PATCHES_FIRST = "patches_first"  # patches[n] @ kern[n]^T, summed over n, then transposed
+_ONE_PRODUCT = "one_product"      # one product over batch and positions
+# the most output channels for which patches_first wins on onnxruntime's CPU provider
+_MAX_PATCHES_FIRST_CHANNELS = 64
 
-    Per sample, the product is ``[O, T] @ [T, C*K]``, and the per-sample results (``N * O * C *
-    K`` floats) are summed afterwards; as one product over ``N * T`` it needs the patches'
-    transpose instead (``N * C * K * T`` floats, moved in whole rows of ``T``). Measured on
-    onnxruntime's CPU provider (2 threads, batch 32, 3x3): O = 256 over a 4x4 plane 10.2 -> 1.8
-    ms, O = 128 over 8x8 3.6 -> 1.9 ms, O = 64 over 8x8 0.81 -> 0.64 ms; where T exceeds O the
-    per-sample product wins (O = 64 over 14x14, batch 64: 1.4 against 2.6 ms; O = 32 over 7x7:
-    0.24 against 0.47 ms).
+
+def _weight_gradient_product(w: ir.Value, y: ir.Value) -> str:
+    """How :func:`_correlate_by_patches` runs the product for a Conv of weight ``w`` and output
+    ``y``: chosen by the output channels O and positions T where static (measured on
+    onnxruntime's CPU provider, 2 threads, 3x3 kernels).
+
+    Per sample the product is ``[O, T] @ [T, C*K]`` and the ``N*O*C*K`` per-sample results are
+    summed after. Where ``O >= T`` (deep layers over small planes) that sum dwarfs the patches,
+    and one ``[O, N*T] @ [N*T, C*K]`` product (the patches transposed in rows of T) wins: O = 256
+    over 4x4, batch 32, 10.2 -> 1.8 ms; O = 128 over 8x8 3.6 -> 1.9 ms. Elsewhere, with few
+    output channels, the product runs faster with the patches as its left operand (onnxruntime
+    packs the right one, here the small ``[O, T]``): O = 32 over 32x32, batch 32, 2.7 -> 1.7 ms;
+    O = 64 over 14x14, batch 64, 1.60 -> 1.39 ms; it loses from O = 96 on (O = 128 over 16x16:
+    8.6 against 10.1 ms).
     """
     out_channels = w.shape[0] if w.shape is not None and len(w.shape) > 0 else None
     plane = y.shape[2:] if y.shape is not None and len(y.shape) > 2 else None
-    if not isinstance(out_channels, int) or plane is None or not all(isinstance(d, int) for d in plane):
-        return False
-    return out_channels >= int(np.prod(plane))
+    if not isinstance(out_channels, int):
+        return _PER_SAMPLE
+    if plane is not None and all(isinstance(d, int) for d in plane) and out_channels >= int(np.prod(plane)):
+        return _ONE_PRODUCT
+    return _PATCHES_FIRST if out_channels <= _MAX_PATCHES_FIRST_CHANNELS else _PER_SAMPLE
 
 
 def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], strides, dilations,
-                          channels: int | None, batch_in_product: bool = False) -> ir.Value:
+                          channels: int | None, product: str = _PER_SAMPLE) -> ir.Value:
     """The ungrouped Conv weight gradient as one batched product with the input's patches.
 
     ``out[o, c, s] = sum_{n, t} kern[n, o, t] * data[n, c, t * stride + s * dilation]``: one
@@ -166,8 +177,7 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
     WebGPU provider computes that grouped Conv wrongly (the digits CNN's losses 0.09 off
     Python's after 20 steps). With ``channels`` (the input's, when static) known, the patches'
     node is marked so that CPU sessions make that Conv of them (passes/conv_patches.py).
-    With ``batch_in_product`` the sum over the batch is part of one product, ``kern`` as ``[O,
-    N*T]`` times the patches as ``[C*K, N*T]`` transposed (:func:`_sums_batch_in_product`).
+    ``product`` says how the product runs (:func:`_weight_gradient_product`).
     """
     op = b.op
     r = len(kernel)
@@ -186,10 +196,13 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
     if channels is not None:
         mark_patches(patches.producer(), kernel, strides, dilations, channels)
     flat_kern = op.Reshape(kern, b.ints([0, 0, -1]))  # (N, O, T)
-    if batch_in_product:
+    if product == _ONE_PRODUCT:
         rows = op.Reshape(op.Transpose(flat_kern, perm=[1, 0, 2]), b.ints([0, -1]))  # (O, N*T)
         patch_rows = op.Reshape(op.Transpose(patches, perm=[1, 0, 2]), b.ints([0, -1]))  # (C*K, N*T)
         summed = op.MatMul(rows, op.Transpose(patch_rows, perm=[1, 0]))  # (O, C*K)
+    elif product == _PATCHES_FIRST:
+        per_sample = op.MatMul(patches, op.Transpose(flat_kern, perm=[0, 2, 1]))  # (N, C*K, O)
+        summed = op.Transpose(b.reduce_sum(per_sample, [0], keepdims=False), perm=[1, 0])
     else:
         per_sample = op.MatMul(flat_kern, op.Transpose(patches, perm=[0, 2, 1]))  # (N, O, C*K)
         summed = b.reduce_sum(per_sample, [0], keepdims=False)
@@ -243,7 +256,7 @@ def _conv(ctx):
         if group == 1 and kernel is not None and int(np.prod(kernel)) <= _MAX_PATCH_TAPS:
             static = w.shape is not None and len(w.shape) == r + 2 and isinstance(w.shape[1], int)
             dw = _correlate_by_patches(b, _pad(b, x, begin, end), dy, kernel, strides, dilations,
-                                       int(w.shape[1]) if static else None, _sums_batch_in_product(w, ctx.y))
+                                       int(w.shape[1]) if static else None, _weight_gradient_product(w, ctx.y))
         else:
             # strides and dilations swap roles; windows may reach past the kernel: crop to it
             dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)

@@ -9,9 +9,9 @@ itself, weight reorder included, for Convs whose weights are not constant:
 
     Conv(x, w, b)  ->  ReorderOutput(nchwc.Conv(ReorderInput(x), blocked(w), b), channels=O)
 
-where ``blocked(w)`` is a Reshape, Transpose and Reshape of ``w`` (``[O, I, kh, kw]`` as
-``[O/B, I/B, kh, kw, B_in, B_out]``, what onnxruntime's own reorder writes: a few microseconds
-for a weight). A stride-1 ConvTranspose (the input gradient of a stride-1 Conv) is the Conv of
+where ``blocked(w)`` is ``w`` (``[O, I, kh, kw]``) as ``[O/B, I/B, kh, kw, B_in, B_out]``, what
+onnxruntime's own reorder writes (onnxruntime's ReorderInput blocks the input channels, one
+Transpose moves the output block innermost: tens of microseconds for a weight). A stride-1 ConvTranspose (the input gradient of a stride-1 Conv) is the Conv of
 its input with the kernel transposed and flipped, padded by ``dilation * (k - 1) - pad``, and
 moves the same way.
 

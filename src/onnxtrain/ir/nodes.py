@@ -42,8 +42,8 @@ class NewNodes:
         self.nodes: list[ir.Node] = []
         self._prefix = f"{base_name(at)}/{label}"
 
-    def add(self, op_type: str, inputs, attributes=None) -> ir.Value:
-        """A new default-domain node; its (first) output."""
-        node = ir.node(op_type, inputs, attributes=attributes, name=f"{self._prefix}_{len(self.nodes)}")
+    def add(self, op_type: str, inputs, attributes=None, domain: str = "") -> ir.Value:
+        """A new node (of the default domain unless ``domain`` is given); its (first) output."""
+        node = ir.node(op_type, inputs, attributes=attributes, domain=domain, name=f"{self._prefix}_{len(self.nodes)}")
         self.nodes.append(node)
         return node.outputs[0]

@@ -36,7 +36,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
 
-from onnxtrain.ir.nodes import base_name, is_onnx_op
+from onnxtrain.ir.nodes import NewNodes, base_name, is_onnx_op
 
 NCHWC_DOMAIN = "com.microsoft.nchwc"
 _INT64_MIN = np.iinfo(np.int64).min
@@ -107,8 +107,8 @@ class NchwcConvPass(ir.passes.InPlacePass):
             if plan is not None:
                 _rewrite(model.graph, node, self.block, plan)
                 modified = True
-        if modified and model.opset_imports.get(NCHWC_DOMAIN) is None:
-            model.opset_imports[NCHWC_DOMAIN] = 1
+        if modified:
+            model.opset_imports.setdefault(NCHWC_DOMAIN, 1)
         return ir.passes.PassResult(model, modified)
 
 
@@ -179,12 +179,8 @@ def _transposed_as_conv_pads(node: ir.Node, kernel: list[int]) -> list[int] | No
 
 def _rewrite(graph: ir.Graph, node: ir.Node, block: int, plan: _Plan) -> None:
     prefix = f"{base_name(node)}/nchwc"
-    nodes: list[ir.Node] = []
-
-    def add(op_type: str, inputs, attributes=None, domain: str = "") -> ir.Value:
-        new = ir.node(op_type, inputs, attributes=attributes, domain=domain, name=f"{prefix}_{len(nodes)}")
-        nodes.append(new)
-        return new.outputs[0]
+    new_nodes = NewNodes(node, "nchwc")
+    add = new_nodes.add
 
     def constant(label: str, values) -> ir.Value:
         value = ir.Value(name=f"{prefix}/{label}", const_value=ir.tensor(np.asarray(values, np.int64)))
@@ -227,4 +223,4 @@ def _rewrite(graph: ir.Graph, node: ir.Node, block: int, plan: _Plan) -> None:
     out = node.outputs[0]
     result = add("ReorderOutput", [conv], {"channels": plan.out_channels, "channels_last": 0}, NCHWC_DOMAIN)
     result.type, result.shape = out.type, out.shape
-    replace_nodes_and_values(graph, node, [node], nodes, [out], [result])
+    replace_nodes_and_values(graph, node, [node], new_nodes.nodes, [out], [result])

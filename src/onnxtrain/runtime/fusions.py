@@ -106,7 +106,8 @@ def nchwc_block_size() -> int | None:
                      const_value=ir.tensor(weight))
         conv = ir.node("Conv", [x, w], attributes={"pads": [1, 1, 1, 1]})
         conv.outputs[0].name, conv.outputs[0].type = f"{label}_y", ir.TensorType(ir.DataType.FLOAT)
-        weights[label], nodes = (weight, w), [*nodes, conv]
+        weights[label] = (weight, w)
+        nodes.append(conv)
         inputs.append(x)
     graph = ir.Graph(inputs, [n.outputs[0] for n in nodes], nodes=nodes, initializers=[w for _, w in weights.values()],
                      opset_imports={"": 17})

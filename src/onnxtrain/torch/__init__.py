@@ -5,7 +5,9 @@ Importing this package needs PyTorch (``pip install torch``); ``import onnxtrain
 
 from onnxtrain.torch._translations import translation_table as onnx_translation_table
 from onnxtrain.torch.memory import MemoryEstimate, estimate_memory
-from onnxtrain.torch.ortmodule import DebugOptions, LogLevel, MemoryOptionsError, ORTModule, ORTModuleFallbackWarning
+from onnxtrain.torch.ortmodule import (DebugOptions, LogLevel, MemoryOptionsError, ORTModule, ORTModuleAttributeWarning,
+                                      ORTModuleFallbackWarning)
 
-__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "MemoryOptionsError",
+__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "ORTModuleAttributeWarning",
+           "MemoryOptionsError",
            "MemoryEstimate", "estimate_memory", "onnx_translation_table"]

@@ -22,6 +22,7 @@ from onnxtrain.passes.partition import MemoryOptions, MemoryReport, build_forwar
 from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.denormals import ask_for_flushing
 from onnxtrain.runtime.session import register_shared_cpu_arena
+from onnxtrain.torch._attributes import AttributeChange, AttributeRecord
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
 
@@ -52,6 +53,17 @@ def _graph_inputs(call, variant: "_Variant") -> tuple[list[torch.Tensor], tuple[
 
 class ORTModuleFallbackWarning(UserWarning):
     """ORTModule could not run a module through ONNX Runtime and runs it in PyTorch instead."""
+
+
+class ORTModuleAttributeWarning(UserWarning):
+    """An attribute of the wrapped module took so many values that ORTModule stopped exporting
+    for them (see :class:`ORTModule`, "Python attributes")."""
+
+
+# How many new values an attribute may take (each exported for, and each export keeps its
+# graphs) before it is no longer watched: a value a training loop stores on a module every step
+# would otherwise export every step. torch.compile's recompile limit plays the same part.
+ATTRIBUTE_EXPORT_LIMIT = 4
 
 
 class MemoryOptionsError(OnnxTrainError, ValueError):
@@ -143,6 +155,8 @@ class _Variant:
     inference: SessionRunner | None = None
     training: dict[tuple, TrainingPrograms] = field(default_factory=dict)
     memory: dict[tuple, MemoryReport] = field(default_factory=dict)
+    # the wrapped module's plain attributes right after the export (what the graph baked in)
+    attributes: AttributeRecord | None = None
 
 
 def _load_keys_into_wrapped_module(module, state_dict, prefix, *_):
@@ -175,6 +189,18 @@ class ORTModule(torch.nn.Module):
     grad receive their gradients in ``.grad`` as usual. Without grad (``torch.no_grad()``,
     or nothing requires grad) a forward-only graph runs. Buffers that the forward updates
     (BatchNorm running statistics) are written back into the module's buffers.
+
+    Python attributes: an export bakes the plain values the forward reads (a dropout
+    probability, a scale, a flag that picks a branch, a submodule's ``training`` flag) into the
+    graph. The scalar attributes (bool, int, float, str, None, enums, tuples of those) of the
+    module and its submodules are recorded at each export and compared on every call; a call
+    whose values differ runs a graph exported for them (exported once per set of values, so
+    switching back reuses the earlier graph). An attribute that took more than
+    ``ATTRIBUTE_EXPORT_LIMIT`` new values is no longer watched, with an
+    :class:`ORTModuleAttributeWarning`: a value a training loop stores on a module every step
+    would otherwise export every step. Other objects (tensors that are neither parameters nor
+    buffers, lists, a Hugging Face ``config``) and attributes set after the export are not
+    watched: changing what the forward reads there needs a new ORTModule.
 
     Dropout runs ONNX Runtime's random generator, not PyTorch's: masks differ from eager
     PyTorch for the same ``torch.manual_seed`` (the distribution is the same).
@@ -220,6 +246,9 @@ class ORTModule(torch.nn.Module):
         self._variants: dict[tuple[CallSchema, tuple | None], list[_Variant]] = {}
         self._fallback_reason: str | None = None
         self.export_count = 0
+        # the new values each (submodule name, attribute) took, and those no longer watched
+        self._attribute_values: dict[tuple[str, str], set] = {}
+        self._unwatched_attributes: set[tuple[str, str]] = set()
         # a parent's load_state_dict walks _modules: route its keys into the wrapped module
         self._register_load_state_dict_pre_hook(_load_keys_into_wrapped_module, with_module=True)
 
@@ -324,13 +353,41 @@ class ORTModule(torch.nn.Module):
             ORTModuleFallbackWarning, stacklevel=3,
         )
 
+    def _export_for_attributes(self, changes: list[AttributeChange]) -> bool:
+        """Note the new values of changed attributes; one past ``ATTRIBUTE_EXPORT_LIMIT`` new values
+        stops being watched (warned once). Whether any watched change remains to export for."""
+        for change in changes:
+            self._attribute_values.setdefault(change.key, set()).add(change.current)
+        dropped = [c for c in changes if len(self._attribute_values[c.key]) > ATTRIBUTE_EXPORT_LIMIT]
+        if dropped:
+            self._unwatched_attributes.update(c.key for c in dropped)
+            what = ", ".join(f"{c.where} (now {c.now})" for c in dropped)
+            warnings.warn(
+                f"ORTModule: {type(self._original_module).__name__}'s {what} took more than "
+                f"{ATTRIBUTE_EXPORT_LIMIT} new values, each exported for; no longer watched: calls run "
+                f"graphs exported with earlier values", ORTModuleAttributeWarning, stacklevel=6)
+        remaining = [c for c in changes if c.key not in self._unwatched_attributes]
+        if remaining:
+            logger.info("exporting %s again: %s", type(self._original_module).__name__,
+                        "; ".join(str(c) for c in remaining))
+        return bool(remaining)
+
     def _variant(self, call, autocast: tuple[str, str] | None) -> _Variant:
         variants = self._variants.setdefault((call.schema, autocast), [])
+        stale: _Variant | None = None  # a graph for these shapes, exported with other attribute values
+        stale_changes: list[AttributeChange] = []
         for variant in variants:
             if variant.graph.accepts(call.tensors):
-                return variant
+                changes = variant.attributes.changes(self._unwatched_attributes)
+                if not changes:
+                    return variant
+                if stale is None or (variant.dynamic and not stale.dynamic):  # one export for every shape
+                    stale, stale_changes = variant, changes
+        if stale is not None and not self._export_for_attributes(stale_changes):
+            return stale
         began = time.perf_counter()
-        variant = self._export(call, variants)
+        variant = self._export(call, variants, like=stale)
+        variant.attributes = AttributeRecord(self._original_module)
         graph = variant.graph
         self.export_count += 1
         logger.info("exported %s (%s, %s shapes, export #%d) in %.1f s: %d nodes", type(self._original_module).__name__,
@@ -348,12 +405,16 @@ class ORTModule(torch.nn.Module):
         self._save(graph.model, "optimized")
         return variant
 
-    def _export(self, call, variants: list[_Variant]) -> _Variant:
+    def _export(self, call, variants: list[_Variant], like: _Variant | None = None) -> _Variant:
         """Export for a call that none of its schema's ``variants`` accepts. Automatic mode
         (``dynamic=None``): static for the schema's first export; dynamic for the first call
         that needs another shape; static again (one graph per shape) once a dynamic export was
-        tried, or when the dynamic export fails."""
+        tried, or when the dynamic export fails. With ``like`` (a graph for the call's shapes
+        whose attribute values changed), shapes as ``like``'s."""
         keep = self._debug.save_onnx
+        if like is not None:
+            graph = export_call(self._original_module, call, keep_exported=keep, dynamic=like.dynamic)
+            return _Variant(graph, dynamic=like.dynamic, dynamic_tried=like.dynamic_tried)
         if self._dynamic is not None:
             graph = export_call(self._original_module, call, keep_exported=keep, dynamic=self._dynamic)
             return _Variant(graph, dynamic=self._dynamic, dynamic_tried=self._dynamic)

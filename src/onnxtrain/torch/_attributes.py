@@ -1,0 +1,93 @@
+"""Plain Python attributes of a wrapped module, recorded at export and compared on every call.
+
+An export bakes every plain Python value the forward reads (a dropout probability, a scale, a
+temperature, a flag that picks a branch, a submodule's ``training`` flag) into the graph as a
+constant. ORTModule records the scalar attributes of the wrapped module and its submodules right
+after each export (after, so that a forward that sets attributes while it is traced does not
+look changed on the next call); a call whose values differ from a graph's is served by another
+graph, exported for them, as ``torch.compile`` recompiles when a guarded attribute changes.
+
+Only instance attributes holding ``bool``, ``int``, ``float``, ``str``, ``None``, enums or tuples
+of those are recorded: tensors that are neither parameters nor buffers, lists, dicts and other
+objects (a Hugging Face ``config``) are not, nor are attributes first set after the export.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+_SCALARS = (bool, int, float, str, type(None), enum.Enum)
+# what every nn.Module keeps in its __dict__ (hooks, registries); ``training`` is recorded
+_MODULE_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"}
+_MISSING = object()
+
+
+def _recordable(value) -> bool:
+    if isinstance(value, tuple):
+        return all(isinstance(v, _SCALARS) for v in value)
+    return isinstance(value, _SCALARS)
+
+
+def _same(old, new) -> bool:
+    """Equal values of the same type (1 and 1.0 export different constants); NaN equals NaN."""
+    if old is new:
+        return True
+    if type(old) is not type(new):
+        return False
+    if isinstance(old, tuple):
+        return len(old) == len(new) and all(_same(a, b) for a, b in zip(old, new))
+    return old == new or (isinstance(old, float) and math.isnan(old) and math.isnan(new))
+
+
+@dataclass(frozen=True)
+class AttributeChange:
+    """One recorded attribute whose value differs now."""
+
+    module: str  # qualified name in the wrapped module ("" for the module itself)
+    name: str
+    recorded: object
+    current: object
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return self.module, self.name
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.name}" if self.module else self.name
+
+    @property
+    def now(self) -> str:
+        return "deleted" if self.current is _MISSING else repr(self.current)
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.recorded!r} -> {self.now}"
+
+
+class AttributeRecord:
+    """The recordable attributes of ``module`` and its submodules, with their values now."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._entries = [(sub, prefix, name, value)
+                         for prefix, sub in module.named_modules(remove_duplicate=False)
+                         for name, value in vars(sub).items()
+                         if name not in _MODULE_BOOKKEEPING and _recordable(value)]
+
+    def names(self) -> list[tuple[str, str]]:
+        """The recorded (submodule name, attribute) pairs."""
+        return [(prefix, name) for _, prefix, name, _ in self._entries]
+
+    def changes(self, ignored: frozenset[tuple[str, str]] | set = frozenset()) -> list[AttributeChange]:
+        """The recorded attributes whose values differ now, but for ``ignored`` (module, name) pairs."""
+        found = []
+        for sub, prefix, name, value in self._entries:
+            current = sub.__dict__.get(name, _MISSING)
+            if current is value:  # the usual case, kept cheap: this runs on every call
+                continue
+            if not _same(value, current) and (prefix, name) not in ignored:
+                found.append(AttributeChange(prefix, name, value, current))
+        return found

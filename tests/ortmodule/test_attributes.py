@@ -1,0 +1,176 @@
+"""ORTModule and the wrapped module's plain Python attributes: a change the forward reads runs a
+graph exported for the new value (as eager would compute), switching back reuses the earlier
+graph, a forward that sets attributes while traced does not export on every call, and an
+attribute that keeps taking new values stops being watched after ATTRIBUTE_EXPORT_LIMIT of them."""
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.torch import ORTModule, ORTModuleAttributeWarning  # noqa: E402
+from onnxtrain.torch._attributes import AttributeRecord  # noqa: E402
+from onnxtrain.torch.ortmodule import ATTRIBUTE_EXPORT_LIMIT  # noqa: E402
+
+
+class Scaled(torch.nn.Module):
+    """Reads a float, a flag and a string from itself and an int from a submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 4)
+        self.scale = 2.0
+        self.residual = False
+        self.activation = "tanh"
+        self.inner = torch.nn.Module()
+        self.inner.repeats = 1
+
+    def forward(self, x):
+        y = self.linear(x) * self.scale
+        for _ in range(self.inner.repeats):
+            y = torch.tanh(y) if self.activation == "tanh" else torch.relu(y)
+        return y + x[:, :4] if self.residual else y
+
+
+def _trained_step(model, x):
+    model.zero_grad()
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_matches_eager(wrapped, eager, x):
+    out, grads = _trained_step(wrapped, x)
+    eager_out, eager_grads = _trained_step(eager, x)
+    torch.testing.assert_close(out, eager_out)
+    for ours, theirs in zip(grads, eager_grads):
+        torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("change", [
+    ("scale", 0.5), ("residual", True), ("activation", "relu"), ("inner.repeats", 3),
+], ids=["float", "bool", "str", "submodule-int"])
+def test_a_changed_attribute_runs_a_graph_exported_for_it(change):
+    torch.manual_seed(0)
+    eager = Scaled()
+    wrapped = ORTModule(Scaled())
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(5, 6)
+    _assert_matches_eager(wrapped, eager, x)
+    path, value = change
+    for model in (eager, wrapped.module):
+        owner = model.inner if path.startswith("inner.") else model
+        setattr(owner, path.split(".")[-1], value)
+    _assert_matches_eager(wrapped, eager, x)
+    assert wrapped.export_count == 2
+
+
+def test_switching_back_reuses_the_earlier_graph_and_eval_flags_count():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Dropout(0.5))
+    wrapped = ORTModule(module)
+    x = torch.randn(64, 6)
+    with torch.no_grad():
+        dropped = wrapped(x)
+        module[1].p = 0.0
+        kept = wrapped(x)
+        assert wrapped.export_count == 2
+        torch.testing.assert_close(kept, module[0](x))  # p = 0: nothing dropped
+        assert (dropped == 0).sum() > 50  # p = 0.5 did drop (the first graph)
+        module[1].p = 0.5
+        wrapped(x)
+        assert wrapped.export_count == 2  # the first graph again
+        module[1].eval()  # a submodule's training flag, the root's unchanged
+        torch.testing.assert_close(wrapped(x), module[0](x))
+        assert wrapped.export_count == 3
+
+
+class CountsCalls(torch.nn.Module):
+    """Sets an attribute in its forward (so while it is traced)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.linear(x)
+
+
+def test_a_forward_that_sets_attributes_exports_once():
+    wrapped = ORTModule(CountsCalls())
+    x = torch.randn(4, 3)
+    for _ in range(4):
+        wrapped(x).sum().backward()
+    assert wrapped.export_count == 1
+
+
+def test_an_attribute_that_keeps_changing_stops_being_watched():
+    module = Scaled()
+    wrapped = ORTModule(module)
+    x = torch.randn(5, 6)
+    wrapped(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleAttributeWarning)
+        for step in range(ATTRIBUTE_EXPORT_LIMIT):
+            module.scale = float(step + 10)
+            wrapped(x)
+        module.scale = 10.0  # a value seen before: its graph, no new value
+        wrapped(x)
+    assert wrapped.export_count == 1 + ATTRIBUTE_EXPORT_LIMIT
+    module.scale = 99.0
+    with pytest.warns(ORTModuleAttributeWarning, match=r"Scaled's scale \(now 99.0\)"):
+        out = wrapped(x)
+    assert wrapped.export_count == 1 + ATTRIBUTE_EXPORT_LIMIT  # kept a graph: no export
+    module.scale = 5.0
+    module.residual = True  # other attributes are still watched
+    wrapped(x)
+    assert wrapped.export_count == 2 + ATTRIBUTE_EXPORT_LIMIT
+    assert out.shape == (5, 4)
+
+
+def test_a_value_stored_on_the_module_every_step_costs_a_bounded_number_of_exports():
+    module = Scaled()
+    module.last_loss = 0.0  # a training loop's bookkeeping, never read by the forward
+    wrapped = ORTModule(module)
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
+    x = torch.randn(5, 6)
+    with pytest.warns(ORTModuleAttributeWarning, match="last_loss"):
+        for step in range(10):
+            optimizer.zero_grad()
+            loss = wrapped(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            module.last_loss = loss.item()
+    assert wrapped.export_count == 1 + ATTRIBUTE_EXPORT_LIMIT
+
+
+def test_new_shapes_and_new_values_export_once_each():
+    module = Scaled()
+    wrapped = ORTModule(module)
+    wrapped(torch.randn(5, 6))
+    wrapped(torch.randn(7, 6))  # a second shape: the dynamic export
+    assert wrapped.export_count == 2
+    module.scale = 3.0
+    for batch in (5, 7, 9):  # one export for the new value serves every batch size
+        wrapped(torch.randn(batch, 6))
+    assert wrapped.export_count == 3
+
+
+def test_the_record_holds_scalars_and_tuples_only():
+    module = Scaled()
+    module.table = [1, 2]  # a list: not recorded
+    module.kernel = (3, 3)
+    module.nan = float("nan")
+    record = AttributeRecord(module)
+    names = set(record.names())
+    assert ("", "kernel") in names and ("", "scale") in names and ("inner", "repeats") in names
+    assert ("", "table") not in names and ("linear", "weight") not in names
+    module.nan = float("nan")  # another NaN object: the same value
+    module.scale = 2  # int for float: a different constant
+    assert [(c.name, c.current) for c in record.changes()] == [("scale", 2)]
+    del module.activation
+    assert "activation: 'tanh' -> deleted" in [str(c) for c in record.changes()]
+

@@ -295,6 +295,9 @@ class ORTModule(torch.nn.Module):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        # pickled before ORTModule watched attributes
+        self.__dict__.setdefault("_attribute_values", {})
+        self.__dict__.setdefault("_unwatched_attributes", set())
 
     def __deepcopy__(self, memo):
         clone = type(self).__new__(type(self))

@@ -174,3 +174,14 @@ def test_the_record_holds_scalars_and_tuples_only():
     del module.activation
     assert "activation: 'tanh' -> deleted" in [str(c) for c in record.changes()]
 
+
+
+def test_a_replaced_submodule_runs_a_graph_exported_for_it():
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    wrapped = ORTModule(eager)
+    x = torch.randn(5, 6)
+    torch.testing.assert_close(wrapped(x), eager(x))
+    eager[1] = torch.nn.Tanh()  # no parameters: the parameter names stay the same
+    torch.testing.assert_close(wrapped(x), eager(x))
+    assert wrapped.export_count == 2

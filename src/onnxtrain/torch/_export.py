@@ -76,6 +76,9 @@ class CallSchema:
     tensors: tuple             # (leaf position, dtype, rank, device) per tensor leaf
     training: bool
     parameters: tuple          # (name, dtype, device) of every parameter and buffer
+    # the identity of every submodule: one replaced by another (an activation swapped, with no
+    # parameter names to change) runs a graph exported for the new one
+    modules: tuple = ()
 
 
 @dataclass
@@ -122,24 +125,28 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
     tensors = [leaves[i] for i in positions]
     tensor_positions = set(positions)
     constants = tuple(_freeze(leaf) for i, leaf in enumerate(leaves) if i not in tensor_positions)
-    state = _named_state(module)
+    state, modules = _named_state(module)
     schema = CallSchema(
         tree=str(spec),
         constants=constants,
         tensors=tuple((i, t.dtype, t.dim(), t.device) for i, t in zip(positions, tensors)),
         training=module.training,
         parameters=tuple((n, p.dtype, p.device) for n, p in state.items()),
+        modules=modules,
     )
     template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     return FlatCall(tensors, template, positions, spec, schema, state)
 
 
-def _named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _named_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
     """Parameters then buffers by qualified name, as ``named_parameters`` + ``named_buffers``
-    (duplicates kept) give them, in one walk over the submodules (this runs on every call)."""
+    (duplicates kept) give them, and the ``id`` of every submodule in walk order, in one walk
+    over the submodules (this runs on every call)."""
     parameters: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
+    modules = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
+        modules.append(id(sub))
         dot = prefix + "." if prefix else ""
         for name, p in sub._parameters.items():
             if p is not None:
@@ -148,7 +155,9 @@ def _named_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             if b is not None:
                 buffers[dot + name] = b
     parameters.update(buffers)
-    return parameters
+    # ids stay unique while a graph's schema holds them: its attribute record (ortmodule) keeps
+    # every submodule of the export alive
+    return parameters, tuple(modules)
 
 
 class _Recorder(list):

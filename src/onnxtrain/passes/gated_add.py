@@ -26,7 +26,7 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
-from onnxtrain.ir.nodes import NewNodes, base_name, is_onnx_op
+from onnxtrain.ir.nodes import NewNodes, is_onnx_op
 
 MS_DOMAIN = "com.microsoft"
 # the dtypes onnxruntime 1.32's CPU kernel is registered for
@@ -48,9 +48,7 @@ class GatedAddFusionPass(ir.passes.InPlacePass):
             x, product, y, r = match
             new_nodes = NewNodes(node, "gate")
             gate = _gate(r, x, new_nodes, negate=node.op_type == "Sub")
-            fused = ir.node("GatedAdd", [x, y, gate], domain=MS_DOMAIN, name=f"{base_name(node)}/gated")
-            new_nodes.nodes.append(fused)
-            out = fused.outputs[0]
+            out = new_nodes.add("GatedAdd", [x, y, gate], domain=MS_DOMAIN)
             out.type, out.shape = node.outputs[0].type, node.outputs[0].shape
             replace_nodes_and_values(model.graph, node, [node], new_nodes.nodes, [node.outputs[0]], [out])
             model.graph.remove(product, safe=True)

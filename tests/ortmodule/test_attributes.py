@@ -1,7 +1,8 @@
 """ORTModule and the wrapped module's plain Python attributes: a change the forward reads runs a
 graph exported for the new value (as eager would compute), switching back reuses the earlier
-graph, a forward that sets attributes while traced does not export on every call, and an
-attribute that keeps taking new values stops being watched after ATTRIBUTE_EXPORT_LIMIT of them."""
+graph, a forward that sets attributes while traced does not export on every call, an attribute
+the forward does not read costs one export and is then left alone, and one that changes the
+graph and keeps taking new values sends the module to PyTorch past ATTRIBUTE_EXPORT_LIMIT."""
 
 import warnings
 
@@ -9,7 +10,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain.torch import ORTModule, ORTModuleAttributeWarning  # noqa: E402
+from onnxtrain.errors import ExportError  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
 from onnxtrain.torch._attributes import AttributeRecord  # noqa: E402
 from onnxtrain.torch.ortmodule import ATTRIBUTE_EXPORT_LIMIT  # noqa: E402
 
@@ -43,9 +45,9 @@ def _trained_step(model, x):
 def _assert_matches_eager(wrapped, eager, x):
     out, grads = _trained_step(wrapped, x)
     eager_out, eager_grads = _trained_step(eager, x)
-    torch.testing.assert_close(out, eager_out)
-    for ours, theirs in zip(grads, eager_grads):
-        torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-5)
+    for ours, theirs in zip(grads, eager_grads):  # sums over saturated tanh: float32 rounding
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("change", [
@@ -107,44 +109,50 @@ def test_a_forward_that_sets_attributes_exports_once():
     assert wrapped.export_count == 1
 
 
-def test_an_attribute_that_keeps_changing_stops_being_watched():
-    module = Scaled()
-    wrapped = ORTModule(module)
+@pytest.mark.parametrize("fallback", [True, False])
+def test_a_graph_changing_attribute_past_the_limit_runs_in_pytorch(fallback):
+    torch.manual_seed(0)
+    eager = Scaled()
+    wrapped = ORTModule(Scaled(), DebugOptions(fallback=fallback))
+    wrapped.module.load_state_dict(eager.state_dict())
     x = torch.randn(5, 6)
-    wrapped(x)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", ORTModuleAttributeWarning)
-        for step in range(ATTRIBUTE_EXPORT_LIMIT):
-            module.scale = float(step + 10)
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for step in range(ATTRIBUTE_EXPORT_LIMIT + 1):
+            if step:  # a schedule stepped on every call
+                eager.scale = wrapped.module.scale = float(step + 10)
+            _assert_matches_eager(wrapped, eager, x)
+        eager.scale = wrapped.module.scale = 11.0  # a value seen before: its graph, no new value
+        _assert_matches_eager(wrapped, eager, x)
+    assert wrapped.export_count == 1 + ATTRIBUTE_EXPORT_LIMIT and wrapped.fallback_reason is None
+    eager.scale = wrapped.module.scale = 99.0
+    if not fallback:
+        with pytest.raises(ExportError, match=r"Scaled's scale \(now 99.0\) took more than 4 new values"):
             wrapped(x)
-        module.scale = 10.0  # a value seen before: its graph, no new value
-        wrapped(x)
-    assert wrapped.export_count == 1 + ATTRIBUTE_EXPORT_LIMIT
-    module.scale = 99.0
-    with pytest.warns(ORTModuleAttributeWarning, match=r"Scaled's scale \(now 99.0\)"):
-        out = wrapped(x)
-    assert wrapped.export_count == 1 + ATTRIBUTE_EXPORT_LIMIT  # kept a graph: no export
-    module.scale = 5.0
-    module.residual = True  # other attributes are still watched
-    wrapped(x)
-    assert wrapped.export_count == 2 + ATTRIBUTE_EXPORT_LIMIT
-    assert out.shape == (5, 4)
+        return
+    with pytest.warns(ORTModuleFallbackWarning, match="register it as a buffer"):
+        _assert_matches_eager(wrapped, eager, x)  # PyTorch from now on
+    assert wrapped.export_count == 1 + ATTRIBUTE_EXPORT_LIMIT and "scale" in wrapped.fallback_reason
 
 
-def test_a_value_stored_on_the_module_every_step_costs_a_bounded_number_of_exports():
+def test_a_value_stored_on_the_module_every_step_costs_one_export():
     module = Scaled()
     module.last_loss = 0.0  # a training loop's bookkeeping, never read by the forward
     wrapped = ORTModule(module)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.01)
     x = torch.randn(5, 6)
-    with pytest.warns(ORTModuleAttributeWarning, match="last_loss"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
         for step in range(10):
             optimizer.zero_grad()
             loss = wrapped(x).square().mean()
             loss.backward()
             optimizer.step()
             module.last_loss = loss.item()
-    assert wrapped.export_count == 1 + ATTRIBUTE_EXPORT_LIMIT
+    assert wrapped.export_count == 2  # the first, and the one that showed the same graph
+    module.scale = 5.0  # the others are still watched
+    wrapped(x)
+    assert wrapped.export_count == 3
 
 
 def test_new_shapes_and_new_values_export_once_each():

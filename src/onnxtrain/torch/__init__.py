@@ -5,9 +5,7 @@ Importing this package needs PyTorch (``pip install torch``); ``import onnxtrain
 
 from onnxtrain.torch._translations import translation_table as onnx_translation_table
 from onnxtrain.torch.memory import MemoryEstimate, estimate_memory
-from onnxtrain.torch.ortmodule import (DebugOptions, LogLevel, MemoryOptionsError, ORTModule, ORTModuleAttributeWarning,
-                                      ORTModuleFallbackWarning)
+from onnxtrain.torch.ortmodule import DebugOptions, LogLevel, MemoryOptionsError, ORTModule, ORTModuleFallbackWarning
 
-__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "ORTModuleAttributeWarning",
-           "MemoryOptionsError",
+__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "MemoryOptionsError",
            "MemoryEstimate", "estimate_memory", "onnx_translation_table"]

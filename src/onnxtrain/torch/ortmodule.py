@@ -55,14 +55,9 @@ class ORTModuleFallbackWarning(UserWarning):
     """ORTModule could not run a module through ONNX Runtime and runs it in PyTorch instead."""
 
 
-class ORTModuleAttributeWarning(UserWarning):
-    """An attribute of the wrapped module took so many values that ORTModule stopped exporting
-    for them (see :class:`ORTModule`, "Python attributes")."""
-
-
-# How many new values an attribute may take (each exported for, and each export keeps its
-# graphs) before it is no longer watched: a value a training loop stores on a module every step
-# would otherwise export every step. torch.compile's recompile limit plays the same part.
+# How many new values an attribute that changes the graph may take (each exported for, each
+# export keeping its graphs) before ORTModule runs the module in PyTorch instead, as
+# torch.compile falls back to eager past its recompile limit.
 ATTRIBUTE_EXPORT_LIMIT = 4
 
 
@@ -195,12 +190,15 @@ class ORTModule(torch.nn.Module):
     graph. The scalar attributes (bool, int, float, str, None, enums, tuples of those) of the
     module and its submodules are recorded at each export and compared on every call; a call
     whose values differ runs a graph exported for them (exported once per set of values, so
-    switching back reuses the earlier graph). An attribute that took more than
-    ``ATTRIBUTE_EXPORT_LIMIT`` new values is no longer watched, with an
-    :class:`ORTModuleAttributeWarning`: a value a training loop stores on a module every step
-    would otherwise export every step. Other objects (tensors that are neither parameters nor
-    buffers, lists, a Hugging Face ``config``) and attributes set after the export are not
-    watched: changing what the forward reads there needs a new ORTModule.
+    switching back reuses the earlier graph). An attribute whose new value exports the same
+    graph (one the forward does not read, such as a value a training loop stores on a module) is
+    no longer watched after that one export. One that changes the graph and takes more than
+    ``ATTRIBUTE_EXPORT_LIMIT`` new values (a schedule stepped every call) makes the module run
+    in PyTorch, as a fallback does (or raise ``ExportError`` without fallback): register it as
+    a buffer or pass it as a tensor to make it a graph input instead. Other objects (tensors
+    that are neither parameters nor buffers, lists, a Hugging Face ``config``) and attributes
+    set after the export are not watched: changing what the forward reads there needs a new
+    ORTModule.
 
     Dropout runs ONNX Runtime's random generator, not PyTorch's: masks differ from eager
     PyTorch for the same ``torch.manual_seed`` (the distribution is the same).
@@ -356,24 +354,19 @@ class ORTModule(torch.nn.Module):
             ORTModuleFallbackWarning, stacklevel=3,
         )
 
-    def _export_for_attributes(self, changes: list[AttributeChange]) -> bool:
-        """Note the new values of changed attributes; one past ``ATTRIBUTE_EXPORT_LIMIT`` new values
-        stops being watched (warned once). Whether any watched change remains to export for."""
+    def _count_attribute_values(self, changes: list[AttributeChange]) -> None:
+        """Note the new values of changed attributes; ``ExportError`` (fallback to PyTorch, where
+        allowed) once one has taken more than ``ATTRIBUTE_EXPORT_LIMIT``."""
         for change in changes:
             self._attribute_values.setdefault(change.key, set()).add(change.current)
-        dropped = [c for c in changes if len(self._attribute_values[c.key]) > ATTRIBUTE_EXPORT_LIMIT]
-        if dropped:
-            self._unwatched_attributes.update(c.key for c in dropped)
-            what = ", ".join(f"{c.where} (now {c.now})" for c in dropped)
-            warnings.warn(
-                f"ORTModule: {type(self._original_module).__name__}'s {what} took more than "
-                f"{ATTRIBUTE_EXPORT_LIMIT} new values, each exported for; no longer watched: calls run "
-                f"graphs exported with earlier values", ORTModuleAttributeWarning, stacklevel=6)
-        remaining = [c for c in changes if c.key not in self._unwatched_attributes]
-        if remaining:
-            logger.info("exporting %s again: %s", type(self._original_module).__name__,
-                        "; ".join(str(c) for c in remaining))
-        return bool(remaining)
+        churning = [c for c in changes if len(self._attribute_values[c.key]) > ATTRIBUTE_EXPORT_LIMIT]
+        if churning:
+            what = ", ".join(f"{c.where} (now {c.now})" for c in churning)
+            raise ExportError(
+                f"{type(self._original_module).__name__}'s {what} took more than {ATTRIBUTE_EXPORT_LIMIT} "
+                f"new values, each changing the exported graph; register it as a buffer or pass it as a "
+                f"tensor argument to make it a graph input")
+        logger.info("exporting %s again: %s", type(self._original_module).__name__, "; ".join(map(str, changes)))
 
     def _variant(self, call, autocast: tuple[str, str] | None) -> _Variant:
         variants = self._variants.setdefault((call.schema, autocast), [])
@@ -386,8 +379,8 @@ class ORTModule(torch.nn.Module):
                     return variant
                 if stale is None or (variant.dynamic and not stale.dynamic):  # one export for every shape
                     stale, stale_changes = variant, changes
-        if stale is not None and not self._export_for_attributes(stale_changes):
-            return stale
+        if stale is not None:
+            self._count_attribute_values(stale_changes)
         began = time.perf_counter()
         variant = self._export(call, variants, like=stale)
         variant.attributes = AttributeRecord(self._original_module)
@@ -402,6 +395,12 @@ class ORTModule(torch.nn.Module):
             # execution provider cannot run in low precision (and the sensitive ones) to fp32
             variant.precision = PrecisionConfig(autocast[1], device=autocast[0])
             pipeline.run(graph.model, pipeline.mixed_precision(variant.precision))
+        if stale is not None and io.serialize(graph.model) == io.serialize(stale.graph.model):
+            # the forward does not read what changed: stop watching it, keep the graph built already
+            self._unwatched_attributes.update(c.key for c in stale_changes)
+            logger.info("%s's graph does not depend on %s: no longer watched", type(self._original_module).__name__,
+                        ", ".join(c.where for c in stale_changes))
+            return stale
         variants.append(variant)
         self._save(graph.exported, "exported")
         graph.exported = None  # saved: no need to hold a second copy of the model

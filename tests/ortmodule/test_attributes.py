@@ -193,3 +193,18 @@ def test_a_replaced_submodule_runs_a_graph_exported_for_it():
     eager[1] = torch.nn.Tanh()  # no parameters: the parameter names stay the same
     torch.testing.assert_close(wrapped(x), eager(x))
     assert wrapped.export_count == 2
+
+
+def test_a_replaced_submodule_is_not_kept_alive_by_the_graphs():
+    import gc
+    import weakref
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    wrapped = ORTModule(model)
+    x = torch.randn(5, 6)
+    wrapped(x).sum().backward()
+    old = weakref.ref(model[0])
+    model[0] = torch.nn.Linear(6, 4)  # a new head, say: same names and shapes
+    gc.collect()
+    assert old() is None  # its parameters are not held either
+    torch.testing.assert_close(wrapped(x), model(x))

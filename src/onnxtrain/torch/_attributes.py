@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -69,25 +70,35 @@ class AttributeChange:
 
 
 class AttributeRecord:
-    """The recordable attributes of ``module`` and its submodules, with their values now."""
+    """The recordable attributes of ``module`` and its submodules, with their values now.
+
+    Submodules are held by weak reference, so a record does not keep a replaced submodule (and
+    its parameters) alive; every attribute of one that is gone counts as deleted. Every
+    submodule has a recorded ``training`` flag, so a record notices any of them going.
+    """
 
     def __init__(self, module: torch.nn.Module):
-        self._entries = [(sub, prefix, name, value)
-                         for prefix, sub in module.named_modules(remove_duplicate=False)
-                         for name, value in vars(sub).items()
-                         if name not in _MODULE_BOOKKEEPING and _recordable(value)]
+        self._modules = []  # (weak reference, qualified name, [(attribute, value), ...])
+        for prefix, sub in module.named_modules(remove_duplicate=False):
+            values = [(name, value) for name, value in vars(sub).items()
+                      if name not in _MODULE_BOOKKEEPING and _recordable(value)]
+            if values:
+                self._modules.append((weakref.ref(sub), prefix, values))
 
     def names(self) -> list[tuple[str, str]]:
         """The recorded (submodule name, attribute) pairs."""
-        return [(prefix, name) for _, prefix, name, _ in self._entries]
+        return [(prefix, name) for _, prefix, values in self._modules for name, _ in values]
 
     def changes(self, ignored: frozenset[tuple[str, str]] | set = frozenset()) -> list[AttributeChange]:
         """The recorded attributes whose values differ now, but for ``ignored`` (module, name) pairs."""
         found = []
-        for sub, prefix, name, value in self._entries:
-            current = sub.__dict__.get(name, _MISSING)
-            if current is value:  # the usual case, kept cheap: this runs on every call
-                continue
-            if not _same(value, current) and (prefix, name) not in ignored:
-                found.append(AttributeChange(prefix, name, value, current))
+        for ref, prefix, values in self._modules:
+            sub = ref()
+            current_values = sub.__dict__ if sub is not None else {}
+            for name, value in values:
+                current = current_values.get(name, _MISSING)
+                if current is value:  # the usual case, kept cheap: this runs on every call
+                    continue
+                if not _same(value, current) and (prefix, name) not in ignored:
+                    found.append(AttributeChange(prefix, name, value, current))
         return found

@@ -155,8 +155,8 @@ def _named_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], tupl
             if b is not None:
                 buffers[dot + name] = b
     parameters.update(buffers)
-    # ids stay unique while a graph's schema holds them: its attribute record (ortmodule) keeps
-    # every submodule of the export alive
+    # a submodule garbage-collected after an export may leave its id to a new one: the export's
+    # attribute record (ortmodule) then finds the old one gone and does not match
     return parameters, tuple(modules)
 
 

@@ -78,7 +78,7 @@ class CallSchema:
     parameters: tuple          # (name, dtype, device) of every parameter and buffer
     # the identity of every submodule: one replaced by another (an activation swapped, with no
     # parameter names to change) runs a graph exported for the new one
-    modules: tuple = ()
+    modules: tuple
 
 
 @dataclass

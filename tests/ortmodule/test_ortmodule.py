@@ -192,11 +192,11 @@ def test_a_model_that_fails_the_dynamic_export_gets_one_static_export_per_shape(
     real_export = ortmodule_module.export_call
     dynamic_requests = []
 
-    def export_without_dynamic_shapes(module, call, keep_exported=False, dynamic=True):
+    def export_without_dynamic_shapes(module, call, keep_exported=False, dynamic=True, **options):
         if dynamic:  # as a model whose shapes the exporter cannot make symbolic
             dynamic_requests.append(tuple(call.tensors[0].shape))
             raise ExportError("torch.onnx.export could not export: constraint violation")
-        return real_export(module, call, keep_exported=keep_exported, dynamic=False)
+        return real_export(module, call, keep_exported=keep_exported, dynamic=False, **options)
 
     monkeypatch.setattr(ortmodule_module, "export_call", export_without_dynamic_shapes)
     torch.manual_seed(0)

@@ -7,6 +7,13 @@ initializers to graph inputs, so the graph reads the module's current weights on
 run and an optimizer step never needs a re-export. Buffers a training-mode forward
 mutates (BatchNorm running statistics, counters) come back as extra outputs.
 
+Custom ``torch.autograd.Function``s: the exporter traces through their forward, and the
+gradient graph would differentiate that forward instead of running their own backward (a
+straight-through estimator, a gradient reversal). The export traces with autograd on, and the
+autograd graph of the traced outputs names every Function the forward ran on tensors that
+require grad; an export whose Functions are not known to be exact (``inline_functions``, and
+torch's reentrant checkpoint) raises ``ExportError``.
+
 A call is exported with its own shapes (static) or with every tensor dim ``Dim.AUTO``:
 dynamic where the model allows it, static where it does not (ORTModule chooses, see its
 ``dynamic`` argument). A later call is served by the same graph when its shapes fit: static
@@ -171,6 +178,34 @@ class _Recorder(list):
         return self
 
 
+def _exact_torch_functions() -> frozenset[type]:
+    """torch's own autograd Functions whose backward is the gradient of their forward: the
+    reentrant checkpoint's backward reruns its forward and differentiates it."""
+    from torch.utils.checkpoint import CheckpointFunction
+    return frozenset({CheckpointFunction})
+
+
+def autograd_functions(tensors: Sequence) -> list[type]:
+    """The ``torch.autograd.Function`` classes with a backward node in the autograd graph of
+    ``tensors`` (other leaves are skipped), each once, in the order met."""
+    found: dict[type, None] = {}
+    seen: set[int] = set()
+    pending = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            found.setdefault(node._forward_cls)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return list(found)
+
+
+def _function_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class _FlatModule(torch.nn.Module):
     """Calls the user's module from flat tensors; returns flat output tensors then all buffers."""
 
@@ -180,12 +215,14 @@ class _FlatModule(torch.nn.Module):
         self._call = call
         self._buffer_names = buffer_names
         self.traced_outputs = _Recorder()
+        self.autograd_functions = _Recorder()  # the custom Functions the traced forward ran
 
     def forward(self, *tensors):
         args, kwargs = self._call.rebuild(tensors)
         out = getattr(self, _MODULE_ATTR)(*args, **kwargs)
         leaves, spec = pytree.tree_flatten(out)
         self.traced_outputs.append((spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]))
+        self.autograd_functions.extend(autograd_functions(leaves))
         module = getattr(self, _MODULE_ATTR)
         return (*[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
                 *[module.get_buffer(n) for n in self._buffer_names])
@@ -210,6 +247,9 @@ class ExportedGraph:
     input_shapes: list[tuple]                 # per user input: ints and symbol names
     dim_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     exported: ir.Model | None = None          # the exporter's graph, for DebugOptions.save_onnx
+    # the graph inputs (positions, as ``num_user_inputs`` then ``state_names``) that required
+    # grad in the traced call: where custom autograd Functions were looked for
+    traced_grads: frozenset[int] = frozenset()
 
     def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether this graph computes a call with these input shapes (same schema assumed)."""
@@ -261,18 +301,38 @@ def export_failure(what: str, exc: Exception) -> ExportError:
     return ExportError(f"{what}: {type(exc).__name__}: {first_line}")
 
 
+def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: frozenset[type] | bool) -> None:
+    """``ExportError`` naming the custom Functions in ``found`` whose own backward the gradient
+    graph would not run (all but torch's exact ones and ``inline``'s; none if ``inline`` is True)."""
+    if inline is True:
+        return
+    exact = _exact_torch_functions() | inline
+    custom = [cls for cls in dict.fromkeys(found) if cls not in exact]
+    if custom:
+        names = ", ".join(_function_name(cls) for cls in custom)
+        raise ExportError(
+            f"{type(module).__name__} runs custom torch.autograd.Function {names}: the exported graph traces "
+            f"their forward, so ONNX Runtime would differentiate that instead of running their own backward. "
+            f"If their backward is the exact gradient of their forward, pass them in "
+            f"ORTModule(..., inline_autograd_functions=[...])")
+
+
 def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False,
-                dynamic: bool = True) -> ExportedGraph:
-    """Export ``module`` called as ``call``: with every dim ``Dim.AUTO`` (``dynamic``) or with
-    the call's own shapes (a static export traces without symbolic shapes: several times faster)."""
-    """Export ``module`` called as ``call`` (see the module docstring). ``keep_exported`` keeps a
-    copy of the exporter's own graph in ``ExportedGraph.exported`` (for saving it)."""
+                dynamic: bool = True, inline_functions: frozenset[type] | bool = frozenset()) -> ExportedGraph:
+    """Export ``module`` called as ``call`` (see the module docstring): with every dim
+    ``Dim.AUTO`` (``dynamic``) or with the call's own shapes (a static export traces without
+    symbolic shapes: several times faster). ``keep_exported`` keeps a copy of the exporter's own
+    graph in ``ExportedGraph.exported`` (for saving it). ``inline_functions``: the custom
+    autograd Functions (True: all) whose backward is the gradient of their forward; any other
+    that the forward runs on tensors requiring grad raises ``ExportError``."""
     buffer_names = list(dict(module.named_buffers()))
     wrapper = _FlatModule(module, call, buffer_names)
     dynamic_shapes = (tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors),) \
         if dynamic else None
     try:
-        with quiet_exporter():
+        # autograd on (an inference call may run under no_grad): the traced outputs' autograd
+        # graph shows which custom Functions the forward runs; the exported graph is the same
+        with quiet_exporter(), torch.enable_grad():
             program = export_program(wrapper, tuple(call.tensors), dynamic_shapes, translation_table())
     except Exception as exc:  # the exporter raises many types; the reason is in the message
         raise export_failure(f"torch.onnx.export could not export {type(module).__name__}", exc) from exc
@@ -282,6 +342,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         # capture strategies): its inputs and outputs cannot be matched to the call's
         raise ExportError(f"torch.onnx.export did not trace {type(module).__name__}'s forward for this call "
                           f"({len(call.tensors)} tensor arguments)")
+    _check_functions(module, wrapper.autograd_functions, inline_functions)
     model = program.model
     exported_copy = ir.from_proto(ir.to_proto(model)) if keep_exported else None
     graph = model.graph
@@ -314,10 +375,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     graph.outputs.clear()
     graph.outputs.extend(kept)
     pipeline.run(model, pipeline.before_autodiff())
+    traced = [*call.tensors, *(state[name] for name in state_names)]
     return ExportedGraph(
         model=model, num_user_inputs=num_user_inputs, state_names=state_names,
         num_user_outputs=num_user_outputs, buffer_updates=updates,
         output_spec=wrapper.traced_outputs[-1][0], output_leaves=wrapper.traced_outputs[-1][1],
         input_shapes=input_shapes, dim_ranges=_dim_ranges(program.exported_program),
         exported=exported_copy,
+        traced_grads=frozenset(i for i, t in enumerate(traced) if t.requires_grad and t.is_floating_point()),
     )

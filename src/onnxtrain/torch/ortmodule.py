@@ -8,6 +8,7 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,22 @@ def _graph_inputs(call, variant: "_Variant") -> tuple[list[torch.Tensor], tuple[
     buffers), and the positions of those that receive gradients."""
     inputs = [*call.tensors, *(call.state[n] for n in variant.graph.state_names)]
     return inputs, tuple(i for i, t in enumerate(inputs) if t.requires_grad and t.is_floating_point())
+
+
+def _inline_functions(value) -> frozenset[type] | bool:
+    """``inline_autograd_functions`` checked: True, or the frozenset of Function classes (False: none)."""
+    if isinstance(value, bool):
+        return value or frozenset()
+    try:
+        classes = frozenset(value)
+    except TypeError:
+        raise TypeError(f"ORTModule inline_autograd_functions must be True, False or torch.autograd.Function "
+                        f"subclasses, got {value!r}") from None
+    wrong = [c for c in classes if not (isinstance(c, type) and issubclass(c, torch.autograd.Function))]
+    if wrong:
+        raise TypeError(f"ORTModule inline_autograd_functions takes torch.autograd.Function subclasses, "
+                        f"got {', '.join(map(repr, wrong))}")
+    return classes
 
 
 class ORTModuleFallbackWarning(UserWarning):
@@ -200,6 +217,17 @@ class ORTModule(torch.nn.Module):
     set after the export are not watched: changing what the forward reads there needs a new
     ORTModule.
 
+    Custom ``torch.autograd.Function``s: the export traces through their forward, and ONNX
+    Runtime cannot call their own backward, so a module whose forward runs one on tensors that
+    require grad (a straight-through estimator, a gradient reversal) runs in PyTorch, as a
+    fallback does (or raises ``ExportError`` without fallback), rather than train with the
+    gradient of the forward. ``inline_autograd_functions`` lists those whose backward is the
+    exact gradient of their forward (a memory-saving or fused reimplementation; ``True``: all
+    of them), which then run in ONNX Runtime; torch's reentrant checkpoint is one already.
+    Functions are found in the autograd graph the export traces, so a parameter unfrozen
+    after the export makes the next training call export again to look along its paths.
+    Functions inside a reentrant checkpoint (whose forward runs without grad) are not seen.
+
     Dropout runs ONNX Runtime's random generator, not PyTorch's: masks differ from eager
     PyTorch for the same ``torch.manual_seed`` (the distribution is the same).
 
@@ -223,9 +251,10 @@ class ORTModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, *,
                  memory_opt_level: int | None = None, memory_budget: int | None = None,
-                 dynamic: bool | None = None):
+                 dynamic: bool | None = None, inline_autograd_functions: bool | Iterable[type] = ()):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
+        inline_functions = _inline_functions(inline_autograd_functions)
         if dynamic not in (None, True, False):
             raise TypeError(f"ORTModule dynamic must be None (automatic), True or False, got {dynamic!r}")
         if memory_budget is not None and not (isinstance(memory_budget, int) and memory_budget >= 0):
@@ -234,6 +263,7 @@ class ORTModule(torch.nn.Module):
         self._original_module = module
         self._debug = debug_options or DebugOptions()
         self._dynamic = dynamic
+        self._inline_functions = inline_functions
         self._memory_options = MemoryOptions(memory_opt_level, memory_budget)
         try:
             self._memory_options.resolved_level()
@@ -296,6 +326,8 @@ class ORTModule(torch.nn.Module):
         # pickled before ORTModule watched attributes
         self.__dict__.setdefault("_attribute_values", {})
         self.__dict__.setdefault("_unwatched_attributes", set())
+        # pickled before ORTModule looked for custom autograd Functions
+        self.__dict__.setdefault("_inline_functions", frozenset())
 
     def __deepcopy__(self, memo):
         clone = type(self).__new__(type(self))
@@ -333,6 +365,8 @@ class ORTModule(torch.nn.Module):
             variant = self._variant(call, _autocast(call.tensors))
             inputs, wrt = _graph_inputs(call, variant)
             training = torch.is_grad_enabled() and bool(wrt)
+            if training and not variant.graph.traced_grads.issuperset(wrt):
+                self._trace_new_gradients(call, variant)
             runner = self._training_programs(variant, wrt, inputs) if training else \
                 self._inference_runner(variant, inputs)
         except OnnxTrainError as exc:
@@ -407,28 +441,50 @@ class ORTModule(torch.nn.Module):
         self._save(graph.model, "optimized")
         return variant
 
+    def _trace_new_gradients(self, call, variant: _Variant) -> None:
+        """Export ``variant``'s call again where gradients now flow through inputs or parameters
+        that did not require grad when it was exported (unfrozen since): custom autograd
+        Functions on those paths were not in the traced autograd graph. The same graph (the
+        usual case) only updates what was traced; ``ExportError`` if such a Function is found."""
+        began = time.perf_counter()
+        graph = self._export(call, [], like=variant).graph
+        self.export_count += 1
+        if variant.precision is not None:
+            pipeline.run(graph.model, pipeline.mixed_precision(variant.precision))
+        logger.info("exported %s again (export #%d) in %.1f s: gradients now flow through inputs that did not "
+                    "require grad at its export", type(self._original_module).__name__, self.export_count,
+                    time.perf_counter() - began)
+        if io.serialize(graph.model) != io.serialize(variant.graph.model):
+            variant.inference, variant.training, variant.memory = None, {}, {}
+            graph.exported = None
+            variant.graph = graph
+        variant.graph.traced_grads = graph.traced_grads
+
     def _export(self, call, variants: list[_Variant], like: _Variant | None = None) -> _Variant:
         """Export for a call that none of its schema's ``variants`` accepts. Automatic mode
         (``dynamic=None``): static for the schema's first export; dynamic for the first call
         that needs another shape; static again (one graph per shape) once a dynamic export was
         tried, or when the dynamic export fails. With ``like`` (a graph for the call's shapes
         whose attribute values changed), shapes as ``like``'s."""
-        keep = self._debug.save_onnx
+        def export(dynamic: bool) -> ExportedGraph:
+            return export_call(self._original_module, call, keep_exported=self._debug.save_onnx, dynamic=dynamic,
+                               inline_functions=self._inline_functions)
+
         if like is not None:
-            graph = export_call(self._original_module, call, keep_exported=keep, dynamic=like.dynamic)
+            graph = export(like.dynamic)
             return _Variant(graph, dynamic=like.dynamic, dynamic_tried=like.dynamic_tried)
         if self._dynamic is not None:
-            graph = export_call(self._original_module, call, keep_exported=keep, dynamic=self._dynamic)
+            graph = export(self._dynamic)
             return _Variant(graph, dynamic=self._dynamic, dynamic_tried=self._dynamic)
         if not variants or any(v.dynamic_tried for v in variants):
-            return _Variant(export_call(self._original_module, call, keep_exported=keep, dynamic=False))
+            return _Variant(export(False))
         try:
-            graph = export_call(self._original_module, call, keep_exported=keep, dynamic=True)
+            graph = export(True)
             return _Variant(graph, dynamic=True, dynamic_tried=True)
         except ExportError as exc:
             logger.info("%s does not export with dynamic shapes (%s); exporting this call's shapes",
                         type(self._original_module).__name__, exc)
-            graph = export_call(self._original_module, call, keep_exported=keep, dynamic=False)
+            graph = export(False)
             return _Variant(graph, dynamic_tried=True)
 
     def _mode(self) -> str:

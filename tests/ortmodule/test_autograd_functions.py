@@ -1,0 +1,245 @@
+"""ORTModule and custom torch.autograd.Functions: the exporter traces through their forward, so a
+module that runs one whose backward is its own (a straight-through estimator, a gradient
+reversal) must not train with the gradient of that forward. It runs in PyTorch (or raises
+without fallback) with a reason that names the Functions; Functions declared exact, and torch's
+reentrant checkpoint, run in ONNX Runtime; Functions only on tensors that need no gradient do
+not matter; a parameter unfrozen after the export is looked along at the next training call."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.errors import ExportError  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
+from onnxtrain.torch._export import autograd_functions  # noqa: E402
+
+
+class RoundSTE(torch.autograd.Function):
+    """Rounds; passes the gradient straight through (the forward's own gradient is zero)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class ReverseGrad(torch.autograd.Function):
+    """Identity forward; negated gradient (domain-adversarial training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class Cube(torch.autograd.Function):
+    """x^3 with its exact gradient written by hand."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return 3.0 * x * x * grad
+
+
+class Net(torch.nn.Module):
+    """Two linear layers with a custom Function (or none) between them."""
+
+    def __init__(self, function=None):
+        super().__init__()
+        self.first = torch.nn.Linear(6, 5)
+        self.second = torch.nn.Linear(5, 3)
+        self.function = function
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if self.function is not None:
+            h = self.function.apply(h)
+        return self.second(h)
+
+
+class InputNormalized(torch.nn.Module):
+    """A custom Function applied to the input only (which needs no gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.linear(ReverseGrad.apply(x * 0.5))
+
+
+class Checkpointed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(6, 8)
+        self.second = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(lambda t: torch.tanh(self.first(t)), x, use_reentrant=True)
+        return self.second(h)
+
+
+def _pair(factory, **options):
+    torch.manual_seed(0)
+    eager = factory()
+    wrapped = ORTModule(factory(), **options)
+    wrapped.module.load_state_dict(eager.state_dict())
+    return eager, wrapped
+
+
+def _step(model, x):
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_steps_match(eager, wrapped, x):
+    out, grads = _step(wrapped, x)
+    eager_out, eager_grads = _step(eager, x)
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(grads, eager_grads):
+        assert (ours is None) == (theirs is None)
+        if ours is not None:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_autograd_graph_names_the_functions_a_forward_ran():
+    x = torch.randn(4, 6, requires_grad=True)
+    y = Cube.apply(RoundSTE.apply(ReverseGrad.apply(x)) + torch.tanh(x))
+    assert autograd_functions([y, 3, None]) == [Cube, RoundSTE, ReverseGrad]
+    assert autograd_functions([torch.tanh(x)]) == []
+    with torch.no_grad():
+        assert autograd_functions([Cube.apply(x)]) == []
+
+
+@pytest.mark.parametrize("function", [RoundSTE, ReverseGrad], ids=["straight-through", "gradient-reversal"])
+def test_a_function_with_its_own_backward_runs_in_pytorch(function):
+    eager, wrapped = _pair(lambda: Net(function))
+    x = torch.randn(8, 6) * 3
+    with pytest.warns(ORTModuleFallbackWarning, match=f"custom torch.autograd.Function .*{function.__qualname__}"):
+        _assert_steps_match(eager, wrapped, x)
+    assert function.__qualname__ in wrapped.fallback_reason
+    _assert_steps_match(eager, wrapped, x)  # and stays there, without warning again
+
+
+def test_without_fallback_the_error_names_every_function_and_the_option():
+    class Both(Net):
+        def forward(self, x):
+            return super().forward(ReverseGrad.apply(x))
+
+    _, wrapped = _pair(lambda: Both(RoundSTE), debug_options=DebugOptions(fallback=False))
+    with pytest.raises(ExportError, match="inline_autograd_functions") as raised:
+        wrapped(torch.randn(8, 6, requires_grad=True))
+    assert f"{__name__}.RoundSTE" in str(raised.value) and f"{__name__}.ReverseGrad" in str(raised.value)
+
+
+def test_a_function_declared_exact_runs_in_onnx_runtime():
+    eager, wrapped = _pair(lambda: Net(Cube), inline_autograd_functions=[Cube])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for seed in range(2):
+            _assert_steps_match(eager, wrapped, torch.randn(8, 6, generator=torch.Generator().manual_seed(seed)))
+    assert wrapped.fallback_reason is None and wrapped.export_count == 1
+
+
+def test_inline_all_trusts_every_function():
+    # True inlines every Function: here RoundSTE's forward is differentiated (round passes no
+    # gradient), which is what the user asked for and what PyTorch's own round would give
+    torch.manual_seed(0)
+    wrapped = ORTModule(Net(RoundSTE), inline_autograd_functions=True)
+    x = torch.randn(8, 6) * 3
+    _, grads = _step(wrapped, x)
+    assert wrapped.fallback_reason is None
+    assert torch.count_nonzero(grads[0]) == 0 and torch.count_nonzero(grads[2]) > 0
+
+
+def test_reentrant_checkpoint_runs_in_onnx_runtime():
+    eager, wrapped = _pair(Checkpointed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        # with an input that requires grad, as the reentrant variant needs (without one, eager
+        # gives the checkpointed layers no gradient at all)
+        _assert_steps_match(eager, wrapped, torch.randn(8, 6, requires_grad=True))
+    assert wrapped.fallback_reason is None
+
+
+def test_a_function_on_tensors_without_gradient_does_not_matter():
+    eager, wrapped = _pair(InputNormalized)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        _assert_steps_match(eager, wrapped, torch.randn(8, 6))
+    assert wrapped.fallback_reason is None
+
+
+def test_an_inference_first_call_finds_the_function_too():
+    eager, wrapped = _pair(lambda: Net(ReverseGrad))
+    x = torch.randn(8, 6)
+    with torch.no_grad(), pytest.warns(ORTModuleFallbackWarning, match="ReverseGrad"):
+        torch.testing.assert_close(wrapped(x), eager(x))
+    _assert_steps_match(eager, wrapped, x)
+
+
+def test_a_parameter_unfrozen_after_the_export_is_looked_along():
+    # the Function sits on the frozen first layer's path: at the export no gradient flows
+    # through it, so it does not matter and the module runs in ONNX Runtime; once the first
+    # layer trains, its gradient passes the Function, and the next training call finds it
+    eager, wrapped = _pair(lambda: Net(ReverseGrad))
+    eager.first.requires_grad_(False)
+    wrapped.module.first.requires_grad_(False)
+    x = torch.randn(8, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        _assert_steps_match(eager, wrapped, x)
+    assert wrapped.fallback_reason is None and wrapped.export_count == 1
+    eager.first.requires_grad_(True)
+    wrapped.module.first.requires_grad_(True)
+    with pytest.warns(ORTModuleFallbackWarning, match="ReverseGrad"):
+        _assert_steps_match(eager, wrapped, x)
+
+
+def test_unfreezing_without_functions_keeps_the_graph():
+    eager, wrapped = _pair(Net)
+    eager.first.requires_grad_(False)
+    wrapped.module.first.requires_grad_(False)
+    x = torch.randn(8, 6)
+    _assert_steps_match(eager, wrapped, x)
+    eager.first.requires_grad_(True)
+    wrapped.module.first.requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        _assert_steps_match(eager, wrapped, x)
+        _assert_steps_match(eager, wrapped, x)
+    assert wrapped.fallback_reason is None
+    assert wrapped.export_count == 2  # one look along the new paths, not one per call
+
+
+@pytest.mark.parametrize("value", [[int], 5, [Cube, "Cube"]], ids=["class", "number", "string"])
+def test_inline_autograd_functions_takes_function_classes(value):
+    with pytest.raises(TypeError, match="inline_autograd_functions"):
+        ORTModule(Net(), inline_autograd_functions=value)
+
+
+def test_copies_keep_the_declared_functions():
+    torch.manual_seed(0)
+    wrapped = ORTModule(Net(Cube), inline_autograd_functions=[Cube])
+    for clone in (copy.deepcopy(wrapped), pickle.loads(pickle.dumps(wrapped))):
+        _step(clone, torch.randn(8, 6))
+        assert clone.fallback_reason is None

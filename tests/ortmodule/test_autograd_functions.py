@@ -3,7 +3,9 @@ module that runs one whose backward is its own (a straight-through estimator, a 
 reversal) must not train with the gradient of that forward. It runs in PyTorch (or raises
 without fallback) with a reason that names the Functions; Functions declared exact, and torch's
 reentrant checkpoint, run in ONNX Runtime; Functions only on tensors that need no gradient do
-not matter; a parameter unfrozen after the export is looked along at the next training call."""
+not matter; a parameter unfrozen after the export is looked along at the next training call.
+Backward hooks on submodules cannot run in ONNX Runtime's backward either: such a module runs in
+PyTorch too."""
 
 import copy
 import pickle
@@ -243,3 +245,35 @@ def test_copies_keep_the_declared_functions():
     for clone in (copy.deepcopy(wrapped), pickle.loads(pickle.dumps(wrapped))):
         _step(clone, torch.randn(8, 6))
         assert clone.fallback_reason is None
+
+
+def _halve_input_gradient(module, grad_input, grad_output):
+    return (grad_input[0] * 0.5,)
+
+
+@pytest.mark.filterwarnings("ignore:Using a non-full backward hook:FutureWarning")
+@pytest.mark.parametrize("hook", [
+    lambda net: net.second.register_full_backward_hook(_halve_input_gradient),
+    lambda net: net.second.register_full_backward_pre_hook(lambda module, grad_output: (grad_output[0] * 0.5,)),
+    lambda net: net.second.register_backward_hook(lambda module, grad_input, grad_output:
+                                                  (grad_input[0] * 0.5, *grad_input[1:])),
+], ids=["full", "pre", "legacy"])
+def test_a_submodule_backward_hook_runs_in_pytorch(hook):
+    eager, wrapped = _pair(Net)
+    hook(eager)
+    hook(wrapped.module)
+    with pytest.warns(ORTModuleFallbackWarning, match=r"backward hooks \(second\)"):
+        _assert_steps_match(eager, wrapped, torch.randn(8, 6))
+
+
+def test_forward_hooks_and_parameter_hooks_stay_in_onnx_runtime():
+    # a forward hook is traced into the graph; a hook on a parameter fires on the gradient
+    # ORTModule hands to autograd
+    eager, wrapped = _pair(Net)
+    for net in (eager, wrapped.module):
+        net.second.register_forward_hook(lambda module, inputs, output: output * 2.0)
+        net.first.weight.register_hook(lambda grad: grad * 0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        _assert_steps_match(eager, wrapped, torch.randn(8, 6))
+    assert wrapped.fallback_reason is None

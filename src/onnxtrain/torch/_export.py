@@ -202,6 +202,10 @@ def autograd_functions(tensors: Sequence) -> list[type]:
     return list(found)
 
 
+# what a submodule's full backward hooks run as (torch.utils.hooks.BackwardHook)
+_BACKWARD_HOOK_FUNCTION = "torch.nn.modules._functions.BackwardHookFunction"
+
+
 def _function_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -303,11 +307,17 @@ def export_failure(what: str, exc: Exception) -> ExportError:
 
 def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: frozenset[type] | bool) -> None:
     """``ExportError`` naming the custom Functions in ``found`` whose own backward the gradient
-    graph would not run (all but torch's exact ones and ``inline``'s; none if ``inline`` is True)."""
+    graph would not run: all but torch's exact ones and ``inline``'s (none if ``inline`` is
+    True), and always the Function behind submodules' backward hooks."""
+    found = list(dict.fromkeys(found))
+    if any(_function_name(cls) == _BACKWARD_HOOK_FUNCTION for cls in found):
+        raise ExportError(
+            f"{type(module).__name__} has backward hooks on its submodules (register_full_backward_hook or "
+            f"register_full_backward_pre_hook): ONNX Runtime's backward cannot call them")
     if inline is True:
         return
     exact = _exact_torch_functions() | inline
-    custom = [cls for cls in dict.fromkeys(found) if cls not in exact]
+    custom = [cls for cls in found if cls not in exact]
     if custom:
         names = ", ".join(_function_name(cls) for cls in custom)
         raise ExportError(
@@ -315,6 +325,22 @@ def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: fro
             f"their forward, so ONNX Runtime would differentiate that instead of running their own backward. "
             f"If their backward is the exact gradient of their forward, pass them in "
             f"ORTModule(..., inline_autograd_functions=[...])")
+
+
+def _check_module_hooks(module: torch.nn.Module) -> None:
+    """``ExportError`` if a backward hook is registered on ``module``, a submodule or globally
+    (``register_full_backward_hook``, its pre-hook, or the legacy ``register_backward_hook``):
+    the export would trace the forward without them and ONNX Runtime's backward not call them."""
+    from torch.nn.modules import module as module_globals
+    hooked = [name or "the module itself" for name, sub in module.named_modules()
+              if sub._backward_hooks or sub._backward_pre_hooks]
+    if getattr(module_globals, "_global_backward_hooks", None) or getattr(module_globals, "_global_backward_pre_hooks",
+                                                                          None):
+        hooked.append("every module (a global backward hook)")
+    if hooked:
+        raise ExportError(
+            f"{type(module).__name__} has backward hooks ({', '.join(hooked[:8])}"
+            f"{', ...' if len(hooked) > 8 else ''}): ONNX Runtime's backward cannot call them")
 
 
 def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False,
@@ -325,6 +351,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     graph in ``ExportedGraph.exported`` (for saving it). ``inline_functions``: the custom
     autograd Functions (True: all) whose backward is the gradient of their forward; any other
     that the forward runs on tensors requiring grad raises ``ExportError``."""
+    _check_module_hooks(module)
     buffer_names = list(dict(module.named_buffers()))
     wrapper = _FlatModule(module, call, buffer_names)
     dynamic_shapes = (tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors),) \

@@ -227,6 +227,8 @@ class ORTModule(torch.nn.Module):
     Functions are found in the autograd graph the export traces, so a parameter unfrozen
     after the export makes the next training call export again to look along its paths.
     Functions inside a reentrant checkpoint (whose forward runs without grad) are not seen.
+    Backward hooks on the module or its submodules (``register_full_backward_hook`` and the
+    like) cannot run in ONNX Runtime's backward either: such a module runs in PyTorch too.
 
     Dropout runs ONNX Runtime's random generator, not PyTorch's: masks differ from eager
     PyTorch for the same ``torch.manual_seed`` (the distribution is the same).

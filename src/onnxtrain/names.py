@@ -26,6 +26,9 @@ MOMENTUM_BUFFER = "momentum0"
 # Node metadata on a Gather that implements an embedding lookup with a padding index: the
 # rows of that index get no gradient (PyTorch's ``nn.Embedding(padding_idx=...)``).
 PADDING_IDX_METADATA = "onnxtrain.padding_idx"
+# Node metadata on an Identity whose output carries no gradient (PyTorch's ``detach()`` and the
+# outputs of a ``torch.no_grad()`` region): the autodiff does not differentiate through it.
+STOP_GRADIENT_METADATA = "onnxtrain.stop_gradient"
 
 
 def grad_name(param: str) -> str:

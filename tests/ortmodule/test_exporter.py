@@ -38,7 +38,7 @@ def test_each_export_gets_its_own_copy():
 def test_export_program_matches_torch_onnx_export():
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.ReLU()).train()
     args = (torch.randn(5, 4),)
-    ours = _exporter.export_program(model, args, None, translation_table()).model
+    ours = _exporter.export_program(_exporter.capture(model, args, None), translation_table()).model
     theirs = torch.onnx.export(model, args, dynamo=True, optimize=False, verbose=False,
                                custom_translation_table=translation_table()).model
     assert [n.op_type for n in ours.graph] == [n.op_type for n in theirs.graph]
@@ -48,7 +48,7 @@ def test_export_program_matches_torch_onnx_export():
 def test_falls_back_to_torch_onnx_export_without_the_internal_api(monkeypatch):
     monkeypatch.setattr(_exporter, "_internal_export", lambda: None)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).train()
-    program = _exporter.export_program(model, (torch.randn(5, 4),), None, translation_table())
+    program = _exporter.export_program(_exporter.capture(model, (torch.randn(5, 4),), None), translation_table())
     ops = [n.op_type for n in program.model.graph]
     assert "Gemm" in ops or "MatMul" in ops
     assert "BatchNormalization" not in ops  # onnxtrain's training-mode translation was used
@@ -72,7 +72,7 @@ def test_internal_api_that_differs_is_not_used(monkeypatch):
     monkeypatch.setattr(_exporter, "_CORE_EXPORT_PARAMETERS", {*_exporter._CORE_EXPORT_PARAMETERS, "renamed"})
     assert _exporter._internal_export() is None
     model = torch.nn.Linear(4, 3)
-    program = _exporter.export_program(model, (torch.randn(5, 4),), None, translation_table())
+    program = _exporter.export_program(_exporter.capture(model, (torch.randn(5, 4),), None), translation_table())
     assert [n.op_type for n in program.model.graph]
 
 

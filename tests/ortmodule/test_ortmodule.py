@@ -432,19 +432,19 @@ def test_numpy_inputs_are_rejected_with_the_argument_named(fallback):
 
 
 def test_an_export_that_did_not_trace_the_forward_is_an_export_error(monkeypatch):
-    """Should the exporter return a graph without having run the module's forward (one of its
-    fallback capture strategies), its outputs cannot be matched: ExportError, then fallback."""
+    """Should the capture return a program without having run the module's forward as written,
+    its outputs cannot be matched: ExportError, then fallback."""
     from onnxtrain.errors import ExportError
     from onnxtrain.torch import _export
 
-    real = _export.export_program
+    real = _export.capture
 
-    def untraced(module, args, dynamic_shapes, translations):
-        program = real(module, args, dynamic_shapes, translations)
+    def untraced(module, args, dynamic_shapes):
+        program = real(module, args, dynamic_shapes)
         module.traced_outputs.clear()
         return program
 
-    monkeypatch.setattr(_export, "export_program", untraced)
+    monkeypatch.setattr(_export, "capture", untraced)
     with pytest.raises(ExportError, match="did not trace MLP's forward"):
         ORTModule(MLP(), STRICT)(torch.randn(3, 12))
     wrapped = ORTModule(MLP())

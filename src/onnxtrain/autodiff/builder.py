@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import onnx_ir as ir
 
+from onnxtrain import names
 from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, Broadcast, GradContext, Registry
 from onnxtrain.errors import UnsupportedOpError
 from onnxtrain.ir.builder import GraphBuilder
@@ -38,12 +39,28 @@ def _may_carry_gradient(value: ir.Value) -> bool:
 
 def active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.Value]:
     """Values that may carry a gradient and depend on a requires-grad value (``nodes`` in
-    topological order)."""
+    topological order). A node marked as a stop-gradient (``names.STOP_GRADIENT_METADATA``:
+    PyTorch's ``detach()``) passes none on."""
     active = {v for v in wrt}
     for node in nodes:
+        if names.STOP_GRADIENT_METADATA in node.metadata_props:
+            continue
         if any(i is not None and i in active for i in node.inputs):
             active.update(o for o in node.outputs if _may_carry_gradient(o))
     return active
+
+
+def inputs_with_gradient(nodes: Sequence[ir.Node], wrt: Sequence[ir.Value], outputs: Iterable[ir.Value]) -> list[ir.Value]:
+    """The values of ``wrt`` that some float value of ``outputs`` depends on along values that
+    may carry a gradient and through no stop-gradient (``nodes`` in topological order): the
+    others get no gradient at all (PyTorch leaves their ``.grad`` None)."""
+    reached = {o for o in outputs if _may_carry_gradient(o)}
+    for node in reversed(nodes):
+        if names.STOP_GRADIENT_METADATA in node.metadata_props:
+            continue
+        if any(o in reached for o in node.outputs):
+            reached.update(i for i in node.inputs if i is not None and _may_carry_gradient(i))
+    return [w for w in wrt if w in reached]
 
 
 def _values_reaching(nodes: Sequence[ir.Node], targets: Iterable[ir.Value]) -> set[ir.Value]:

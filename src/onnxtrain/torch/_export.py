@@ -14,6 +14,14 @@ autograd graph of the traced outputs names every Function the forward ran on ten
 require grad; an export whose Functions are not known to be exact (``inline_functions``, and
 torch's reentrant checkpoint) raises ``ExportError``.
 
+Gradient cuts: ``detach()`` and the outputs of ``torch.no_grad()`` regions in the forward stop
+gradients, as in PyTorch (marked stop-gradient Identities, see ``_translations.detach`` and
+``_exporter.mark_gradient_cuts``). Regions are cut only in a forward that runs no custom
+Function: one that sets grad mode inside its forward (a reentrant checkpoint) leaves the capture
+with grad mode wrong after it. Every export then checks that each parameter (and input) a
+gradient reaches in autograd's own graph of the traced call has a gradient path in the exported
+graph, else ``ExportError``.
+
 A call is exported with its own shapes (static) or with every tensor dim ``Dim.AUTO``:
 dynamic where the model allows it, static where it does not (ORTModule chooses, see its
 ``dynamic`` argument). A later call is served by the same graph when its shapes fit: static
@@ -34,9 +42,10 @@ import onnx_ir as ir
 import torch
 from torch.utils import _pytree as pytree
 
+from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.passes import pipeline
-from onnxtrain.torch._exporter import export_program
+from onnxtrain.torch._exporter import GradientCuts, capture, export_program, mark_gradient_cuts
 from onnxtrain.torch._translations import translation_table
 
 # The wrapper's attribute holding the user's module: the exporter names its parameters
@@ -185,10 +194,19 @@ def _exact_torch_functions() -> frozenset[type]:
     return frozenset({CheckpointFunction})
 
 
-def autograd_functions(tensors: Sequence) -> list[type]:
-    """The ``torch.autograd.Function`` classes with a backward node in the autograd graph of
-    ``tensors`` (other leaves are skipped), each once, in the order met."""
-    found: dict[type, None] = {}
+@dataclass
+class AutogradGraph:
+    """What the autograd graph of some tensors holds: the custom Functions with a backward
+    node there (each once, in the order met) and the leaf tensors gradients accumulate into."""
+
+    functions: list[type]
+    leaves: list[torch.Tensor]
+
+
+def autograd_graph(tensors: Sequence) -> AutogradGraph:
+    """Walk the autograd graph of ``tensors`` (other leaves are skipped)."""
+    functions: dict[type, None] = {}
+    leaves: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
     pending = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while pending:
@@ -197,9 +215,18 @@ def autograd_functions(tensors: Sequence) -> list[type]:
             continue
         seen.add(id(node))
         if isinstance(node, torch.autograd.function.BackwardCFunction):
-            found.setdefault(node._forward_cls)
+            functions.setdefault(node._forward_cls)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad
+        if isinstance(leaf, torch.Tensor):
+            leaves.setdefault(id(leaf), leaf)
         pending.extend(next_node for next_node, _ in node.next_functions)
-    return list(found)
+    return AutogradGraph(list(functions), list(leaves.values()))
+
+
+def autograd_functions(tensors: Sequence) -> list[type]:
+    """The ``torch.autograd.Function`` classes with a backward node in the autograd graph of
+    ``tensors``, each once, in the order met."""
+    return autograd_graph(tensors).functions
 
 
 # what a submodule's full backward hooks run as (torch.utils.hooks.BackwardHook)
@@ -220,14 +247,21 @@ class _FlatModule(torch.nn.Module):
         self._buffer_names = buffer_names
         self.traced_outputs = _Recorder()
         self.autograd_functions = _Recorder()  # the custom Functions the traced forward ran
+        # the call's tensors (positions) and parameters (names) a gradient reaches in autograd's
+        # own graph of the traced call: what the exported graph's gradients must reach too
+        self.gradient_reaches = _Recorder()
 
     def forward(self, *tensors):
         args, kwargs = self._call.rebuild(tensors)
-        out = getattr(self, _MODULE_ATTR)(*args, **kwargs)
+        module = getattr(self, _MODULE_ATTR)
+        out = module(*args, **kwargs)
         leaves, spec = pytree.tree_flatten(out)
         self.traced_outputs.append((spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]))
-        self.autograd_functions.extend(autograd_functions(leaves))
-        module = getattr(self, _MODULE_ATTR)
+        traced = autograd_graph(leaves)
+        self.autograd_functions.extend(traced.functions)
+        keys = {id(t): i for i, t in enumerate(tensors)}
+        keys.update((id(p), name) for name, p in module.named_parameters(remove_duplicate=False))
+        self.gradient_reaches.extend(keys[id(t)] for t in traced.leaves if id(t) in keys)
         return (*[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
                 *[module.get_buffer(n) for n in self._buffer_names])
 
@@ -343,6 +377,23 @@ def _check_module_hooks(module: torch.nn.Module) -> None:
             f"{', ...' if len(hooked) > 8 else ''}): ONNX Runtime's backward cannot call them")
 
 
+def _check_gradient_paths(module: torch.nn.Module, graph: ir.Graph, num_user_inputs: int, state_names: list[str],
+                          outputs: Sequence[ir.Value], reached: set, cuts: GradientCuts) -> None:
+    """``ExportError`` if a call tensor or parameter that a gradient reaches in autograd's own
+    graph of the traced call has no gradient path in the exported graph (a gradient cut the
+    capture placed wrong): training would silently leave it without gradient."""
+    keys = [*range(num_user_inputs), *state_names]
+    candidates = [value for value, key in zip(graph.inputs, keys) if key in reached]
+    found = set(inputs_with_gradient(list(graph), candidates, outputs))
+    missing = [f"input {key}" if isinstance(key, int) else key
+               for value, key in zip(graph.inputs, keys) if key in reached and value not in found]
+    if missing:
+        raise ExportError(
+            f"the exported graph of {type(module).__name__} gives no gradient to {', '.join(missing[:8])}"
+            f"{', ...' if len(missing) > 8 else ''}, which PyTorch's autograd reaches ({cuts.cut} outputs of "
+            f"torch.no_grad() regions were cut)")
+
+
 def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False,
                 dynamic: bool = True, inline_functions: frozenset[type] | bool = frozenset()) -> ExportedGraph:
     """Export ``module`` called as ``call`` (see the module docstring): with every dim
@@ -360,7 +411,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         # autograd on (an inference call may run under no_grad): the traced outputs' autograd
         # graph shows which custom Functions the forward runs; the exported graph is the same
         with quiet_exporter(), torch.enable_grad():
-            program = export_program(wrapper, tuple(call.tensors), dynamic_shapes, translation_table())
+            captured = capture(wrapper, tuple(call.tensors), dynamic_shapes)
+            # the forward's no-grad regions stop gradients; but a Function (a reentrant
+            # checkpoint) that sets grad mode inside its forward leaves the capture believing grad
+            # is still off after it returns, so regions are only cut where none ran
+            cuts = mark_gradient_cuts(captured, regions=not wrapper.autograd_functions)
+            program = export_program(captured, translation_table())
     except Exception as exc:  # the exporter raises many types; the reason is in the message
         raise export_failure(f"torch.onnx.export could not export {type(module).__name__}", exc) from exc
 
@@ -402,6 +458,8 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     graph.outputs.clear()
     graph.outputs.extend(kept)
     pipeline.run(model, pipeline.before_autodiff())
+    _check_gradient_paths(module, graph, num_user_inputs, state_names, list(graph.outputs[:num_user_outputs]),
+                          set(wrapper.gradient_reaches), cuts)
     traced = [*call.tensors, *(state[name] for name in state_names)]
     return ExportedGraph(
         model=model, num_user_inputs=num_user_inputs, state_names=state_names,

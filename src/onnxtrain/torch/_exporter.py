@@ -14,6 +14,11 @@ exporter's core with it: the same graph ``torch.onnx.export`` produces. Where to
 exporter API is not the one this module was written against, it falls back to
 ``torch.onnx.export``.
 
+The module is captured here, with the exporter's first capture strategy
+(``torch.export.export(strict=False)``, :func:`capture`), and its program handed to the
+exporter: between the two, :func:`mark_gradient_cuts` makes the forward's ``torch.no_grad()``
+regions explicit, which the exporter's decomposition would otherwise inline and forget.
+
 Importing torchlib itself (~0.3 s) is mostly onnxscript compiling ~60 scripted functions from
 their source; when this module is the first to import it, each is compiled when an export first
 uses it (:func:`scripting_deferred`): the bench MLP's first ORTModule step 1.83 -> 1.64 s.
@@ -25,15 +30,17 @@ import contextlib
 import functools
 import inspect
 import logging
+import operator
 import sys
 import threading
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
 _LOG = logging.getLogger(__name__)
 # the keyword arguments export_program passes to the exporter's core
-_CORE_EXPORT_PARAMETERS = {"registry", "dynamic_shapes", "optimize", "verbose", "opset_version"}
+_CORE_EXPORT_PARAMETERS = {"registry", "optimize", "verbose", "opset_version"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -211,9 +218,89 @@ def _internal_export():
     return (_core.export, _constants.ONNX_DEFAULT_OPSET) if needed else None
 
 
-def export_program(module: torch.nn.Module, args: tuple, dynamic_shapes,
-                   custom_translations: Mapping[Callable, Callable]):
-    """``torch.onnx.export(module, args, dynamo=True, optimize=False, dynamic_shapes=...,
+def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
+    """``module(*args)`` as the exporter's first capture strategy captures it: non-strict
+    ``torch.export.export`` with the exporter's flags, ``torch.onnx.is_in_onnx_export()`` true."""
+    try:
+        from torch.onnx._internal.exporter import _capture_strategies, _flags
+    except ImportError:  # another internal layout: the plain capture
+        _capture_strategies = _flags = None
+    prefer_asserts = getattr(_flags, "PREFER_DEFERRED_RUNTIME_ASSERTS_OVER_GUARDS", False)
+    patch_rnn = getattr(_capture_strategies, "_patch_dynamic_shape_rnn_decompositions", None)
+
+    def run() -> torch.export.ExportedProgram:
+        with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
+              torch.fx.experimental._config.patch(backed_size_oblivious=True)):
+            return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
+                                       prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
+
+    exporting = getattr(_flags, "set_onnx_exporting_flag", None)
+    return exporting(run)() if exporting is not None else run()
+
+
+@dataclass
+class GradientCuts:
+    """What :func:`mark_gradient_cuts` did to a program's no-grad regions."""
+
+    cut: int = 0          # region outputs given a detach
+    checkpointed: int = 0  # regions left alone: a reentrant checkpoint's forward
+    untraced: int = 0     # cut regions with no stack trace to tell them from a checkpoint's
+
+
+def _region_frames(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:
+    """The stack traces of the call nodes inside a region (nested regions included)."""
+    body = getattr(graph_module, node.args[1].target, None) if isinstance(node.args[1], torch.fx.Node) else None
+    if not isinstance(body, torch.fx.GraphModule):
+        return []
+    frames = []
+    for inner in body.graph.nodes:
+        if inner.op == "call_function":
+            if inner.meta.get("stack_trace"):
+                frames.append(inner.meta["stack_trace"])
+            if inner.target is getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None):
+                frames.extend(_region_frames(body, inner))
+    return frames
+
+
+def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = True) -> GradientCuts:
+    """Put an ``aten.detach`` on every output of the forward's no-grad regions (``with
+    torch.no_grad():`` is captured as a ``wrap_with_set_grad_enabled(False, ...)`` region, which
+    the exporter's decomposition inlines, grad mode and all); the translation table marks
+    detaches as stop-gradients. A reentrant ``torch.utils.checkpoint`` runs its function in
+    such a region too, and its backward recomputes it with grad: a region whose ops were
+    traced from inside ``torch/utils/checkpoint.py`` is left alone. ``regions=False`` leaves
+    every region alone (counted in ``checkpointed``)."""
+    from torch.utils import checkpoint as checkpoint_module
+    checkpoint_frame = f'{checkpoint_module.__file__}", line'
+    no_grad_region = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    graph_module = program.graph_module
+    graph = graph_module.graph
+    result = GradientCuts()
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not no_grad_region or node.args[0] is not False:
+            continue
+        frames = _region_frames(graph_module, node)
+        if not regions or any(checkpoint_frame in frame for frame in frames):
+            result.checkpointed += 1
+            continue
+        result.untraced += not frames
+        outputs = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem] \
+            if isinstance(node.meta.get("val"), (tuple, list)) else [node]
+        for output in outputs:
+            if not isinstance(output.meta.get("val"), torch.Tensor):
+                continue
+            with graph.inserting_after(output):
+                cut = graph.call_function(torch.ops.aten.detach.default, (output,))
+            cut.meta.update(output.meta)
+            output.replace_all_uses_with(cut, delete_user_cb=lambda user, cut=cut: user is not cut)
+            result.cut += 1
+    if result.cut:
+        graph_module.recompile()
+    return result
+
+
+def export_program(program: torch.export.ExportedProgram, custom_translations: Mapping[Callable, Callable]):
+    """``torch.onnx.export(program, dynamo=True, optimize=False,
     custom_translation_table=custom_translations)`` with the cached registry; returns the
     ``ONNXProgram``."""
     internal = _internal_export()
@@ -224,7 +311,7 @@ def export_program(module: torch.nn.Module, args: tuple, dynamic_shapes,
         except Exception:  # noqa: BLE001  (the internal API changed: use the public path)
             _LOG.debug("building the export registry failed; using torch.onnx.export", exc_info=True)
         else:
-            return core_export(module, args, None, registry=table, dynamic_shapes=dynamic_shapes,
-                               optimize=False, verbose=False, opset_version=opset_version)
-    return torch.onnx.export(module, args, dynamo=True, optimize=False, verbose=False,
-                             dynamic_shapes=dynamic_shapes, custom_translation_table=dict(custom_translations))
+            return core_export(program, (), None, registry=table, optimize=False, verbose=False,
+                               opset_version=opset_version)
+    return torch.onnx.export(program, (), dynamo=True, optimize=False, verbose=False,
+                             custom_translation_table=dict(custom_translations))

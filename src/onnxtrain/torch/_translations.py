@@ -10,6 +10,11 @@ batch statistics and the updated running statistics exactly as PyTorch does.
 ``aten.embedding`` with a padding index becomes a Gather like the exporter's, plus node
 metadata naming the padding index: the Gather gradient rule then gives that row no
 gradient, as ``nn.Embedding(padding_idx=...)`` does in PyTorch.
+
+``aten.detach`` (``tensor.detach()``, and the outputs of a ``torch.no_grad()`` region, which
+ORTModule's capture marks with one) becomes an Identity with node metadata saying that no
+gradient flows through it: the exporter would otherwise decompose it to an alias, and the
+gradient graph differentiate through it.
 """
 
 from __future__ import annotations
@@ -68,12 +73,19 @@ def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool =
     return out
 
 
+def detach(x):
+    """``aten.detach``: the same tensor, through which no gradient flows."""
+    out = op.Identity(x)
+    out.producer().metadata_props[names.STOP_GRADIENT_METADATA] = "1"
+    return out
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export``.
 
     Public as ``onnxtrain.torch.onnx_translation_table``: pass it when exporting a model for
     artifacts, so training-mode BatchNorm exports with batch statistics and running-stat
-    updates, and padded embeddings carry their padding index.
+    updates, padded embeddings carry their padding index, and ``detach()`` stops gradients.
 
     Example:
         >>> torch.onnx.export(model, args, dynamo=True, optimize=False,
@@ -82,4 +94,5 @@ def translation_table() -> dict:
     return {
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,
+        torch.ops.aten.detach.default: detach,
     }

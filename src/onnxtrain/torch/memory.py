@@ -103,7 +103,7 @@ def estimate_memory(module: torch.nn.Module, *args, optimizer_states: int = 2, m
     inputs, wrt = _graph_inputs(call, variant)
     if not wrt:
         raise ValueError("estimate_memory: nothing in the call requires grad (no parameter, no input)")
-    graphs = wrapper._forward_backward(variant, wrt, inputs)
+    graphs, _ = wrapper._forward_backward(variant, wrt, inputs)
     trainable = {id(p): p for p in module.parameters() if p.requires_grad}
     state = {id(t): t for t in [*module.parameters(), *module.buffers()]}
     parameter_bytes = sum(t.numel() * t.element_size() for t in state.values())

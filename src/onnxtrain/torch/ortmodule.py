@@ -19,6 +19,7 @@ from onnxtrain.errors import ExportError, OnnxTrainError
 from onnxtrain.ir import io
 from onnxtrain.logs import LogLevel
 from onnxtrain.passes import pipeline
+from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.passes.partition import MemoryOptions, MemoryReport, build_forward_backward
 from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.denormals import ask_for_flushing
@@ -229,6 +230,10 @@ class ORTModule(torch.nn.Module):
     Functions inside a reentrant checkpoint (whose forward runs without grad) are not seen.
     Backward hooks on the module or its submodules (``register_full_backward_hook`` and the
     like) cannot run in ONNX Runtime's backward either: such a module runs in PyTorch too.
+
+    ``detach()`` and ``torch.no_grad()`` regions in the forward stop gradients, as in eager
+    (regions only in a forward that runs no custom Function: docs/ortmodule.md); parameters
+    that only such paths reach keep ``.grad`` None.
 
     Dropout runs ONNX Runtime's random generator, not PyTorch's: masks differ from eager
     PyTorch for the same ``torch.manual_seed`` (the distribution is the same).
@@ -507,24 +512,31 @@ class ORTModule(torch.nn.Module):
         return variant.inference
 
     def _forward_backward(self, variant: _Variant, wrt: tuple, inputs):
-        """The forward and backward graphs for these requires-grad inputs, planned for these shapes."""
+        """The forward and backward graphs for these requires-grad inputs, planned for these
+        shapes, and the positions of those the backward returns gradients for: the inputs
+        (parameters) that reach an output only through ``torch.no_grad()`` or ``detach()``, or
+        not at all, get none, and their ``.grad`` stays None, as in PyTorch."""
         model = io.load_model(variant.graph.model)
-        names = [model.graph.inputs[i].name for i in wrt]
         graph = variant.graph
         buffer_outputs = range(graph.num_user_outputs, graph.num_user_outputs + len(graph.buffer_updates))
+        values = list(model.graph.inputs)
+        outputs = [o for i, o in enumerate(model.graph.outputs) if i not in buffer_outputs]
+        reached = set(inputs_with_gradient(list(model.graph), [values[i] for i in wrt], outputs))
+        wrt = tuple(i for i in wrt if values[i] in reached) or wrt  # none reached: zeros for all
+        names = [values[i].name for i in wrt]
         shapes = {v.name: tuple(t.shape) for v, t in zip(model.graph.inputs, inputs)}
         graphs = build_forward_backward(model, names, no_grad_outputs=buffer_outputs,
                                         memory_options=self._memory_options, input_shapes=shapes)
         if variant.precision is not None:  # the gradient graph adds low-precision ops of its own
             for part in (graphs.forward, graphs.backward):
                 pipeline.run(part, pipeline.mixed_precision(variant.precision))
-        return graphs
+        return graphs, wrt
 
     def _training_programs(self, variant: _Variant, wrt: tuple, inputs) -> TrainingPrograms:
         programs = variant.training.get(wrt)
         if programs is None:
             began = time.perf_counter()
-            graphs = self._forward_backward(variant, wrt, inputs)
+            graphs, reached = self._forward_backward(variant, wrt, inputs)
             if logger.isEnabledFor(logging.INFO):  # the memory summary is only worth building to be shown
                 logger.info("built the forward (%d nodes) and backward (%d nodes) graphs in %.1f s; %s",
                             len(graphs.forward.graph), len(graphs.backward.graph), time.perf_counter() - began,
@@ -533,7 +545,8 @@ class ORTModule(torch.nn.Module):
             self._save(graphs.forward, "forward")
             self._save(graphs.backward, "backward")
             # memory options trade speed for memory: the arena also gives back what a run freed
-            programs = TrainingPrograms.build(graphs, list(wrt), device_of(inputs), self._debug.resolved_session_options(),
+            programs = TrainingPrograms.build(graphs, list(reached), device_of(inputs),
+                                              self._debug.resolved_session_options(),
                                               shrink_arena=self._memory_options.active)
             variant.training[wrt] = programs
         self._last_memory_report = variant.memory.get(wrt)

@@ -1,0 +1,227 @@
+"""Where PyTorch stops gradients in a forward, ORTModule's gradient graph stops them too:
+``detach()`` (a straight-through estimator, a target network's output) and the outputs of a
+``torch.no_grad()`` region. Parameters that only a stopped path reaches keep ``.grad`` None, as
+in eager, so optimizers leave them alone. The exported graph keeps the mark through our passes,
+artifacts exported with ``onnx_translation_table()`` honor ``detach()`` too, and an export whose
+gradient paths miss a parameter that autograd reaches is refused rather than trained."""
+
+import warnings
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain import names  # noqa: E402
+from onnxtrain.autodiff.builder import build_gradients, inputs_with_gradient  # noqa: E402
+from onnxtrain.errors import ExportError  # noqa: E402
+from onnxtrain.passes.fold import FoldConstantsPass  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
+
+
+class StraightThrough(torch.nn.Module):
+    """Vector quantization with the straight-through trick: ``z + (q - z).detach()``."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Linear(6, 4)
+        self.decoder = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        z = self.encoder(x)
+        q = torch.round(z * 2.0) / 2.0
+        return self.decoder(z + (q - z).detach())
+
+
+class NoGradBranch(torch.nn.Module):
+    """A gate computed by a submodule under torch.no_grad(): that submodule gets no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(6, 6)
+        self.body = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        with torch.no_grad():
+            g = torch.sigmoid(self.gate(x))
+        return self.body(x * g)
+
+
+class TargetNetwork(torch.nn.Module):
+    """The same layer in a gradient branch and, detached, as its own target (BYOL-style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        online = torch.tanh(self.layer(x))
+        target = torch.tanh(self.layer(x * 0.5)).detach()
+        return (online - target).square().mean(dim=1, keepdim=True)
+
+
+def _pair(factory, **options):
+    torch.manual_seed(0)
+    eager = factory()
+    wrapped = ORTModule(factory(), **options)
+    wrapped.module.load_state_dict(eager.state_dict())
+    return eager, wrapped
+
+
+def _grads(model, x):
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    out.square().sum().backward()
+    return out.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same_training(eager, wrapped, x):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        out, grads = _grads(wrapped, x)
+    eager_out, eager_grads = _grads(eager, x)
+    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
+    assert [g is None for g in grads] == [g is None for g in eager_grads]
+    for ours, theirs in zip(grads, eager_grads):
+        if ours is not None:
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert wrapped.fallback_reason is None
+    return grads
+
+
+def test_detach_stops_the_gradient_of_a_straight_through_estimator():
+    eager, wrapped = _pair(StraightThrough)
+    grads = _assert_same_training(eager, wrapped, torch.randn(8, 6))
+    assert torch.count_nonzero(grads[0]) > 0  # the encoder learns through the identity path
+
+
+def test_detach_of_a_target_branch():
+    eager, wrapped = _pair(TargetNetwork)
+    x = torch.randn(8, 6)
+    _assert_same_training(eager, wrapped, x)
+    _assert_same_training(eager, wrapped, x.requires_grad_())
+
+
+def test_a_no_grad_region_gives_its_parameters_no_gradient():
+    eager, wrapped = _pair(NoGradBranch)
+    grads = _assert_same_training(eager, wrapped, torch.randn(8, 6))
+    assert grads[0] is None and grads[1] is None  # the gate's weight and bias, as in eager
+
+
+def test_an_optimizer_leaves_parameters_without_gradient_alone():
+    eager, wrapped = _pair(NoGradBranch)
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (eager, wrapped)]
+    x = torch.randn(8, 6)
+    gate_before = wrapped.module.gate.weight.detach().clone()
+    for _ in range(3):
+        for model, optimizer in zip((eager, wrapped), optimizers):
+            optimizer.zero_grad()
+            model(x).square().sum().backward()
+            optimizer.step()
+    torch.testing.assert_close(wrapped.module.gate.weight, gate_before)  # no update, no weight decay
+    for ours, theirs in zip(wrapped.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_no_grad_region_in_an_inference_first_module():
+    eager, wrapped = _pair(NoGradBranch)
+    x = torch.randn(8, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), eager(x))
+    _assert_same_training(eager, wrapped, x)
+
+
+class CheckpointedThenNoGrad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(6, 6)
+        self.second = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        h = checkpoint(lambda t: torch.tanh(self.first(t)), x, use_reentrant=True)
+        return self.second(h)
+
+
+def test_a_misplaced_cut_is_refused_not_trained(monkeypatch):
+    # the reentrant checkpoint sets grad mode inside its forward, so the capture believes grad
+    # is off after it: cutting those "regions" anyway would take the second layer's gradient
+    from onnxtrain.torch import _export
+
+    real = _export.mark_gradient_cuts
+    monkeypatch.setattr(_export, "mark_gradient_cuts", lambda program, regions=True: real(program, regions=True))
+    _, wrapped = _pair(CheckpointedThenNoGrad, debug_options=DebugOptions(fallback=False))
+    with pytest.raises(ExportError, match="gives no gradient to input 0, second.weight, second.bias"):
+        wrapped(torch.randn(8, 6, requires_grad=True))
+
+
+def test_the_reentrant_checkpoint_is_not_cut():
+    eager, wrapped = _pair(CheckpointedThenNoGrad)
+    _assert_same_training(eager, wrapped, torch.randn(8, 6, requires_grad=True))
+
+
+def _marked_graph():
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 3]))
+    w = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 3]))
+    xw = ir.node("Mul", [x, w])
+    stop = ir.node("Identity", [xw.outputs[0]], metadata_props={names.STOP_GRADIENT_METADATA: "1"})
+    out = ir.node("Add", [stop.outputs[0], w])
+    graph = ir.Graph([x, w], [out.outputs[0]], nodes=[xw, stop, out], opset_imports={"": 20})
+    for node in graph:
+        node.outputs[0].type, node.outputs[0].shape = x.type, x.shape
+    return graph
+
+
+def test_the_autodiff_does_not_differentiate_through_a_stop_gradient():
+    graph = _marked_graph()
+    x, w = graph.inputs
+    assert inputs_with_gradient(list(graph), [x, w], graph.outputs) == [w]
+    grads = build_gradients(graph, graph.outputs[0], [x, w])
+    model = ir.Model(graph, ir_version=10)
+    import onnxruntime as ort
+    graph.outputs.extend([grads[x], grads[w]])
+    for i, g in enumerate(graph.outputs[1:]):
+        g.name = f"g{i}"
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString())
+    xs, ws = np.ones((2, 3), np.float32) * 2, np.ones((2, 3), np.float32)
+    _, dx, dw = session.run(None, {"x": xs, "w": ws})
+    np.testing.assert_array_equal(dx, np.zeros((2, 3)))  # x only reaches the output through the stop
+    np.testing.assert_array_equal(dw, np.ones((2, 3)))  # d(stop + w)/dw, the product's path stopped
+
+
+def test_constant_folding_keeps_the_stop_gradient():
+    graph = _marked_graph()
+    model = ir.Model(graph, ir_version=10)
+    FoldConstantsPass()(model)
+    ops = [(n.op_type, n.domain, names.STOP_GRADIENT_METADATA in n.metadata_props) for n in model.graph]
+    assert ("Identity", "", True) in ops
+    assert graph.outputs[0].producer().inputs[0].producer().op_type == "Identity"  # still read
+
+
+def test_artifacts_exported_with_the_translation_table_honor_detach(tmp_path):
+    import onnx
+
+    from onnxtrain import artifacts
+    from onnxtrain.api import CheckpointState, Module
+    from onnxtrain.torch import onnx_translation_table
+
+    torch.manual_seed(0)
+    model = TargetNetwork()
+    x = torch.randn(8, 6)
+    program = torch.onnx.export(model, (x,), dynamo=True, optimize=False, input_names=["x"],
+                                output_names=["output"], custom_translation_table=onnx_translation_table())
+    trainable = [n for n, _ in model.named_parameters()]
+    artifacts.generate_artifacts(program.model_proto, requires_grad=trainable, loss=artifacts.LossType.L1Loss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path,
+                                 loss_input_names=["output"])
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    target = np.zeros((8, 1), np.float32)
+    module(x.numpy(), target)
+    expected = torch.nn.functional.l1_loss(model(x), torch.from_numpy(target))
+    expected.backward()
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(state.parameters[name].grad, p.grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert onnx.load(tmp_path / "training_model.onnx")  # a standard model on disk

@@ -19,6 +19,8 @@ from onnxtrain.errors import ExportError  # noqa: E402
 from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
 from onnxtrain.torch._export import autograd_functions  # noqa: E402
 
+from ._parity import assert_steps_match, eager_and_wrapped, step  # noqa: E402
+
 
 class RoundSTE(torch.autograd.Function):
     """Rounds; passes the gradient straight through (the forward's own gradient is zero)."""
@@ -97,32 +99,6 @@ class Checkpointed(torch.nn.Module):
         return self.second(h)
 
 
-def _pair(factory, **options):
-    torch.manual_seed(0)
-    eager = factory()
-    wrapped = ORTModule(factory(), **options)
-    wrapped.module.load_state_dict(eager.state_dict())
-    return eager, wrapped
-
-
-def _step(model, x):
-    for p in model.parameters():
-        p.grad = None
-    out = model(x)
-    out.square().sum().backward()
-    return out.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-
-
-def _assert_steps_match(eager, wrapped, x):
-    out, grads = _step(wrapped, x)
-    eager_out, eager_grads = _step(eager, x)
-    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
-    for ours, theirs in zip(grads, eager_grads):
-        assert (ours is None) == (theirs is None)
-        if ours is not None:
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-
-
 def test_the_autograd_graph_names_the_functions_a_forward_ran():
     x = torch.randn(4, 6, requires_grad=True)
     y = Cube.apply(RoundSTE.apply(ReverseGrad.apply(x)) + torch.tanh(x))
@@ -134,12 +110,12 @@ def test_the_autograd_graph_names_the_functions_a_forward_ran():
 
 @pytest.mark.parametrize("function", [RoundSTE, ReverseGrad], ids=["straight-through", "gradient-reversal"])
 def test_a_function_with_its_own_backward_runs_in_pytorch(function):
-    eager, wrapped = _pair(lambda: Net(function))
+    eager, wrapped = eager_and_wrapped(lambda: Net(function))
     x = torch.randn(8, 6) * 3
     with pytest.warns(ORTModuleFallbackWarning, match=f"custom torch.autograd.Function .*{function.__qualname__}"):
-        _assert_steps_match(eager, wrapped, x)
+        assert_steps_match(eager, wrapped, x)
     assert function.__qualname__ in wrapped.fallback_reason
-    _assert_steps_match(eager, wrapped, x)  # and stays there, without warning again
+    assert_steps_match(eager, wrapped, x)  # and stays there, without warning again
 
 
 def test_without_fallback_the_error_names_every_function_and_the_option():
@@ -147,18 +123,18 @@ def test_without_fallback_the_error_names_every_function_and_the_option():
         def forward(self, x):
             return super().forward(ReverseGrad.apply(x))
 
-    _, wrapped = _pair(lambda: Both(RoundSTE), debug_options=DebugOptions(fallback=False))
+    _, wrapped = eager_and_wrapped(lambda: Both(RoundSTE), debug_options=DebugOptions(fallback=False))
     with pytest.raises(ExportError, match="inline_autograd_functions") as raised:
         wrapped(torch.randn(8, 6, requires_grad=True))
     assert f"{__name__}.RoundSTE" in str(raised.value) and f"{__name__}.ReverseGrad" in str(raised.value)
 
 
 def test_a_function_declared_exact_runs_in_onnx_runtime():
-    eager, wrapped = _pair(lambda: Net(Cube), inline_autograd_functions=[Cube])
+    eager, wrapped = eager_and_wrapped(lambda: Net(Cube), inline_autograd_functions=[Cube])
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
         for seed in range(2):
-            _assert_steps_match(eager, wrapped, torch.randn(8, 6, generator=torch.Generator().manual_seed(seed)))
+            assert_steps_match(eager, wrapped, torch.randn(8, 6, generator=torch.Generator().manual_seed(seed)))
     assert wrapped.fallback_reason is None and wrapped.export_count == 1
 
 
@@ -168,67 +144,67 @@ def test_inline_all_trusts_every_function():
     torch.manual_seed(0)
     wrapped = ORTModule(Net(RoundSTE), inline_autograd_functions=True)
     x = torch.randn(8, 6) * 3
-    _, grads = _step(wrapped, x)
+    _, grads = step(wrapped, x)
     assert wrapped.fallback_reason is None
     assert torch.count_nonzero(grads[0]) == 0 and torch.count_nonzero(grads[2]) > 0
 
 
 def test_reentrant_checkpoint_runs_in_onnx_runtime():
-    eager, wrapped = _pair(Checkpointed)
+    eager, wrapped = eager_and_wrapped(Checkpointed)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
         # with an input that requires grad, as the reentrant variant needs (without one, eager
         # gives the checkpointed layers no gradient at all)
-        _assert_steps_match(eager, wrapped, torch.randn(8, 6, requires_grad=True))
+        assert_steps_match(eager, wrapped, torch.randn(8, 6, requires_grad=True))
     assert wrapped.fallback_reason is None
 
 
 def test_a_function_on_tensors_without_gradient_does_not_matter():
-    eager, wrapped = _pair(InputNormalized)
+    eager, wrapped = eager_and_wrapped(InputNormalized)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
-        _assert_steps_match(eager, wrapped, torch.randn(8, 6))
+        assert_steps_match(eager, wrapped, torch.randn(8, 6))
     assert wrapped.fallback_reason is None
 
 
 def test_an_inference_first_call_finds_the_function_too():
-    eager, wrapped = _pair(lambda: Net(ReverseGrad))
+    eager, wrapped = eager_and_wrapped(lambda: Net(ReverseGrad))
     x = torch.randn(8, 6)
     with torch.no_grad(), pytest.warns(ORTModuleFallbackWarning, match="ReverseGrad"):
         torch.testing.assert_close(wrapped(x), eager(x))
-    _assert_steps_match(eager, wrapped, x)
+    assert_steps_match(eager, wrapped, x)
 
 
 def test_a_parameter_unfrozen_after_the_export_is_looked_along():
     # the Function sits on the frozen first layer's path: at the export no gradient flows
     # through it, so it does not matter and the module runs in ONNX Runtime; once the first
     # layer trains, its gradient passes the Function, and the next training call finds it
-    eager, wrapped = _pair(lambda: Net(ReverseGrad))
+    eager, wrapped = eager_and_wrapped(lambda: Net(ReverseGrad))
     eager.first.requires_grad_(False)
     wrapped.module.first.requires_grad_(False)
     x = torch.randn(8, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
-        _assert_steps_match(eager, wrapped, x)
+        assert_steps_match(eager, wrapped, x)
     assert wrapped.fallback_reason is None and wrapped.export_count == 1
     eager.first.requires_grad_(True)
     wrapped.module.first.requires_grad_(True)
     with pytest.warns(ORTModuleFallbackWarning, match="ReverseGrad"):
-        _assert_steps_match(eager, wrapped, x)
+        assert_steps_match(eager, wrapped, x)
 
 
 def test_unfreezing_without_functions_keeps_the_graph():
-    eager, wrapped = _pair(Net)
+    eager, wrapped = eager_and_wrapped(Net)
     eager.first.requires_grad_(False)
     wrapped.module.first.requires_grad_(False)
     x = torch.randn(8, 6)
-    _assert_steps_match(eager, wrapped, x)
+    assert_steps_match(eager, wrapped, x)
     eager.first.requires_grad_(True)
     wrapped.module.first.requires_grad_(True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
-        _assert_steps_match(eager, wrapped, x)
-        _assert_steps_match(eager, wrapped, x)
+        assert_steps_match(eager, wrapped, x)
+        assert_steps_match(eager, wrapped, x)
     assert wrapped.fallback_reason is None
     assert wrapped.export_count == 2  # one look along the new paths, not one per call
 
@@ -243,7 +219,7 @@ def test_copies_keep_the_declared_functions():
     torch.manual_seed(0)
     wrapped = ORTModule(Net(Cube), inline_autograd_functions=[Cube])
     for clone in (copy.deepcopy(wrapped), pickle.loads(pickle.dumps(wrapped))):
-        _step(clone, torch.randn(8, 6))
+        step(clone, torch.randn(8, 6))
         assert clone.fallback_reason is None
 
 
@@ -259,21 +235,21 @@ def _halve_input_gradient(module, grad_input, grad_output):
                                                   (grad_input[0] * 0.5, *grad_input[1:])),
 ], ids=["full", "pre", "legacy"])
 def test_a_submodule_backward_hook_runs_in_pytorch(hook):
-    eager, wrapped = _pair(Net)
+    eager, wrapped = eager_and_wrapped(Net)
     hook(eager)
     hook(wrapped.module)
     with pytest.warns(ORTModuleFallbackWarning, match=r"backward hooks \(second\)"):
-        _assert_steps_match(eager, wrapped, torch.randn(8, 6))
+        assert_steps_match(eager, wrapped, torch.randn(8, 6))
 
 
 def test_forward_hooks_and_parameter_hooks_stay_in_onnx_runtime():
     # a forward hook is traced into the graph; a hook on a parameter fires on the gradient
     # ORTModule hands to autograd
-    eager, wrapped = _pair(Net)
+    eager, wrapped = eager_and_wrapped(Net)
     for net in (eager, wrapped.module):
         net.second.register_forward_hook(lambda module, inputs, output: output * 2.0)
         net.first.weight.register_hook(lambda grad: grad * 0.25)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
-        _assert_steps_match(eager, wrapped, torch.randn(8, 6))
+        assert_steps_match(eager, wrapped, torch.randn(8, 6))
     assert wrapped.fallback_reason is None

@@ -17,7 +17,9 @@ from onnxtrain import names  # noqa: E402
 from onnxtrain.autodiff.builder import build_gradients, inputs_with_gradient  # noqa: E402
 from onnxtrain.errors import ExportError  # noqa: E402
 from onnxtrain.passes.fold import FoldConstantsPass  # noqa: E402
-from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModuleFallbackWarning  # noqa: E402
+
+from ._parity import assert_steps_match, eager_and_wrapped  # noqa: E402
 
 
 class StraightThrough(torch.nn.Module):
@@ -61,57 +63,35 @@ class TargetNetwork(torch.nn.Module):
         return (online - target).square().mean(dim=1, keepdim=True)
 
 
-def _pair(factory, **options):
-    torch.manual_seed(0)
-    eager = factory()
-    wrapped = ORTModule(factory(), **options)
-    wrapped.module.load_state_dict(eager.state_dict())
-    return eager, wrapped
-
-
-def _grads(model, x):
-    for p in model.parameters():
-        p.grad = None
-    out = model(x)
-    out.square().sum().backward()
-    return out.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
-
-
 def _assert_same_training(eager, wrapped, x):
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
-        out, grads = _grads(wrapped, x)
-    eager_out, eager_grads = _grads(eager, x)
-    torch.testing.assert_close(out, eager_out, rtol=1e-5, atol=1e-5)
-    assert [g is None for g in grads] == [g is None for g in eager_grads]
-    for ours, theirs in zip(grads, eager_grads):
-        if ours is not None:
-            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+        grads = assert_steps_match(eager, wrapped, x)
     assert wrapped.fallback_reason is None
     return grads
 
 
 def test_detach_stops_the_gradient_of_a_straight_through_estimator():
-    eager, wrapped = _pair(StraightThrough)
+    eager, wrapped = eager_and_wrapped(StraightThrough)
     grads = _assert_same_training(eager, wrapped, torch.randn(8, 6))
     assert torch.count_nonzero(grads[0]) > 0  # the encoder learns through the identity path
 
 
 def test_detach_of_a_target_branch():
-    eager, wrapped = _pair(TargetNetwork)
+    eager, wrapped = eager_and_wrapped(TargetNetwork)
     x = torch.randn(8, 6)
     _assert_same_training(eager, wrapped, x)
     _assert_same_training(eager, wrapped, x.requires_grad_())
 
 
 def test_a_no_grad_region_gives_its_parameters_no_gradient():
-    eager, wrapped = _pair(NoGradBranch)
+    eager, wrapped = eager_and_wrapped(NoGradBranch)
     grads = _assert_same_training(eager, wrapped, torch.randn(8, 6))
     assert grads[0] is None and grads[1] is None  # the gate's weight and bias, as in eager
 
 
 def test_an_optimizer_leaves_parameters_without_gradient_alone():
-    eager, wrapped = _pair(NoGradBranch)
+    eager, wrapped = eager_and_wrapped(NoGradBranch)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (eager, wrapped)]
     x = torch.randn(8, 6)
     gate_before = wrapped.module.gate.weight.detach().clone()
@@ -126,7 +106,7 @@ def test_an_optimizer_leaves_parameters_without_gradient_alone():
 
 
 def test_a_no_grad_region_in_an_inference_first_module():
-    eager, wrapped = _pair(NoGradBranch)
+    eager, wrapped = eager_and_wrapped(NoGradBranch)
     x = torch.randn(8, 6)
     with torch.no_grad():
         torch.testing.assert_close(wrapped(x), eager(x))
@@ -152,13 +132,13 @@ def test_a_misplaced_cut_is_refused_not_trained(monkeypatch):
 
     real = _export.mark_gradient_cuts
     monkeypatch.setattr(_export, "mark_gradient_cuts", lambda program, regions=True: real(program, regions=True))
-    _, wrapped = _pair(CheckpointedThenNoGrad, debug_options=DebugOptions(fallback=False))
+    _, wrapped = eager_and_wrapped(CheckpointedThenNoGrad, debug_options=DebugOptions(fallback=False))
     with pytest.raises(ExportError, match="gives no gradient to input 0, second.weight, second.bias"):
         wrapped(torch.randn(8, 6, requires_grad=True))
 
 
 def test_the_reentrant_checkpoint_is_not_cut():
-    eager, wrapped = _pair(CheckpointedThenNoGrad)
+    eager, wrapped = eager_and_wrapped(CheckpointedThenNoGrad)
     _assert_same_training(eager, wrapped, torch.randn(8, 6, requires_grad=True))
 
 

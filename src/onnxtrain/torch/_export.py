@@ -238,7 +238,8 @@ def _function_name(cls: type) -> str:
 
 
 class _FlatModule(torch.nn.Module):
-    """Calls the user's module from flat tensors; returns flat output tensors then all buffers."""
+    """Calls the user's module from flat tensors; returns flat output tensors, then all buffers,
+    then the flat tensors themselves (as the forward left them)."""
 
     def __init__(self, module: torch.nn.Module, call: FlatCall, buffer_names: list[str]):
         super().__init__()
@@ -262,8 +263,9 @@ class _FlatModule(torch.nn.Module):
         keys = {id(t): i for i, t in enumerate(tensors)}
         keys.update((id(p), name) for name, p in module.named_parameters(remove_duplicate=False))
         self.gradient_reaches.extend(keys[id(t)] for t in traced.leaves if id(t) in keys)
+        # then the call's own tensors: one the forward changed in place comes out changed
         return (*[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
-                *[module.get_buffer(n) for n in self._buffer_names])
+                *[module.get_buffer(n) for n in self._buffer_names], *tensors)
 
 
 @dataclass
@@ -272,7 +274,8 @@ class ExportedGraph:
 
     Graph inputs: the call's tensors (``num_user_inputs``), then the module state named in
     ``state_names``. Graph outputs: the call's output tensors (``num_user_outputs``), then
-    the new values of the buffers in ``buffer_updates``.
+    the new values of the buffers in ``buffer_updates``, then those of the call's tensors the
+    forward changed in place (positions in ``input_updates``).
     """
 
     model: ir.Model
@@ -288,6 +291,7 @@ class ExportedGraph:
     # the graph inputs (positions, as ``num_user_inputs`` then ``state_names``) that required
     # grad in the traced call: where custom autograd Functions were looked for
     traced_grads: frozenset[int] = frozenset()
+    input_updates: list[int] = field(default_factory=list)
 
     def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether this graph computes a call with these input shapes (same schema assumed)."""
@@ -377,6 +381,24 @@ def _check_module_hooks(module: torch.nn.Module) -> None:
             f"{', ...' if len(hooked) > 8 else ''}): ONNX Runtime's backward cannot call them")
 
 
+def _unchanged(value: ir.Value) -> bool:
+    """Whether a graph output is a graph input passed through (directly or by Identities)."""
+    while value.producer() is not None and value.producer().op_type == "Identity":
+        value = value.producer().inputs[0]
+    return value.is_graph_input() or value.producer() is None
+
+
+def _new_output(graph: ir.Graph, value: ir.Value, name: str, outputs: list[ir.Value]) -> ir.Value:
+    """``value`` named ``name``, as a graph output of its own (an Identity of it if it is one already)."""
+    if value in outputs or value.is_graph_input():
+        copy = ir.node("Identity", [value])
+        graph.append(copy)
+        copy.outputs[0].type, copy.outputs[0].shape = value.type, value.shape
+        value = copy.outputs[0]
+    value.name = name
+    return value
+
+
 def _check_gradient_paths(module: torch.nn.Module, graph: ir.Graph, num_user_inputs: int, state_names: list[str],
                           outputs: Sequence[ir.Value], reached: set, cuts: GradientCuts) -> None:
     """``ExportError`` if a call tensor or parameter that a gradient reaches in autograd's own
@@ -446,15 +468,25 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         graph.inputs.append(value)
         state_names.append(fqn)
 
-    num_user_outputs = len(graph.outputs) - len(buffer_names)
+    num_user_outputs = len(graph.outputs) - len(buffer_names) - num_user_inputs
+    buffer_values = graph.outputs[num_user_outputs:num_user_outputs + len(buffer_names)]
+    input_values = graph.outputs[num_user_outputs + len(buffer_names):]
     updates = []
     kept = list(graph.outputs[:num_user_outputs])
-    for name, value in zip(buffer_names, graph.outputs[num_user_outputs:]):
-        if value.is_graph_input() or value.producer() is None:
+    for name, value in zip(buffer_names, buffer_values):
+        if _unchanged(value):
             continue  # the forward did not change this buffer
-        value.name = f"{name}.updated"
-        kept.append(value)
+        kept.append(_new_output(graph, value, f"{name}.updated", kept))
         updates.append(name)
+    input_updates = []
+    for position, value in enumerate(input_values):
+        if _unchanged(value):
+            continue
+        if call.tensors[position].requires_grad:
+            raise ExportError(f"{type(module).__name__} changes its tensor argument {position} in place, and it "
+                              f"requires grad: ORTModule cannot give autograd that history")
+        kept.append(_new_output(graph, value, f"{graph.inputs[position].name}.updated", kept))
+        input_updates.append(position)
     graph.outputs.clear()
     graph.outputs.extend(kept)
     pipeline.run(model, pipeline.before_autodiff())
@@ -463,7 +495,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     traced = [*call.tensors, *(state[name] for name in state_names)]
     return ExportedGraph(
         model=model, num_user_inputs=num_user_inputs, state_names=state_names,
-        num_user_outputs=num_user_outputs, buffer_updates=updates,
+        num_user_outputs=num_user_outputs, buffer_updates=updates, input_updates=input_updates,
         output_spec=wrapper.traced_outputs[-1][0], output_leaves=wrapper.traced_outputs[-1][1],
         input_shapes=input_shapes, dim_ranges=_dim_ranges(program.exported_program),
         exported=exported_copy,

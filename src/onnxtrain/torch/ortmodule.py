@@ -201,7 +201,9 @@ class ORTModule(torch.nn.Module):
     that run inside a ``torch.autograd.Function``; parameters (and inputs) that require
     grad receive their gradients in ``.grad`` as usual. Without grad (``torch.no_grad()``,
     or nothing requires grad) a forward-only graph runs. Buffers that the forward updates
-    (BatchNorm running statistics) are written back into the module's buffers.
+    (BatchNorm running statistics) are written back into the module's buffers, and tensor
+    arguments it changes in place into the caller's tensors (one that requires grad makes the
+    module run in PyTorch).
 
     Python attributes: an export bakes the plain values the forward reads (a dropout
     probability, a scale, a flag that picks a branch, a submodule's ``training`` flag) into the
@@ -374,6 +376,12 @@ class ORTModule(torch.nn.Module):
             training = torch.is_grad_enabled() and bool(wrt)
             if training and not variant.graph.traced_grads.issuperset(wrt):
                 self._trace_new_gradients(call, variant)
+            changed = variant.graph.input_updates
+            if any(call.tensors[i].requires_grad for i in changed):
+                raise ExportError(f"{type(module).__name__} changes its tensor arguments {changed} in place, and one "
+                                  f"requires grad now: ORTModule cannot give autograd that history")
+            if training and changed:  # the runs read (and the backward keeps) the values from before
+                inputs = [t.clone() if i in changed else t for i, t in enumerate(inputs)]
             runner = self._training_programs(variant, wrt, inputs) if training else \
                 self._inference_runner(variant, inputs)
         except OnnxTrainError as exc:
@@ -384,8 +392,11 @@ class ORTModule(torch.nn.Module):
         outputs = ORTFunction.apply(runner, *inputs) if training else runner.run(inputs)
         graph = variant.graph
         with torch.no_grad():
-            for name, value in zip(graph.buffer_updates, outputs[graph.num_user_outputs:]):
+            updates = iter(outputs[graph.num_user_outputs:])
+            for name, value in zip(graph.buffer_updates, updates):
                 state[name].copy_(value)
+            for position, value in zip(graph.input_updates, updates):  # as the forward changed them in place
+                call.tensors[position].copy_(value)
         return graph.rebuild_output(outputs[:graph.num_user_outputs])
 
     def _fall_back(self, exc: Exception) -> None:
@@ -518,7 +529,8 @@ class ORTModule(torch.nn.Module):
         not at all, get none, and their ``.grad`` stays None, as in PyTorch."""
         model = io.load_model(variant.graph.model)
         graph = variant.graph
-        buffer_outputs = range(graph.num_user_outputs, graph.num_user_outputs + len(graph.buffer_updates))
+        # buffer and argument updates: outputs without gradient
+        buffer_outputs = range(graph.num_user_outputs, len(model.graph.outputs))
         values = list(model.graph.inputs)
         outputs = [o for i, o in enumerate(model.graph.outputs) if i not in buffer_outputs]
         reached = set(inputs_with_gradient(list(model.graph), [values[i] for i in wrt], outputs))

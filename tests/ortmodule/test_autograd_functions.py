@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onnxtrain.errors import ExportError  # noqa: E402
-from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
+from onnxtrain.torch import DebugOptions, ForwardHookWarning, ORTModule, ORTModuleFallbackWarning  # noqa: E402
 from onnxtrain.torch._export import autograd_functions  # noqa: E402
 
 from ._parity import assert_steps_match, eager_and_wrapped, step  # noqa: E402
@@ -167,12 +167,17 @@ def test_a_function_on_tensors_without_gradient_does_not_matter():
     assert wrapped.fallback_reason is None
 
 
-def test_an_inference_first_call_finds_the_function_too():
+def test_an_inference_call_runs_in_onnx_runtime_and_a_training_call_finds_the_function():
+    # without grad no backward runs: the forward's graph is exact; the first call with grad
+    # exports again (grad mode is part of the key) and finds the Function
     eager, wrapped = eager_and_wrapped(lambda: Net(ReverseGrad))
     x = torch.randn(8, 6)
-    with torch.no_grad(), pytest.warns(ORTModuleFallbackWarning, match="ReverseGrad"):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
         torch.testing.assert_close(wrapped(x), eager(x))
-    assert_steps_match(eager, wrapped, x)
+    assert wrapped.fallback_reason is None
+    with pytest.warns(ORTModuleFallbackWarning, match="ReverseGrad"):
+        assert_steps_match(eager, wrapped, x)
 
 
 def test_a_parameter_unfrozen_after_the_export_is_looked_along():
@@ -249,7 +254,7 @@ def test_forward_hooks_and_parameter_hooks_stay_in_onnx_runtime():
     for net in (eager, wrapped.module):
         net.second.register_forward_hook(lambda module, inputs, output: output * 2.0)
         net.first.weight.register_hook(lambda grad: grad * 0.25)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), pytest.warns(ForwardHookWarning, match="forward hooks on second"):
         warnings.simplefilter("error", ORTModuleFallbackWarning)
         assert_steps_match(eager, wrapped, torch.randn(8, 6))
     assert wrapped.fallback_reason is None

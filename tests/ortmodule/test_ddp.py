@@ -83,9 +83,10 @@ def _assert_close(actual, expected, what, rtol=RTOL, atol=ATOL):
 def test_ddp_ranks_run_in_onnxruntime_from_rank0_weights(setup, ranks):
     _, data = setup
     for rank, result in enumerate(ranks):
-        # really ran in ONNX Runtime: one export for training, no-grad calls and both optimizers
+        # really ran in ONNX Runtime: one export for training with both optimizers, one for the
+        # no-grad calls (grad mode is part of ORTModule's key)
         assert result["fallback_reason"] is None, result["fallback_reason"]
-        assert result["export_count"] == 1
+        assert result["export_count"] == 2
         # DDP broadcast rank 0's weights to rank 1 (which started from another init)
         for name, value in data["state"].items():
             assert torch.equal(result["after_broadcast"][name], value), (rank, name)

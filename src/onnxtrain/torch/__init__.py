@@ -3,9 +3,10 @@
 Importing this package needs PyTorch (``pip install torch``); ``import onnxtrain`` does not.
 """
 
+from onnxtrain.torch._export import ForwardHookWarning
 from onnxtrain.torch._translations import translation_table as onnx_translation_table
 from onnxtrain.torch.memory import MemoryEstimate, estimate_memory
 from onnxtrain.torch.ortmodule import DebugOptions, LogLevel, MemoryOptionsError, ORTModule, ORTModuleFallbackWarning
 
-__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "MemoryOptionsError",
-           "MemoryEstimate", "estimate_memory", "onnx_translation_table"]
+__all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "ForwardHookWarning",
+           "MemoryOptionsError", "MemoryEstimate", "estimate_memory", "onnx_translation_table"]

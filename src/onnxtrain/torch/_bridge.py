@@ -17,7 +17,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import torch
 
-from onnxtrain.errors import ModelError
+from onnxtrain.errors import ModelError, OnnxTrainError
 from onnxtrain.ir import io
 from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, ForwardBackward
 from onnxtrain.runtime import fusions
@@ -196,8 +196,15 @@ class ORTFunction(torch.autograd.Function):
         return tuple(model_outputs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *grad_outputs):
+        if torch.is_grad_enabled():  # create_graph=True: a gradient that must itself be differentiable
+            raise OnnxTrainError(
+                "ORTModule's backward runs in ONNX Runtime and cannot be differentiated again "
+                "(torch.autograd.grad(..., create_graph=True), a gradient penalty): run that module in PyTorch")
+        return ORTFunction._backward(ctx, grad_outputs)
+
+    @staticmethod
+    def _backward(ctx, grad_outputs):
         programs: TrainingPrograms = ctx.programs
         kept = iter(ctx.saved_tensors)
         feeds = []

@@ -9,10 +9,16 @@ mutates (BatchNorm running statistics, counters) come back as extra outputs.
 
 Custom ``torch.autograd.Function``s: the exporter traces through their forward, and the
 gradient graph would differentiate that forward instead of running their own backward (a
-straight-through estimator, a gradient reversal). The export traces with autograd on, and the
-autograd graph of the traced outputs names every Function the forward ran on tensors that
-require grad; an export whose Functions are not known to be exact (``inline_functions``, and
-torch's reentrant checkpoint) raises ``ExportError``.
+straight-through estimator, a gradient reversal). An export with grad enabled (the only kind
+gradients are built from) traces with autograd on, and the autograd graph of the traced
+outputs names every Function the forward ran on tensors that require grad; an export whose
+Functions are not known to be exact (``inline_functions``, and torch's reentrant checkpoint)
+raises ``ExportError``.
+
+What a graph cannot reproduce also raises ``ExportError`` (ORTModule then runs the module in
+PyTorch): tensors stored on modules by the forward, numbers returned that were computed from
+the tensors, tensors inside argument or output objects that pytree does not flatten. Forward
+hooks run once, while traced (``ForwardHookWarning``).
 
 Gradient cuts: ``detach()`` and the outputs of ``torch.no_grad()`` regions in the forward stop
 gradients, as in PyTorch (marked stop-gradient Identities, see ``_translations.detach`` and
@@ -176,6 +182,16 @@ def _named_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], tupl
     return parameters, tuple(modules)
 
 
+@dataclass
+class TracedOutput:
+    """The structure of a traced call's output: its tree, its non-tensor leaves (None at the
+    tensors' places, which ``positions`` lists: a None among the leaves is an output too)."""
+
+    spec: pytree.TreeSpec
+    leaves: list
+    positions: list[int]
+
+
 class _Recorder(list):
     """Collects (output spec, output leaves) of traced calls. The exporter traces a copy of
     the wrapper, so the recorder is shared by copies instead of copied."""
@@ -237,6 +253,13 @@ def _function_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def _tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The plain attributes of ``module`` and its submodules that hold tensors (not parameters
+    or buffers, which live in their own dicts), by qualified name."""
+    return {f"{prefix}.{name}" if prefix else name: value for prefix, sub in module.named_modules()
+            for name, value in vars(sub).items() if isinstance(value, torch.Tensor)}
+
+
 class _FlatModule(torch.nn.Module):
     """Calls the user's module from flat tensors; returns flat output tensors, then all buffers,
     then the flat tensors themselves (as the forward left them)."""
@@ -251,13 +274,20 @@ class _FlatModule(torch.nn.Module):
         # the call's tensors (positions) and parameters (names) a gradient reaches in autograd's
         # own graph of the traced call: what the exported graph's gradients must reach too
         self.gradient_reaches = _Recorder()
+        # module attributes the traced forward set to tensors (which the graph cannot set)
+        self.stored_tensors = _Recorder()
 
     def forward(self, *tensors):
         args, kwargs = self._call.rebuild(tensors)
         module = getattr(self, _MODULE_ATTR)
+        before = _tensor_attributes(module)
         out = module(*args, **kwargs)
+        self.stored_tensors.extend(key for key, value in _tensor_attributes(module).items()
+                                   if before.get(key) is not value)
         leaves, spec = pytree.tree_flatten(out)
-        self.traced_outputs.append((spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]))
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.traced_outputs.append(TracedOutput(spec, [None if isinstance(leaf, torch.Tensor) else leaf
+                                                       for leaf in leaves], positions))
         traced = autograd_graph(leaves)
         self.autograd_functions.extend(traced.functions)
         keys = {id(t): i for i, t in enumerate(tensors)}
@@ -283,8 +313,7 @@ class ExportedGraph:
     state_names: list[str]
     num_user_outputs: int
     buffer_updates: list[str]
-    output_spec: pytree.TreeSpec
-    output_leaves: list
+    output: TracedOutput
     input_shapes: list[tuple]                 # per user input: ints and symbol names
     dim_ranges: dict[str, tuple[int, int | None]] = field(default_factory=dict)
     exported: ir.Model | None = None          # the exporter's graph, for DebugOptions.save_onnx
@@ -312,12 +341,10 @@ class ExportedGraph:
         return True
 
     def rebuild_output(self, tensors: Sequence[torch.Tensor]):
-        leaves = list(self.output_leaves)
-        it = iter(tensors)
-        for i, leaf in enumerate(leaves):
-            if leaf is None:
-                leaves[i] = next(it)
-        return pytree.tree_unflatten(leaves, self.output_spec)
+        leaves = list(self.output.leaves)
+        for position, tensor in zip(self.output.positions, tensors):
+            leaves[position] = tensor
+        return pytree.tree_unflatten(leaves, self.output.spec)
 
 
 def _bound(value) -> int | None:
@@ -365,6 +392,24 @@ def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: fro
             f"ORTModule(..., inline_autograd_functions=[...])")
 
 
+class ForwardHookWarning(UserWarning):
+    """A module ORTModule exports has forward hooks: they run once, while it is traced."""
+
+
+def _warn_forward_hooks(module: torch.nn.Module) -> None:
+    from torch.nn.modules import module as module_globals
+    hooked = [name or "the module itself" for name, sub in module.named_modules()
+              if sub._forward_hooks or sub._forward_pre_hooks]
+    if getattr(module_globals, "_global_forward_hooks", None) or getattr(module_globals, "_global_forward_pre_hooks",
+                                                                         None):
+        hooked.append("every module (a global forward hook)")
+    if hooked:
+        warnings.warn(
+            f"ORTModule exports {type(module).__name__} with forward hooks on {', '.join(hooked[:8])}: they run once, "
+            f"while the forward is traced, and what they compute is part of the graph; their side effects (recording "
+            f"activations, counting calls) do not happen on later calls", ForwardHookWarning, stacklevel=4)
+
+
 def _check_module_hooks(module: torch.nn.Module) -> None:
     """``ExportError`` if a backward hook is registered on ``module``, a submodule or globally
     (``register_full_backward_hook``, its pre-hook, or the legacy ``register_backward_hook``):
@@ -379,6 +424,30 @@ def _check_module_hooks(module: torch.nn.Module) -> None:
         raise ExportError(
             f"{type(module).__name__} has backward hooks ({', '.join(hooked[:8])}"
             f"{', ...' if len(hooked) > 8 else ''}): ONNX Runtime's backward cannot call them")
+
+
+def _check_output_leaves(module: torch.nn.Module, output: TracedOutput) -> None:
+    """``ExportError`` for outputs a graph cannot give: numbers computed from the traced tensors'
+    shapes (a dynamic export) or values (``.item()``), or tensors inside other objects."""
+    symbolic = [type(leaf).__name__ for leaf in output.leaves
+                if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool))]
+    if symbolic:
+        raise ExportError(f"{type(module).__name__} returns Python numbers computed from its tensors "
+                          f"({', '.join(symbolic)}): an exported graph cannot return them for other inputs")
+    hidden = [type(leaf).__name__ for leaf in output.leaves if _holds_tensors(leaf)]
+    if hidden:
+        raise ExportError(f"{type(module).__name__} returns tensors inside {', '.join(hidden)} objects, which "
+                          f"torch.utils._pytree does not flatten: register the type as a pytree node")
+
+
+def _holds_tensors(value) -> bool:
+    """Whether a plain object keeps tensors among its attributes (one level down)."""
+    attributes = getattr(value, "__dict__", None)
+    if not isinstance(attributes, dict) or isinstance(value, (torch.nn.Module, type)):
+        return False
+    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(isinstance(i, torch.Tensor)
+                                                                                   for i in v))
+               for v in attributes.values())
 
 
 def _unchanged(value: ir.Value) -> bool:
@@ -425,14 +494,20 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     autograd Functions (True: all) whose backward is the gradient of their forward; any other
     that the forward runs on tensors requiring grad raises ``ExportError``."""
     _check_module_hooks(module)
+    _warn_forward_hooks(module)
+    hidden = [type(leaf).__name__ for leaf in call.leaves if _holds_tensors(leaf)]
+    if hidden:
+        raise ExportError(f"{type(module).__name__} is called with tensors inside {', '.join(hidden)} objects, which "
+                          f"torch.utils._pytree does not flatten (the export would bake them in as constants): "
+                          f"pass the tensors as arguments, or register the type as a pytree node")
     buffer_names = list(dict(module.named_buffers()))
     wrapper = _FlatModule(module, call, buffer_names)
     dynamic_shapes = (tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors),) \
         if dynamic else None
     try:
-        # autograd on (an inference call may run under no_grad): the traced outputs' autograd
-        # graph shows which custom Functions the forward runs; the exported graph is the same
-        with quiet_exporter(), torch.enable_grad():
+        # in the call's grad mode (ORTModule keys graphs on it): with grad, the traced outputs'
+        # autograd graph shows which custom Functions the forward runs
+        with quiet_exporter():
             captured = capture(wrapper, tuple(call.tensors), dynamic_shapes)
             # the forward's no-grad regions stop gradients; but a Function (a reentrant
             # checkpoint) that sets grad mode inside its forward leaves the capture believing grad
@@ -448,6 +523,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         raise ExportError(f"torch.onnx.export did not trace {type(module).__name__}'s forward for this call "
                           f"({len(call.tensors)} tensor arguments)")
     _check_functions(module, wrapper.autograd_functions, inline_functions)
+    traced_output = wrapper.traced_outputs[-1]
+    _check_output_leaves(module, traced_output)
+    if wrapper.stored_tensors:
+        names = ", ".join(dict.fromkeys(wrapper.stored_tensors))
+        raise ExportError(f"{type(module).__name__}'s forward stores tensors on modules ({names}): an exported "
+                          f"graph computes them once, while traced, and never sets them again")
     model = program.model
     exported_copy = ir.from_proto(ir.to_proto(model)) if keep_exported else None
     graph = model.graph
@@ -496,7 +577,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     return ExportedGraph(
         model=model, num_user_inputs=num_user_inputs, state_names=state_names,
         num_user_outputs=num_user_outputs, buffer_updates=updates, input_updates=input_updates,
-        output_spec=wrapper.traced_outputs[-1][0], output_leaves=wrapper.traced_outputs[-1][1],
+        output=traced_output,
         input_shapes=input_shapes, dim_ranges=_dim_ranges(program.exported_program),
         exported=exported_copy,
         traced_grads=frozenset(i for i, t in enumerate(traced) if t.requires_grad and t.is_floating_point()),

@@ -279,8 +279,8 @@ class ORTModule(torch.nn.Module):
         except ValueError as exc:
             raise MemoryOptionsError(f"ORTModule: {exc}") from None
         self._last_memory_report: MemoryReport | None = None
-        # keyed on the call's schema and the autocast state (see _autocast)
-        self._variants: dict[tuple[CallSchema, tuple | None], list[_Variant]] = {}
+        # keyed on the call's schema, the autocast state (see _autocast) and grad mode
+        self._variants: dict[tuple[CallSchema, tuple | None, bool], list[_Variant]] = {}
         self._fallback_reason: str | None = None
         self.export_count = 0
         # the new values each (submodule name, attribute) took, and those no longer watched
@@ -421,7 +421,10 @@ class ORTModule(torch.nn.Module):
         logger.info("exporting %s again: %s", type(self._original_module).__name__, "; ".join(map(str, changes)))
 
     def _variant(self, call, autocast: tuple[str, str] | None) -> _Variant:
-        variants = self._variants.setdefault((call.schema, autocast), [])
+        # grad mode is part of the key: a forward may branch on it (nn.TransformerEncoder's fast
+        # path runs only without grad), and only a graph traced with grad shows its custom
+        # autograd Functions and gradient cuts
+        variants = self._variants.setdefault((call.schema, autocast, torch.is_grad_enabled()), [])
         stale: _Variant | None = None  # a graph for these shapes, exported with other attribute values
         stale_changes: list[AttributeChange] = []
         for variant in variants:

@@ -1,0 +1,180 @@
+"""What a captured graph can and cannot reproduce of a forward, and how ORTModule handles each:
+None among the outputs and numbers derived from static shapes come back as in eager; a forward
+that branches on grad mode gets a graph per mode; what a graph cannot give (numbers computed
+from the tensors, tensors stored on modules, tensors hidden in plain objects, a second
+backward) runs in PyTorch or raises, instead of returning stale or traced values."""
+
+import math
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.errors import OnnxTrainError  # noqa: E402
+from onnxtrain.torch import ORTModule, ORTModuleFallbackWarning  # noqa: E402
+
+from ._parity import eager_and_wrapped  # noqa: E402
+
+
+class WithNone(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+        self.linear = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        out, weights = self.attention(x, x, x, need_weights=False)
+        return {"logits": self.linear(out), "aux": None, "weights": weights}
+
+
+def test_none_among_the_outputs():
+    eager, wrapped = eager_and_wrapped(WithNone)
+    x = torch.randn(2, 5, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        out = wrapped(x)
+    expected = eager(x)
+    assert out["aux"] is None and out["weights"] is None
+    torch.testing.assert_close(out["logits"], expected["logits"], rtol=1e-5, atol=1e-5)
+    out["logits"].sum().backward()
+
+
+class ShapeNumbers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return x.shape[0], y * float(x.size(0)) / math.sqrt(x.shape[-1] * x.shape[0])
+
+
+def test_numbers_from_shapes_follow_the_call():
+    # a dynamic export would return (and bake in) the traced symbols: each shape gets a graph
+    eager, wrapped = eager_and_wrapped(ShapeNumbers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for batch in (4, 6, 3, 8):
+            x = torch.randn(batch, 5)
+            size, out = wrapped(x)
+            expected_size, expected = eager(x)
+            assert size == expected_size == batch and isinstance(size, int)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert wrapped.fallback_reason is None
+
+
+class ReturnsItem(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y, y.mean().item()
+
+
+def test_a_number_computed_from_values_runs_in_pytorch():
+    eager, wrapped = eager_and_wrapped(ReturnsItem)
+    x = torch.randn(4, 5)
+    with pytest.warns(ORTModuleFallbackWarning, match="returns Python numbers computed from its tensors"):
+        _, mean = wrapped(x)
+    assert isinstance(mean, float) and mean == pytest.approx(eager(x)[1])
+
+
+class Batch:
+    """A plain object holding the inputs (not a pytree node)."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class TakesBatch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 3)
+
+    def forward(self, batch):
+        return self.linear(batch.x)
+
+
+def test_tensors_inside_plain_objects_run_in_pytorch():
+    eager, wrapped = eager_and_wrapped(TakesBatch)
+    batch = Batch(torch.randn(4, 5))
+    with pytest.warns(ORTModuleFallbackWarning, match="tensors inside Batch objects"):
+        wrapped(batch)
+    batch.x = torch.randn(4, 5)  # a graph would have kept the first tensor as a constant
+    torch.testing.assert_close(wrapped(batch), eager(batch))
+
+
+class StoresAuxLoss(torch.nn.Module):
+    """Keeps a tensor on itself for the training loop (a mixture-of-experts auxiliary loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 3)
+        self.aux_loss = None
+
+    def forward(self, x):
+        y = self.linear(x)
+        self.aux_loss = y.square().mean()
+        return y
+
+
+def test_tensors_stored_on_modules_run_in_pytorch():
+    eager, wrapped = eager_and_wrapped(StoresAuxLoss)
+    for step in range(2):
+        x = torch.randn(4, 5)
+        if step == 0:
+            with pytest.warns(ORTModuleFallbackWarning, match=r"stores tensors on modules \(aux_loss\)"):
+                wrapped(x)
+        else:
+            wrapped(x)
+        eager(x)
+        torch.testing.assert_close(wrapped.module.aux_loss, eager.aux_loss)
+
+
+class GradModeBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.linear(x) * (2.0 if torch.is_grad_enabled() else 3.0)
+
+
+def test_a_forward_that_branches_on_grad_mode_gets_a_graph_per_mode():
+    eager, wrapped = eager_and_wrapped(GradModeBranch)
+    x = torch.randn(4, 5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for grad in (True, False, True, False):
+            with torch.set_grad_enabled(grad):
+                torch.testing.assert_close(wrapped(x), eager(x))
+    assert wrapped.export_count == 2
+
+
+def test_a_second_backward_is_a_clear_error():
+    # a gradient penalty differentiates the gradient; ORT's backward cannot be differentiated
+    _, wrapped = eager_and_wrapped(GradModeBranch)
+    x = torch.randn(4, 5, requires_grad=True)
+    out = wrapped(x).square().sum()
+    with pytest.raises(OnnxTrainError, match="cannot be differentiated again"):
+        torch.autograd.grad(out, x, create_graph=True)
+    # a plain gradient still works
+    (grad,) = torch.autograd.grad(wrapped(x).square().sum(), x)
+    assert grad.shape == x.shape and not grad.requires_grad
+
+
+def test_an_ortmodule_inside_an_eager_module():
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = ORTModule(torch.nn.Linear(5, 5))
+
+        def forward(self, x):
+            return torch.relu(self.inner(x)).sum()
+
+    model = Outer()
+    model(torch.randn(3, 5)).backward()
+    assert model.inner.module.weight.grad is not None

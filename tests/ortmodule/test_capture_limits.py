@@ -178,3 +178,50 @@ def test_an_ortmodule_inside_an_eager_module():
     model = Outer()
     model(torch.randn(3, 5)).backward()
     assert model.inner.module.weight.grad is not None
+
+
+class ShapeBranches(torch.nn.Module):
+    """Python code on the batch size: a parity branch and a float from a product of dims."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        y = self.linear(x) / math.sqrt(x.shape[-1] * x.shape[0])
+        return y * 2.0 if x.shape[0] % 2 == 0 else y * 3.0
+
+
+def test_a_dynamic_graph_serves_only_calls_its_shape_guards_admit():
+    # after the dynamic re-export (second shape), a batch size for which the traced Python
+    # would have gone another way gets a graph of its own, as torch.compile's guards do
+    eager, wrapped = eager_and_wrapped(ShapeBranches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for batch in (4, 6, 7, 9, 6, 7):
+            x = torch.randn(batch, 5)
+            torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-5, atol=1e-5)
+    assert wrapped.export_count == 4  # 4 static, 6 dynamic (guards pin it), 7 and 9 static
+
+
+class ParityOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 5)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y * 2.0 if x.shape[0] % 2 == 0 else y * 3.0
+
+
+def test_a_guard_is_checked_once_per_shape():
+    eager, wrapped = eager_and_wrapped(ParityOnly, dynamic=True)
+    for batch in (4, 8, 10, 4):
+        x = torch.randn(batch, 5)
+        torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-5, atol=1e-5)
+    assert wrapped.export_count == 1  # every even batch passes the guard
+    graph = next(iter(wrapped._variants.values()))[0].graph
+    assert graph.shape_guards and len(graph._guard_results) == 3
+    x = torch.randn(5, 5)
+    torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-5, atol=1e-5)
+    assert wrapped.export_count == 2

@@ -321,6 +321,9 @@ class ExportedGraph:
     # grad in the traced call: where custom autograd Functions were looked for
     traced_grads: frozenset[int] = frozenset()
     input_updates: list[int] = field(default_factory=list)
+    # the exporter's guards on the symbolic dims (sympy expressions over the input dims' names)
+    shape_guards: list = field(default_factory=list)
+    _guard_results: dict = field(default_factory=dict, repr=False)
 
     def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether this graph computes a call with these input shapes (same schema assumed)."""
@@ -338,13 +341,56 @@ class ExportedGraph:
                 low, high = self.dim_ranges.get(dim, (0, None))
                 if size < low or (high is not None and size > high):
                     return False
-        return True
+        return not self.shape_guards or self._guards_hold(bound)
+
+    def _guards_hold(self, sizes: dict[str, int]) -> bool:
+        """Whether the exporter's shape guards hold for these sizes of the symbolic dims (the
+        forward's Python code branched or computed on shapes: ``x.shape[0] % 2``, a product of
+        dims that must match a layer's width); once per distinct set of sizes."""
+        key = tuple(sorted(sizes.items()))
+        held = self._guard_results.get(key)
+        if held is None:
+            held = all(_guard_holds(guard, sizes) for guard in self.shape_guards)
+            self._guard_results[key] = held
+        return held
 
     def rebuild_output(self, tensors: Sequence[torch.Tensor]):
         leaves = list(self.output.leaves)
         for position, tensor in zip(self.output.positions, tensors):
             leaves[position] = tensor
         return pytree.tree_unflatten(leaves, self.output.spec)
+
+
+def _guard_holds(guard, sizes: dict[str, int]) -> bool:
+    """A sympy guard evaluated at these dim sizes; False where it does not reduce to a truth value."""
+    values = {symbol: sizes[symbol.name] for symbol in guard.free_symbols if symbol.name in sizes}
+    try:
+        return bool(guard.xreplace(values))
+    except TypeError:
+        return False
+
+
+def _shape_guards(program, input_dims: set[str]) -> list:
+    """The guards (and deferred runtime asserts) of the capture's shape environment that still
+    depend on a symbolic dim, in the graph inputs' dim names; ``ExportError`` for one that
+    depends on a symbol the inputs do not show (the graph could not be checked for a call)."""
+    fake = next((n.meta["val"] for n in program.graph.nodes
+                 if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)), None)
+    env = getattr(getattr(fake, "fake_mode", None), "shape_env", None)
+    if env is None:
+        return []
+    exprs = [guard.expr for guard in env.guards]
+    exprs += [run_assert.expr for asserts in env.deferred_runtime_asserts.values() for run_assert in asserts]
+    guards = []
+    for expr in exprs:
+        expr = env.replace(expr)
+        symbols = {symbol.name for symbol in getattr(expr, "free_symbols", ())}
+        if not symbols:
+            continue
+        if not symbols <= input_dims:
+            raise ExportError(f"the capture's shape guard {expr} depends on dims the graph's inputs do not show")
+        guards.append(expr)
+    return guards
 
 
 def _bound(value) -> int | None:
@@ -535,7 +581,10 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     num_user_inputs = len(graph.inputs)
     if num_user_inputs != len(call.tensors):
         raise ExportError(f"the exported graph has {num_user_inputs} inputs for {len(call.tensors)} tensors")
-    input_shapes = [tuple(d if isinstance(d, int) else str(d) for d in v.shape) for v in graph.inputs]
+    # a dim the capture specialized may keep a symbolic dim named by its value ("6")
+    input_shapes = [tuple(d if isinstance(d, int) else int(str(d)) if str(d).isdigit() else str(d) for d in v.shape)
+                    for v in graph.inputs]
+    guards = _shape_guards(captured, {d for dims in input_shapes for d in dims if isinstance(d, str)})
 
     state = call.state
     state_names = []
@@ -581,4 +630,5 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         input_shapes=input_shapes, dim_ranges=_dim_ranges(program.exported_program),
         exported=exported_copy,
         traced_grads=frozenset(i for i, t in enumerate(traced) if t.requires_grad and t.is_floating_point()),
+        shape_guards=guards,
     )

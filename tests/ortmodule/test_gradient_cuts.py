@@ -205,3 +205,21 @@ def test_artifacts_exported_with_the_translation_table_honor_detach(tmp_path):
     for name, p in model.named_parameters():
         np.testing.assert_allclose(state.parameters[name].grad, p.grad.numpy(), rtol=1e-5, atol=1e-6)
     assert onnx.load(tmp_path / "training_model.onnx")  # a standard model on disk
+
+
+class DetachesInPlace(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(6, 6)
+        self.body = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        g = torch.sigmoid(self.gate(x))
+        g.detach_()  # every later read of g is detached too
+        return self.body(x * g) + g[:, :3]
+
+
+def test_an_in_place_detach_stops_the_gradient():
+    eager, wrapped = eager_and_wrapped(DetachesInPlace)
+    grads = _assert_same_training(eager, wrapped, torch.randn(8, 6))
+    assert grads[0] is None and grads[1] is None

@@ -262,11 +262,28 @@ def _region_frames(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> l
     return frames
 
 
+def _functional_detaches(graph: torch.fx.Graph) -> int:
+    """``t.detach_()`` as ``aten.detach`` (whose translation stops gradients) read by every later
+    user of ``t``: the exporter's decomposition would drop the in-place detach altogether."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.detach_.default:
+            continue
+        node.target = torch.ops.aten.detach.default
+        source = node.args[0]
+        for user in list(source.users):
+            if user is not node and order.get(user, -1) > order[node]:
+                user.replace_input_with(source, node)
+        count += 1
+    return count
+
+
 def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = True) -> GradientCuts:
     """Put an ``aten.detach`` on every output of the forward's no-grad regions (``with
     torch.no_grad():`` is captured as a ``wrap_with_set_grad_enabled(False, ...)`` region, which
-    the exporter's decomposition inlines, grad mode and all); the translation table marks
-    detaches as stop-gradients. A reentrant ``torch.utils.checkpoint`` runs its function in
+    the exporter's decomposition inlines, grad mode and all), and make ``detach_()`` a
+    ``detach``; the translation table marks detaches as stop-gradients. A reentrant ``torch.utils.checkpoint`` runs its function in
     such a region too, and its backward recomputes it with grad: a region whose ops were
     traced from inside ``torch/utils/checkpoint.py`` is left alone. ``regions=False`` leaves
     every region alone (counted in ``checkpointed``)."""
@@ -276,6 +293,7 @@ def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = Tr
     graph_module = program.graph_module
     graph = graph_module.graph
     result = GradientCuts()
+    detached = _functional_detaches(graph)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not no_grad_region or node.args[0] is not False:
             continue
@@ -294,7 +312,7 @@ def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = Tr
             cut.meta.update(output.meta)
             output.replace_all_uses_with(cut, delete_user_cb=lambda user, cut=cut: user is not cut)
             result.cut += 1
-    if result.cut:
+    if result.cut or detached:
         graph_module.recompile()
     return result
 

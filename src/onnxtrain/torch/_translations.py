@@ -15,6 +15,9 @@ gradient, as ``nn.Embedding(padding_idx=...)`` does in PyTorch.
 ORTModule's capture marks with one) becomes an Identity with node metadata saying that no
 gradient flows through it: the exporter would otherwise decompose it to an alias, and the
 gradient graph differentiate through it.
+
+``aten.cross_entropy_loss`` keeps the exporter's ``SoftmaxCrossEntropyLoss`` and adds the
+label-smoothing term the exporter drops.
 """
 
 from __future__ import annotations
@@ -80,6 +83,46 @@ def detach(x):
     return out
 
 
+_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
+
+
+def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_index: int = -100,
+                       label_smoothing: float = 0.0):
+    """``aten.cross_entropy_loss`` with class-index targets: ``SoftmaxCrossEntropyLoss`` (as the
+    exporter's), plus PyTorch's label-smoothing term, which the exporter's translation drops:
+    ``(1 - e) * nll + e / C * smooth``, ``smooth`` being minus the (class-weighted) sum of the
+    log-probabilities over classes, 0 at ignored targets, reduced as ``nll`` (the mean divides
+    by the same total weight of the targets not ignored)."""
+    nll, _ = op.SoftmaxCrossEntropyLoss(input, target, weight, reduction=_REDUCTIONS[reduction],
+                                        ignore_index=ignore_index)
+    if not label_smoothing:
+        return nll
+    if len(input.shape) < 2:
+        raise NotImplementedError("cross_entropy with label_smoothing on unbatched input")
+    log_prob = op.LogSoftmax(input, axis=1)
+    if weight is not None:
+        per_class = op.Reshape(weight, op.Constant(value_ints=[1, -1] + [1] * (len(input.shape) - 2)))
+        log_prob = op.Mul(log_prob, per_class)
+    zero = op.CastLike(op.Constant(value_float=0.0), input)
+    ignored = op.Equal(target, op.Constant(value_int=ignore_index))
+    smooth = op.Where(ignored, zero, op.Neg(op.ReduceSum(log_prob, op.Constant(value_ints=[1]), keepdims=0)))
+    if reduction == 0:
+        term = smooth
+    elif reduction == 2:
+        term = op.ReduceSum(smooth, keepdims=0)
+    else:
+        if weight is not None:
+            kept = op.Where(ignored, zero, op.Gather(weight, op.Where(ignored, op.CastLike(op.Constant(value_int=0),
+                                                                                           target), target)))
+        else:
+            kept = op.CastLike(op.Not(ignored), input)
+        term = op.Div(op.ReduceSum(smooth, keepdims=0), op.ReduceSum(kept, keepdims=0))
+    classes = op.CastLike(op.Squeeze(op.Shape(input, start=1, end=2)), input)
+    scale = op.Div(op.CastLike(op.Constant(value_float=label_smoothing), input), classes)
+    keep = op.CastLike(op.Constant(value_float=1.0 - label_smoothing), input)
+    return op.Add(op.Mul(nll, keep), op.Mul(term, scale))
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export``.
 
@@ -95,4 +138,5 @@ def translation_table() -> dict:
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,
         torch.ops.aten.detach.default: detach,
+        torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
     }

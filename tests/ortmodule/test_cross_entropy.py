@@ -1,0 +1,53 @@
+"""Cross entropy as PyTorch computes it, label smoothing included (the exporter's translation
+drops it: a silently different loss and gradient), with class weights, an ignored index,
+every reduction, and a sequence dim."""
+
+import itertools
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.torch import ORTModuleFallbackWarning  # noqa: E402
+
+from ._parity import eager_and_wrapped  # noqa: E402
+
+CLASS_WEIGHTS = torch.tensor([0.6, 1.4, 0.9, 1.2, 0.7, 1.1])
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self, **loss_options):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 6)
+        self.loss_options = loss_options
+
+    def forward(self, x, target):
+        logits = self.linear(x)
+        if x.dim() == 3:  # [batch, seq, classes] -> [batch, classes, seq], as PyTorch expects
+            logits = logits.transpose(1, 2)
+        return torch.nn.functional.cross_entropy(logits, target, **self.loss_options)
+
+
+@pytest.mark.parametrize(("smoothing", "weighted", "reduction", "sequence"), [
+    case for case in itertools.product((0.0, 0.1), (False, True), ("mean", "sum", "none"), (False, True))
+    if case[0] or (case[2] == "mean" and not case[3])  # without smoothing: the exporter's own path
+])
+def test_cross_entropy_matches_pytorch(smoothing, weighted, reduction, sequence):
+    options = dict(label_smoothing=smoothing, reduction=reduction, ignore_index=2,
+                   weight=CLASS_WEIGHTS if weighted else None)
+    eager, wrapped = eager_and_wrapped(lambda: Classifier(**options))
+    generator = torch.Generator().manual_seed(1)
+    shape = (4, 3) if sequence else (4,)
+    x = torch.randn(*shape, 5, generator=generator)
+    target = torch.randint(0, 6, shape, generator=generator)
+    target[0] = 2  # ignored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        loss = wrapped(x, target)
+    expected = eager(x, target)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    loss.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(wrapped.module.linear.weight.grad, eager.linear.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(wrapped.module.linear.bias.grad, eager.linear.bias.grad, rtol=1e-5, atol=1e-6)

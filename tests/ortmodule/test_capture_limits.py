@@ -225,3 +225,49 @@ def test_a_guard_is_checked_once_per_shape():
     x = torch.randn(5, 5)
     torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-5, atol=1e-5)
     assert wrapped.export_count == 2
+
+
+@pytest.mark.parametrize("tracked", [False, True], ids=["batch-stats", "running-stats"])
+def test_instance_norm(tracked):
+    # with running statistics, training updates them in place: PyTorch runs it; without, ONNX
+    # Runtime's InstanceNormalization does
+    def factory():
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.InstanceNorm2d(4, affine=True,
+                                                                                   track_running_stats=tracked))
+
+    eager, wrapped = eager_and_wrapped(factory)
+    x = torch.randn(2, 3, 8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = wrapped(x)
+    assert any(issubclass(w.category, ORTModuleFallbackWarning) for w in caught) == tracked
+    torch.testing.assert_close(out, eager(x), rtol=1e-4, atol=1e-5)
+    for ours, theirs in zip(wrapped.module.buffers(), eager.buffers()):
+        torch.testing.assert_close(ours, theirs)
+    wrapped.eval()
+    eager.eval()
+    torch.testing.assert_close(wrapped(x), eager(x), rtol=1e-4, atol=1e-5)
+
+
+class Scatters(torch.nn.Module):
+    def __init__(self, reduce):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 6)
+        self.reduce = reduce
+
+    def forward(self, x, index):
+        y = self.linear(x)
+        return y.scatter_reduce(1, index, y[:, 3:], self.reduce)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+def test_scatter_reduce(reduce):
+    # the exporter's "mean" does not average: that module runs in PyTorch
+    eager, wrapped = eager_and_wrapped(lambda: Scatters(reduce))
+    x = torch.randn(4, 5)
+    index = torch.tensor([[0, 2, 1], [1, 3, 5], [3, 0, 4], [5, 2, 1]])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = wrapped(x, index)
+    assert any(issubclass(w.category, ORTModuleFallbackWarning) for w in caught) == (reduce == "mean")
+    torch.testing.assert_close(out, eager(x, index), rtol=1e-5, atol=1e-5)

@@ -17,7 +17,10 @@ gradient flows through it: the exporter would otherwise decompose it to an alias
 gradient graph differentiate through it.
 
 ``aten.cross_entropy_loss`` keeps the exporter's ``SoftmaxCrossEntropyLoss`` and adds the
-label-smoothing term the exporter drops.
+label-smoothing term the exporter drops. Where the exporter's translation computes something
+else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
+statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
+``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
 """
 
 from __future__ import annotations
@@ -83,6 +86,29 @@ def detach(x):
     return out
 
 
+def instance_norm(input, weight=None, bias=None, running_mean=None, running_var=None, use_input_stats: bool = True,
+                  momentum: float = 0.1, eps: float = 1e-5, cudnn_enabled: bool = False):
+    """``aten.instance_norm``: the exporter's translation, except where it would be wrong: with
+    batch statistics and running statistics (``track_running_stats=True`` in training) PyTorch
+    also updates the running statistics in place, which no translation of this op can give
+    back (NotImplementedError: the export fails, ORTModule runs the module in PyTorch)."""
+    if use_input_stats and running_mean is not None:
+        raise NotImplementedError("InstanceNorm with track_running_stats=True in training updates its running "
+                                  "statistics in place, which the exported graph cannot")
+    from onnxscript.function_libs.torch_lib.ops.core import aten_instance_norm
+    return aten_instance_norm(input, weight, bias, running_mean, running_var, use_input_stats, momentum, eps,
+                              cudnn_enabled)
+
+
+def scatter_reduce(self, dim: int, index, src, reduce: str, include_self: bool = True):
+    """``aten.scatter_reduce.two``: the exporter's translation, but for ``reduce="mean"``, which it
+    turns into a plain scatter (no averaging): NotImplementedError (the export fails)."""
+    if reduce == "mean":
+        raise NotImplementedError("scatter_reduce(reduce='mean'): the exporter's translation does not average")
+    from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_reduce
+    return aten_scatter_reduce(self, dim, index, src, reduce, include_self=include_self)
+
+
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
@@ -139,4 +165,6 @@ def translation_table() -> dict:
         torch.ops.aten.embedding.default: embedding,
         torch.ops.aten.detach.default: detach,
         torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
+        torch.ops.aten.instance_norm.default: instance_norm,
+        torch.ops.aten.scatter_reduce.two: scatter_reduce,
     }

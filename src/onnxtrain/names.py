@@ -29,6 +29,9 @@ PADDING_IDX_METADATA = "onnxtrain.padding_idx"
 # Node metadata on an Identity whose output carries no gradient (PyTorch's ``detach()`` and the
 # outputs of a ``torch.no_grad()`` region): the autodiff does not differentiate through it.
 STOP_GRADIENT_METADATA = "onnxtrain.stop_gradient"
+# Node metadata on a Clip translating PyTorch's hardtanh or relu6, whose gradient passes strictly
+# inside the bounds (clamp's includes them, as an unmarked Clip's does).
+OPEN_CLIP_METADATA = "onnxtrain.open_clip"
 
 
 def grad_name(param: str) -> str:

@@ -271,3 +271,25 @@ def test_scatter_reduce(reduce):
         out = wrapped(x, index)
     assert any(issubclass(w.category, ORTModuleFallbackWarning) for w in caught) == (reduce == "mean")
     torch.testing.assert_close(out, eager(x, index), rtol=1e-5, atol=1e-5)
+
+
+class AtTheKinks(torch.nn.Module):
+    """An activation evaluated exactly at its kinks (weights times ones)."""
+
+    def __init__(self, activation):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor([-3.0, -1.0, 0.0, 1.0, 3.0, 6.0]))
+        self.activation = activation
+
+    def forward(self, x):
+        return self.activation(self.weight * x)
+
+
+@pytest.mark.parametrize("activation", [torch.nn.functional.hardtanh, torch.nn.functional.relu6,
+                                        torch.nn.functional.hardswish], ids=["hardtanh", "relu6", "hardswish"])
+def test_gradients_at_the_kinks_are_torchs(activation):
+    eager, wrapped = eager_and_wrapped(lambda: AtTheKinks(activation))
+    x = torch.ones(6)
+    for model in (eager, wrapped):
+        model(x).sum().backward()
+    torch.testing.assert_close(wrapped.module.weight.grad, eager.weight.grad)

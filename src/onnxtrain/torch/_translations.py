@@ -79,6 +79,23 @@ def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool =
     return out
 
 
+def _bound(x, value: float):
+    return op.CastLike(op.Constant(value_float=float(value)), x)
+
+
+def hardtanh(x, min_val: float = -1.0, max_val: float = 1.0):
+    """``aten.hardtanh``: a Clip marked so that its gradient passes strictly inside the bounds, as
+    torch's hardtanh (and relu6) backward does."""
+    out = op.Clip(x, _bound(x, min_val), _bound(x, max_val))
+    out.producer().metadata_props[names.OPEN_CLIP_METADATA] = "1"
+    return out
+
+
+def relu6(x):
+    """``aten.relu6``: ``hardtanh(x, 0, 6)``."""
+    return hardtanh(x, 0.0, 6.0)
+
+
 def detach(x):
     """``aten.detach``: the same tensor, through which no gradient flows."""
     out = op.Identity(x)
@@ -164,6 +181,8 @@ def translation_table() -> dict:
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,
         torch.ops.aten.detach.default: detach,
+        torch.ops.aten.hardtanh.default: hardtanh,
+        torch.ops.aten.relu6.default: relu6,
         torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
         torch.ops.aten.instance_norm.default: instance_norm,
         torch.ops.aten.scatter_reduce.two: scatter_reduce,

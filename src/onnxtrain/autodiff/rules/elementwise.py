@@ -10,6 +10,7 @@ import math
 
 import onnx_ir as ir
 
+from onnxtrain import names
 from onnxtrain.autodiff.registry import grad, unary
 from onnxtrain.ir.shapes import sum_to_shape
 
@@ -149,9 +150,15 @@ def _clip(ctx):
     # Opsets 6-10 hold min/max as attributes, 11+ as optional scalar inputs. y == x marks the
     # unclipped elements (bounds included, like torch); a clipped element's gradient goes to the
     # bound it equals, so min > max (y = max everywhere) sends nothing to min.
+    # A Clip marked names.OPEN_CLIP_METADATA (PyTorch's hardtanh and relu6) passes the gradient
+    # strictly inside the bounds only, as those ops do in torch.
     op, x, y, dy = ctx.op, ctx.x, ctx.y, ctx.dy
     zero = ctx.like(dy, 0.0)
     passed = op.Equal(y, x)
+    if names.OPEN_CLIP_METADATA in ctx.node.metadata_props:
+        for i, compare in ((1, op.Greater), (2, op.Less)):
+            if i < len(ctx.inputs) and ctx.inputs[i] is not None:
+                passed = op.And(passed, compare(x, ctx.inputs[i]))
     grads = [op.Where(passed, dy, zero)]
     for i in range(1, len(ctx.inputs)):
         hit = op.And(op.Not(passed), op.Equal(y, ctx.inputs[i])) if ctx.needs(i) else None
@@ -296,11 +303,12 @@ def _hard_sigmoid(ctx):
 
 @grad("HardSwish", versions=(14, None))
 def _hard_swish(ctx):
-    # y = x * clip(x/6 + 1/2, 0, 1): derivative 0 below -3, 1 above 3, x/3 + 1/2 between
+    # y = x * clip(x/6 + 1/2, 0, 1): derivative 0 up to -3, 1 from 3 on, x/3 + 1/2 strictly
+    # between (torch's hardswish_backward at the two kinks)
     op, x = ctx.op, ctx.x
     inner = op.Add(op.Div(x, ctx.like(x, 3.0)), ctx.like(x, 0.5))
-    d = op.Where(op.Less(x, ctx.like(x, -3.0)), ctx.like(x, 0.0),
-                 _where_positive(ctx, ctx.like(x, 1.0), inner, threshold=3.0))
+    d = op.Where(op.LessOrEqual(x, ctx.like(x, -3.0)), ctx.like(x, 0.0),
+                 op.Where(op.GreaterOrEqual(x, ctx.like(x, 3.0)), ctx.like(x, 1.0), inner))
     return (op.Mul(ctx.dy, d),)
 
 

@@ -50,7 +50,8 @@ def active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.V
     return active
 
 
-def inputs_with_gradient(nodes: Sequence[ir.Node], wrt: Sequence[ir.Value], outputs: Iterable[ir.Value]) -> list[ir.Value]:
+def inputs_with_gradient(nodes: Sequence[ir.Node], wrt: Sequence[ir.Value],
+                         outputs: Iterable[ir.Value]) -> list[ir.Value]:
     """The values of ``wrt`` that some float value of ``outputs`` depends on along values that
     may carry a gradient and through no stop-gradient (``nodes`` in topological order): the
     others get no gradient at all (PyTorch leaves their ``.grad`` None)."""

@@ -442,17 +442,24 @@ class ForwardHookWarning(UserWarning):
     """A module ORTModule exports has forward hooks: they run once, while it is traced."""
 
 
-def _warn_forward_hooks(module: torch.nn.Module) -> None:
+def _hooked(module: torch.nn.Module, kind: str) -> str:
+    """Where ``kind`` ("forward" or "backward") hooks are registered: on ``module``, its
+    submodules (by name, the first 8) or globally; "" where none is."""
     from torch.nn.modules import module as module_globals
     hooked = [name or "the module itself" for name, sub in module.named_modules()
-              if sub._forward_hooks or sub._forward_pre_hooks]
-    if getattr(module_globals, "_global_forward_hooks", None) or getattr(module_globals, "_global_forward_pre_hooks",
+              if getattr(sub, f"_{kind}_hooks") or getattr(sub, f"_{kind}_pre_hooks")]
+    if getattr(module_globals, f"_global_{kind}_hooks", None) or getattr(module_globals, f"_global_{kind}_pre_hooks",
                                                                          None):
-        hooked.append("every module (a global forward hook)")
+        hooked.append(f"every module (a global {kind} hook)")
+    return ", ".join(hooked[:8]) + (", ..." if len(hooked) > 8 else "")
+
+
+def _warn_forward_hooks(module: torch.nn.Module) -> None:
+    hooked = _hooked(module, "forward")
     if hooked:
         warnings.warn(
-            f"ORTModule exports {type(module).__name__} with forward hooks on {', '.join(hooked[:8])}: they run once, "
-            f"while the forward is traced, and what they compute is part of the graph; their side effects (recording "
+            f"ORTModule exports {type(module).__name__} with forward hooks on {hooked}: they run once, while the "
+            f"forward is traced, and what they compute is part of the graph; their side effects (recording "
             f"activations, counting calls) do not happen on later calls", ForwardHookWarning, stacklevel=4)
 
 
@@ -460,16 +467,10 @@ def _check_module_hooks(module: torch.nn.Module) -> None:
     """``ExportError`` if a backward hook is registered on ``module``, a submodule or globally
     (``register_full_backward_hook``, its pre-hook, or the legacy ``register_backward_hook``):
     the export would trace the forward without them and ONNX Runtime's backward not call them."""
-    from torch.nn.modules import module as module_globals
-    hooked = [name or "the module itself" for name, sub in module.named_modules()
-              if sub._backward_hooks or sub._backward_pre_hooks]
-    if getattr(module_globals, "_global_backward_hooks", None) or getattr(module_globals, "_global_backward_pre_hooks",
-                                                                          None):
-        hooked.append("every module (a global backward hook)")
+    hooked = _hooked(module, "backward")
     if hooked:
-        raise ExportError(
-            f"{type(module).__name__} has backward hooks ({', '.join(hooked[:8])}"
-            f"{', ...' if len(hooked) > 8 else ''}): ONNX Runtime's backward cannot call them")
+        raise ExportError(f"{type(module).__name__} has backward hooks ({hooked}): ONNX Runtime's backward cannot "
+                          f"call them")
 
 
 def _check_output_leaves(module: torch.nn.Module, output: TracedOutput) -> None:

@@ -283,9 +283,10 @@ def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = Tr
     """Put an ``aten.detach`` on every output of the forward's no-grad regions (``with
     torch.no_grad():`` is captured as a ``wrap_with_set_grad_enabled(False, ...)`` region, which
     the exporter's decomposition inlines, grad mode and all), and make ``detach_()`` a
-    ``detach``; the translation table marks detaches as stop-gradients. A reentrant ``torch.utils.checkpoint`` runs its function in
-    such a region too, and its backward recomputes it with grad: a region whose ops were
-    traced from inside ``torch/utils/checkpoint.py`` is left alone. ``regions=False`` leaves
+    ``detach``; the translation table marks detaches as stop-gradients. A reentrant
+    ``torch.utils.checkpoint`` runs its function in such a region too, and its backward
+    recomputes it with grad: a region whose ops were traced from inside
+    ``torch/utils/checkpoint.py`` is left alone. ``regions=False`` leaves
     every region alone (counted in ``checkpointed``)."""
     from torch.utils import checkpoint as checkpoint_module
     checkpoint_frame = f'{checkpoint_module.__file__}", line'

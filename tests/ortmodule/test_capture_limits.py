@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from onnxtrain.errors import OnnxTrainError  # noqa: E402
 from onnxtrain.torch import ORTModule, ORTModuleFallbackWarning  # noqa: E402
 
-from ._parity import eager_and_wrapped  # noqa: E402
+from ._parity import assert_steps_match, eager_and_wrapped  # noqa: E402
 
 
 class WithNone(torch.nn.Module):
@@ -285,11 +285,32 @@ class AtTheKinks(torch.nn.Module):
         return self.activation(self.weight * x)
 
 
-@pytest.mark.parametrize("activation", [torch.nn.functional.hardtanh, torch.nn.functional.relu6,
-                                        torch.nn.functional.hardswish], ids=["hardtanh", "relu6", "hardswish"])
+@pytest.mark.parametrize("activation", [
+    torch.nn.functional.hardtanh, torch.nn.functional.relu6, torch.nn.functional.hardswish,
+    lambda t: t.clamp(-1, 1), lambda t: t.clamp(min=0), lambda t: torch.clamp(t, max=1.0),
+], ids=["hardtanh", "relu6", "hardswish", "clamp", "clamp-min", "clamp-max"])
 def test_gradients_at_the_kinks_are_torchs(activation):
     eager, wrapped = eager_and_wrapped(lambda: AtTheKinks(activation))
     x = torch.ones(6)
     for model in (eager, wrapped):
         model(x).sum().backward()
     torch.testing.assert_close(wrapped.module.weight.grad, eager.weight.grad)
+
+
+class TensorBounds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.low = torch.nn.Parameter(torch.full((4,), -0.2))
+        self.high = torch.nn.Parameter(torch.full((4,), 0.3))
+
+    def forward(self, x):
+        y = self.linear(x)
+        return torch.clamp(y, self.low, self.high) + torch.clamp(y.round().int(), -1, 1).float()
+
+
+def test_clamp_with_tensor_bounds_and_integers():
+    eager, wrapped = eager_and_wrapped(TensorBounds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        assert_steps_match(eager, wrapped, torch.randn(5, 4) * 2)

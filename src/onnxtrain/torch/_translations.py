@@ -83,6 +83,36 @@ def _bound(x, value: float):
     return op.CastLike(op.Constant(value_float=float(value)), x)
 
 
+def _scalar(bound) -> bool:
+    return bound is None or (bound.shape is not None and len(bound.shape) == 0)
+
+
+def clamp(x, min=None, max=None):  # noqa: A002  (aten's argument names)
+    """``aten.clamp.Tensor`` (number bounds reach it as 0-d tensors): with scalar bounds a Clip,
+    whose gradient passes at the bounds as torch's clamp does (the exporter's Max and Min split
+    it in half there); with tensor bounds the exporter's translation."""
+    if _scalar(min) and _scalar(max):
+        return op.Clip(x, None if min is None else op.CastLike(min, x), None if max is None else op.CastLike(max, x))
+    from onnxscript.function_libs.torch_lib.ops.core import aten_clamp_tensor
+    return aten_clamp_tensor(x, min, max)
+
+
+def clamp_min(x, min):  # noqa: A002
+    """``aten.clamp_min.Tensor``: as :func:`clamp` with a lower bound only."""
+    if _scalar(min):
+        return op.Clip(x, op.CastLike(min, x), None)
+    from onnxscript.function_libs.torch_lib.ops.core import aten_clamp_min_tensor
+    return aten_clamp_min_tensor(x, min)
+
+
+def clamp_max(x, max):  # noqa: A002
+    """``aten.clamp_max.Tensor``: as :func:`clamp` with an upper bound only."""
+    if _scalar(max):
+        return op.Clip(x, None, op.CastLike(max, x))
+    from onnxscript.function_libs.torch_lib.ops.core import aten_clamp_max_tensor
+    return aten_clamp_max_tensor(x, max)
+
+
 def hardtanh(x, min_val: float = -1.0, max_val: float = 1.0):
     """``aten.hardtanh``: a Clip marked so that its gradient passes strictly inside the bounds, as
     torch's hardtanh (and relu6) backward does."""
@@ -181,6 +211,9 @@ def translation_table() -> dict:
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,
         torch.ops.aten.detach.default: detach,
+        torch.ops.aten.clamp.Tensor: clamp,
+        torch.ops.aten.clamp_min.Tensor: clamp_min,
+        torch.ops.aten.clamp_max.Tensor: clamp_max,
         torch.ops.aten.hardtanh.default: hardtanh,
         torch.ops.aten.relu6.default: relu6,
         torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,

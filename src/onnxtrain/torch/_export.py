@@ -51,7 +51,7 @@ from torch.utils import _pytree as pytree
 from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.passes import pipeline
-from onnxtrain.torch._exporter import GradientCuts, capture, export_program, mark_gradient_cuts
+from onnxtrain.torch._exporter import capture, export_program, mark_gradient_cuts
 from onnxtrain.torch._translations import translation_table
 
 # The wrapper's attribute holding the user's module: the exporter names its parameters
@@ -245,10 +245,6 @@ def autograd_functions(tensors: Sequence) -> list[type]:
     return autograd_graph(tensors).functions
 
 
-# what a submodule's full backward hooks run as (torch.utils.hooks.BackwardHook)
-_BACKWARD_HOOK_FUNCTION = "torch.nn.modules._functions.BackwardHookFunction"
-
-
 def _function_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -361,6 +357,11 @@ class ExportedGraph:
         return pytree.tree_unflatten(leaves, self.output.spec)
 
 
+def positions_requiring_grad(tensors: Sequence[torch.Tensor]) -> tuple[int, ...]:
+    """The positions of the float tensors that require grad: those that receive gradients."""
+    return tuple(i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point())
+
+
 def _guard_holds(guard, sizes: dict[str, int]) -> bool:
     """A sympy guard evaluated at these dim sizes; False where it does not reduce to a truth value."""
     values = {symbol: sizes[symbol.name] for symbol in guard.free_symbols if symbol.name in sizes}
@@ -419,12 +420,9 @@ def export_failure(what: str, exc: Exception) -> ExportError:
 def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: frozenset[type] | bool) -> None:
     """``ExportError`` naming the custom Functions in ``found`` whose own backward the gradient
     graph would not run: all but torch's exact ones and ``inline``'s (none if ``inline`` is
-    True), and always the Function behind submodules' backward hooks."""
+    True). Backward hooks, which run as such a Function too, are refused before the export
+    (:func:`_check_module_hooks`)."""
     found = list(dict.fromkeys(found))
-    if any(_function_name(cls) == _BACKWARD_HOOK_FUNCTION for cls in found):
-        raise ExportError(
-            f"{type(module).__name__} has backward hooks on its submodules (register_full_backward_hook or "
-            f"register_full_backward_pre_hook): ONNX Runtime's backward cannot call them")
     if inline is True:
         return
     exact = _exact_torch_functions() | inline
@@ -516,7 +514,7 @@ def _new_output(graph: ir.Graph, value: ir.Value, name: str, outputs: list[ir.Va
 
 
 def _check_gradient_paths(module: torch.nn.Module, graph: ir.Graph, num_user_inputs: int, state_names: list[str],
-                          outputs: Sequence[ir.Value], reached: set, cuts: GradientCuts) -> None:
+                          outputs: Sequence[ir.Value], reached: set, cuts: int) -> None:
     """``ExportError`` if a call tensor or parameter that a gradient reaches in autograd's own
     graph of the traced call has no gradient path in the exported graph (a gradient cut the
     capture placed wrong): training would silently leave it without gradient."""
@@ -528,7 +526,7 @@ def _check_gradient_paths(module: torch.nn.Module, graph: ir.Graph, num_user_inp
     if missing:
         raise ExportError(
             f"the exported graph of {type(module).__name__} gives no gradient to {', '.join(missing[:8])}"
-            f"{', ...' if len(missing) > 8 else ''}, which PyTorch's autograd reaches ({cuts.cut} outputs of "
+            f"{', ...' if len(missing) > 8 else ''}, which PyTorch's autograd reaches ({cuts} outputs of "
             f"torch.no_grad() regions were cut)")
 
 
@@ -613,9 +611,6 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     for position, value in enumerate(input_values):
         if _unchanged(value):
             continue
-        if call.tensors[position].requires_grad:
-            raise ExportError(f"{type(module).__name__} changes its tensor argument {position} in place, and it "
-                              f"requires grad: ORTModule cannot give autograd that history")
         kept.append(_new_output(graph, value, f"{graph.inputs[position].name}.updated", kept))
         input_updates.append(position)
     graph.outputs.clear()
@@ -623,13 +618,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     pipeline.run(model, pipeline.before_autodiff())
     _check_gradient_paths(module, graph, num_user_inputs, state_names, list(graph.outputs[:num_user_outputs]),
                           set(wrapper.gradient_reaches), cuts)
-    traced = [*call.tensors, *(state[name] for name in state_names)]
     return ExportedGraph(
         model=model, num_user_inputs=num_user_inputs, state_names=state_names,
         num_user_outputs=num_user_outputs, buffer_updates=updates, input_updates=input_updates,
         output=traced_output,
         input_shapes=input_shapes, dim_ranges=_dim_ranges(program.exported_program),
         exported=exported_copy,
-        traced_grads=frozenset(i for i, t in enumerate(traced) if t.requires_grad and t.is_floating_point()),
+        traced_grads=frozenset(positions_requiring_grad([*call.tensors, *(state[name] for name in state_names)])),
         shape_guards=guards,
     )

@@ -33,7 +33,6 @@ import logging
 import operator
 import sys
 import threading
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
@@ -238,15 +237,6 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
     return exporting(run)() if exporting is not None else run()
 
 
-@dataclass
-class GradientCuts:
-    """What :func:`mark_gradient_cuts` did to a program's no-grad regions."""
-
-    cut: int = 0          # region outputs given a detach
-    checkpointed: int = 0  # regions left alone: a reentrant checkpoint's forward
-    untraced: int = 0     # cut regions with no stack trace to tell them from a checkpoint's
-
-
 def _region_frames(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:
     """The stack traces of the call nodes inside a region (nested regions included)."""
     body = getattr(graph_module, node.args[1].target, None) if isinstance(node.args[1], torch.fx.Node) else None
@@ -279,30 +269,27 @@ def _functional_detaches(graph: torch.fx.Graph) -> int:
     return count
 
 
-def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = True) -> GradientCuts:
+def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = True) -> int:
     """Put an ``aten.detach`` on every output of the forward's no-grad regions (``with
     torch.no_grad():`` is captured as a ``wrap_with_set_grad_enabled(False, ...)`` region, which
     the exporter's decomposition inlines, grad mode and all), and make ``detach_()`` a
     ``detach``; the translation table marks detaches as stop-gradients. A reentrant
     ``torch.utils.checkpoint`` runs its function in such a region too, and its backward
     recomputes it with grad: a region whose ops were traced from inside
-    ``torch/utils/checkpoint.py`` is left alone. ``regions=False`` leaves
-    every region alone (counted in ``checkpointed``)."""
+    ``torch/utils/checkpoint.py`` is left alone. ``regions=False`` leaves every region alone.
+    Returns how many region outputs were cut."""
     from torch.utils import checkpoint as checkpoint_module
     checkpoint_frame = f'{checkpoint_module.__file__}", line'
     no_grad_region = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
     graph_module = program.graph_module
     graph = graph_module.graph
-    result = GradientCuts()
     detached = _functional_detaches(graph)
-    for node in list(graph.nodes):
+    cuts = 0
+    for node in list(graph.nodes) if regions else ():
         if node.op != "call_function" or node.target is not no_grad_region or node.args[0] is not False:
             continue
-        frames = _region_frames(graph_module, node)
-        if not regions or any(checkpoint_frame in frame for frame in frames):
-            result.checkpointed += 1
+        if any(checkpoint_frame in frame for frame in _region_frames(graph_module, node)):
             continue
-        result.untraced += not frames
         outputs = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem] \
             if isinstance(node.meta.get("val"), (tuple, list)) else [node]
         for output in outputs:
@@ -312,10 +299,10 @@ def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = Tr
                 cut = graph.call_function(torch.ops.aten.detach.default, (output,))
             cut.meta.update(output.meta)
             output.replace_all_uses_with(cut, delete_user_cb=lambda user, cut=cut: user is not cut)
-            result.cut += 1
-    if result.cut or detached:
+            cuts += 1
+    if cuts or detached:
         graph_module.recompile()
-    return result
+    return cuts
 
 
 def export_program(program: torch.export.ExportedProgram, custom_translations: Mapping[Callable, Callable]):

@@ -98,19 +98,13 @@ def clamp(x, min=None, max=None):  # noqa: A002  (aten's argument names)
 
 
 def clamp_min(x, min):  # noqa: A002
-    """``aten.clamp_min.Tensor``: as :func:`clamp` with a lower bound only."""
-    if _scalar(min):
-        return op.Clip(x, op.CastLike(min, x), None)
-    from onnxscript.function_libs.torch_lib.ops.core import aten_clamp_min_tensor
-    return aten_clamp_min_tensor(x, min)
+    """``aten.clamp_min.Tensor``: :func:`clamp` with a lower bound only."""
+    return clamp(x, min, None)
 
 
 def clamp_max(x, max):  # noqa: A002
-    """``aten.clamp_max.Tensor``: as :func:`clamp` with an upper bound only."""
-    if _scalar(max):
-        return op.Clip(x, None, op.CastLike(max, x))
-    from onnxscript.function_libs.torch_lib.ops.core import aten_clamp_max_tensor
-    return aten_clamp_max_tensor(x, max)
+    """``aten.clamp_max.Tensor``: :func:`clamp` with an upper bound only."""
+    return clamp(x, None, max)
 
 
 def hardtanh(x, min_val: float = -1.0, max_val: float = 1.0):

@@ -26,7 +26,7 @@ from onnxtrain.runtime.denormals import ask_for_flushing
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._attributes import AttributeChange, AttributeRecord
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
-from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call
+from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call, positions_requiring_grad
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _graph_inputs(call, variant: "_Variant") -> tuple[list[torch.Tensor], tuple[
     """The tensors a variant's graphs take for ``call`` (call tensors, then parameters and
     buffers), and the positions of those that receive gradients."""
     inputs = [*call.tensors, *(call.state[n] for n in variant.graph.state_names)]
-    return inputs, tuple(i for i, t in enumerate(inputs) if t.requires_grad and t.is_floating_point())
+    return inputs, positions_requiring_grad(inputs)
 
 
 def _inline_functions(value) -> frozenset[type] | bool:
@@ -377,9 +377,11 @@ class ORTModule(torch.nn.Module):
             if training and not variant.graph.traced_grads.issuperset(wrt):
                 self._trace_new_gradients(call, variant)
             changed = variant.graph.input_updates
-            if any(call.tensors[i].requires_grad for i in changed):
-                raise ExportError(f"{type(module).__name__} changes its tensor arguments {changed} in place, and one "
-                                  f"requires grad now: ORTModule cannot give autograd that history")
+            requiring = [i for i in changed if call.tensors[i].requires_grad]
+            if requiring:
+                raise ExportError(f"{type(module).__name__} changes its tensor argument "
+                                  f"{', '.join(map(str, requiring))} in place, and it requires grad: ORTModule "
+                                  f"cannot give autograd that history")
             if training and changed:  # the runs read (and the backward keeps) the values from before
                 inputs = [t.clone() if i in changed else t for i, t in enumerate(inputs)]
             runner = self._training_programs(variant, wrt, inputs) if training else \

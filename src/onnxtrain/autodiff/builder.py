@@ -7,7 +7,8 @@ ops. It knows no op by name: everything op-specific lives in ``rules/``.
 
 Gradients flow only along floating-point values: an integer or boolean value
 (a shape, an index, a mask) carries no gradient, so ops like Shape, comparisons
-or ArgMax stop the walk without needing a rule.
+or ArgMax stop the walk without needing a rule. A node with subgraphs (If, Loop, Scan)
+depends on the values its subgraphs capture from the enclosing graph as much as on its inputs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from onnxtrain import names
 from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, Broadcast, GradContext, Registry
 from onnxtrain.errors import UnsupportedOpError
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.ir.nodes import node_reads
 from onnxtrain.ir.shapes import sum_to_shape
 
 FLOAT_TYPES = frozenset(
@@ -45,7 +47,7 @@ def active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.V
     for node in nodes:
         if names.STOP_GRADIENT_METADATA in node.metadata_props:
             continue
-        if any(i is not None and i in active for i in node.inputs):
+        if any(i in active for i in node_reads(node)):
             active.update(o for o in node.outputs if _may_carry_gradient(o))
     return active
 
@@ -60,7 +62,7 @@ def inputs_with_gradient(nodes: Sequence[ir.Node], wrt: Sequence[ir.Value],
         if names.STOP_GRADIENT_METADATA in node.metadata_props:
             continue
         if any(o in reached for o in node.outputs):
-            reached.update(i for i in node.inputs if i is not None and _may_carry_gradient(i))
+            reached.update(i for i in node_reads(node) if _may_carry_gradient(i))
     return [w for w in wrt if w in reached]
 
 
@@ -69,7 +71,7 @@ def _values_reaching(nodes: Sequence[ir.Node], targets: Iterable[ir.Value]) -> s
     reaching = set(targets)
     for node in reversed(nodes):
         if any(o in reaching for o in node.outputs):
-            reaching.update(i for i in node.inputs if i is not None)
+            reaching.update(node_reads(node))
     return reaching
 
 
@@ -131,7 +133,7 @@ def build_gradients(
     reaching = _values_reaching(nodes, losses)
     on_path = [
         n for n in nodes
-        if any(i is not None and i in active for i in n.inputs)
+        if any(i in active for i in node_reads(n))
         and any(o in active and o in reaching for o in n.outputs)
     ]
 

@@ -47,3 +47,40 @@ class NewNodes:
         node = ir.node(op_type, inputs, attributes=attributes, domain=domain, name=f"{self._prefix}_{len(self.nodes)}")
         self.nodes.append(node)
         return node.outputs[0]
+
+
+def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+    graphs = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            graphs.append(attr.value)
+        elif attr.type == ir.AttributeType.GRAPHS:
+            graphs.extend(attr.value)
+    return graphs
+
+
+def captured_values(node: ir.Node) -> list[ir.Value]:
+    """Values of enclosing graphs that ``node``'s subgraphs (an ``If``'s branches, a ``Loop``'s or
+    ``Scan``'s body, at any depth) read without taking them as inputs: ONNX lets a subgraph use any
+    value in scope, so they are inputs of the node as much as its listed ones."""
+    defined: set[ir.Value] = set()
+    used: list[ir.Value] = []
+    pending = _subgraphs(node)
+    while pending:
+        graph = pending.pop()
+        defined.update(graph.inputs)
+        defined.update(graph.initializers.values())
+        for inner in graph:
+            defined.update(inner.outputs)
+            used.extend(v for v in inner.inputs if v is not None)
+            pending.extend(_subgraphs(inner))
+        used.extend(graph.outputs)
+    return list(dict.fromkeys(v for v in used if v not in defined))
+
+
+def node_reads(node: ir.Node) -> list[ir.Value]:
+    """Every value ``node`` depends on: its inputs, then the values its subgraphs capture."""
+    inputs = [v for v in node.inputs if v is not None]
+    if not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+        return inputs
+    return list(dict.fromkeys([*inputs, *captured_values(node)]))

@@ -25,7 +25,7 @@ import onnx_ir as ir
 from onnxtrain import names
 from onnxtrain.autodiff.builder import active_values, build_gradients, is_float
 from onnxtrain.ir.builder import GraphBuilder
-from onnxtrain.ir.nodes import is_onnx_op
+from onnxtrain.ir.nodes import is_onnx_op, node_reads
 from onnxtrain.passes import memory, pipeline, recompute
 
 # Where a backward-graph input comes from.
@@ -205,7 +205,7 @@ def _distinct_outputs(graph: ir.Graph) -> None:
 def _descendants(nodes: Sequence[ir.Node], roots: set[ir.Value]) -> set[ir.Node]:
     reached_values, reached = set(roots), set()
     for node in nodes:
-        if any(i is not None and i in reached_values for i in node.inputs):
+        if any(i in reached_values for i in node_reads(node)):
             reached.add(node)
             reached_values.update(node.outputs)
     return reached
@@ -216,7 +216,7 @@ def _ancestors(nodes: Sequence[ir.Node], targets: Sequence[ir.Value]) -> set[ir.
     for node in reversed(nodes):
         if any(o in wanted for o in node.outputs):
             result.add(node)
-            wanted.update(i for i in node.inputs if i is not None)
+            wanted.update(node_reads(node))
     return result
 
 
@@ -404,7 +404,7 @@ def _crossing(nodes, forward_nodes, recomputed, forward_inputs, grad_outputs) ->
     crossing: dict[ir.Value, None] = {}  # ordered set
     for node in nodes:
         if node in backward_nodes:
-            crossing.update((i, None) for i in node.inputs if i is not None and (i in forward_values or i in inputs))
+            crossing.update((i, None) for i in node_reads(node) if i in forward_values or i in inputs)
     crossing.update((g, None) for g in grad_outputs if g in forward_values or g in inputs)
     return crossing
 

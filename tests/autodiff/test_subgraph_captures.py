@@ -1,0 +1,93 @@
+"""Nodes with subgraphs depend on the values their subgraphs capture from the enclosing graph.
+
+ONNX lets an If branch or a Loop/Scan body read any value in scope without listing it as an
+input. Autodiff must see those reads: a parameter used only inside a Loop body is on the path
+to the loss, and with no rule for Loop the result is an error, never a zero gradient.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import artifacts
+from onnxtrain.errors import UnsupportedOpError
+from onnxtrain.ir import io
+from onnxtrain.ir.nodes import captured_values, node_reads
+
+
+def _scaled_by_loop(w_used_in_body: bool = True):
+    """y = sum(x * w^3), the cube taken by a 3-trip Loop whose body reads ``w`` from outside."""
+    factor = "w" if w_used_in_body else "two"
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["acc_in", factor], ["acc_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_in", TensorProto.FLOAT, [3])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("acc_out", TensorProto.FLOAT, [3])])
+    nodes = [helper.make_node("Loop", ["trips", "", "x"], ["cubed"], body=body, name="cube_loop"),
+             helper.make_node("ReduceSum", ["cubed"], ["y"], keepdims=0)]
+    inits = [numpy_helper.from_array(np.array([0.5, 1.0, 2.0], np.float32), "w"),
+             numpy_helper.from_array(np.array(3, np.int64), "trips"),
+             numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_captured_values_are_the_outer_values_a_body_reads():
+    model = io.load_model(_scaled_by_loop())
+    loop = next(n for n in model.graph if n.op_type == "Loop")
+    assert [v.name for v in captured_values(loop)] == ["w"]
+    assert [v.name for v in node_reads(loop)] == ["trips", "x", "w"]
+
+
+def test_a_parameter_read_only_inside_a_loop_body_is_reported_not_given_zeros(tmp_path):
+    with pytest.raises(UnsupportedOpError) as info:
+        artifacts.generate_artifacts(_scaled_by_loop(), requires_grad=["w"], loss=artifacts.LossType.L1Loss,
+                                     artifact_directory=tmp_path)
+    assert info.value.unsupported == {"Loop": ["cube_loop"]}
+
+
+def test_a_branch_passing_an_outer_value_on_depends_on_it(tmp_path):
+    """``If`` whose branches pass outer values on unchanged: still a read of them."""
+    then = helper.make_graph([helper.make_node("Identity", ["w"], ["w_copy"])], "then", [],
+                             [helper.make_tensor_value_info("w_copy", TensorProto.FLOAT, [3])])
+    other = helper.make_graph([helper.make_node("Identity", ["x"], ["x_copy"])], "else", [],
+                              [helper.make_tensor_value_info("x_copy", TensorProto.FLOAT, [3])])
+    nodes = [helper.make_node("If", ["flag"], ["picked"], then_branch=then, else_branch=other, name="pick"),
+             helper.make_node("Mul", ["picked", "x"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
+                                           helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
+                              [numpy_helper.from_array(np.ones(3, np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(UnsupportedOpError) as info:
+        artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.L1Loss,
+                                     artifact_directory=tmp_path)
+    assert info.value.unsupported == {"If": ["pick"]}
+
+
+def test_a_loop_that_reads_no_parameter_stays_off_the_path():
+    """A Loop whose body captures only a constant and whose inputs need no gradient is not
+    differentiated: y = (x * 2^3) * w trains w."""
+    from onnxtrain.autodiff import build_gradients
+
+    model = _scaled_by_loop(w_used_in_body=False)
+    model.graph.node[-1].CopyFrom(helper.make_node("Mul", ["cubed", "w"], ["y"]))
+    model.graph.output[0].type.tensor_type.shape.dim.add().dim_value = 3
+    ir_model = io.load_model(model)
+    graph = ir_model.graph
+    w = graph.initializers["w"]
+    grads = build_gradients(graph, graph.outputs[0], [w])
+    graph.outputs.append(grads[w])
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(io.serialize(ir_model), providers=["CPUExecutionProvider"])
+    x = np.array([1.0, -2.0, 0.5], np.float32)
+    _, dw = session.run(None, {"x": x})
+    np.testing.assert_allclose(dw, x * 8)

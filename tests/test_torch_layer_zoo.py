@@ -68,11 +68,42 @@ class TextNet(nn.Module):
         return self.out(pooled[:, :8] + pooled[:, 8:]).log_softmax(-1)
 
 
+class ResampleNet(nn.Module):
+    """F.interpolate in its common modes: Resize with scales, with sizes, downsampling."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Conv2d(2, 3, 3, padding=1)
+        self.outer = nn.Conv2d(3, 2, 1)
+
+    def forward(self, x):
+        f = nn.functional
+        y = f.interpolate(self.inner(x), scale_factor=2, mode="nearest")
+        y = f.interpolate(self.outer(y), size=(7, 9), mode="bilinear", align_corners=True)
+        return f.interpolate(y, scale_factor=0.5, mode="bicubic") + f.interpolate(y, size=(3, 4), mode="area")
+
+
+class SelectNet(nn.Module):
+    """topk, sort and split: values picked or moved by index."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        top = torch.topk(y, 3, dim=-1).values
+        low, high = torch.split(torch.sort(y, dim=1, descending=True).values, [3, 5], dim=-1)
+        return torch.cat([top * low, high.amax(-1, keepdim=True)], dim=-1)
+
+
 CASES = {
     "conv1d": (Conv1dNet, lambda r, n: r.standard_normal((n, 2, 9)).astype(np.float32)),
     "conv2d": (Conv2dNet, lambda r, n: r.standard_normal((n, 2, 6, 6)).astype(np.float32)),
     "norms": (NormNet, lambda r, n: r.standard_normal((n, 4, 6)).astype(np.float32)),
     "text": (TextNet, lambda r, n: r.integers(0, 20, (n, 7))),
+    "resample": (ResampleNet, lambda r, n: r.standard_normal((n, 2, 4, 5)).astype(np.float32)),
+    "select": (SelectNet, lambda r, n: r.standard_normal((n, 4, 6)).astype(np.float32)),
 }
 
 

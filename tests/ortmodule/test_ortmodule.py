@@ -370,20 +370,23 @@ def test_to_changes_dtype_and_optimizer_keeps_training():
     assert losses[-1] < losses[0]
 
 
-class _WithTopK(torch.nn.Module):
-    """TopK has no gradient rule: ORTModule cannot build its gradient graph."""
+class _WithGridSample(torch.nn.Module):
+    """GridSample has no gradient rule: ORTModule cannot build its gradient graph."""
 
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(6, 6)
+        self.register_buffer("grid", torch.tensor([[[[0.1, -0.3], [0.5, 0.2]]]]))
 
     def forward(self, x):
-        return torch.topk(self.linear(x), 3, dim=-1).values.sum(-1)
+        image = self.linear(x).reshape(-1, 1, 2, 3)
+        grid = self.grid.expand(image.shape[0], -1, -1, -1)
+        return torch.nn.functional.grid_sample(image, grid, align_corners=False).flatten(1).sum(-1)
 
 
 def test_unsupported_op_falls_back_with_one_warning_and_trains_correctly():
     torch.manual_seed(0)
-    model = _WithTopK()
+    model = _WithGridSample()
     reference = copy.deepcopy(model)
     wrapped = ORTModule(model)
     x = torch.randn(4, 6)
@@ -392,16 +395,16 @@ def test_unsupported_op_falls_back_with_one_warning_and_trains_correctly():
         for _ in range(3):
             wrapped(x).sum().backward()
     fallback = [w for w in caught if issubclass(w.category, ORTModuleFallbackWarning)]
-    assert len(fallback) == 1 and "TopK" in str(fallback[0].message)
-    assert "TopK" in wrapped.fallback_reason
+    assert len(fallback) == 1 and "GridSample" in str(fallback[0].message)
+    assert "GridSample" in wrapped.fallback_reason
     for _ in range(3):
         reference(x).sum().backward()
     _assert_same_gradients(model, reference)
 
 
 def test_unsupported_op_raises_when_fallback_is_off():
-    wrapped = ORTModule(_WithTopK(), DebugOptions(fallback=False))
-    with pytest.raises(UnsupportedOpError, match="TopK"):
+    wrapped = ORTModule(_WithGridSample(), DebugOptions(fallback=False))
+    with pytest.raises(UnsupportedOpError, match="GridSample"):
         wrapped(torch.randn(4, 6)).sum().backward()
 
 

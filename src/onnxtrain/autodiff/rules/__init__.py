@@ -9,5 +9,6 @@ from onnxtrain.autodiff.rules import (  # noqa: F401
     nn,
     nondiff,
     reduce,
+    sampling,
     shape,
 )

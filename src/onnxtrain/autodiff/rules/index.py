@@ -1,4 +1,4 @@
-"""Indexing: Slice, Gather, GatherElements, GatherND, ScatterND, ScatterElements, Compress.
+"""Indexing: Slice, Gather, GatherElements, TopK, GatherND, ScatterND, ScatterElements, Compress.
 
 The gradient of a gather is a scatter of ``dy`` into zeros that *adds* where an
 index repeats. Opset 16 gave ScatterND/ScatterElements ``reduction="add"``; for
@@ -178,6 +178,15 @@ def _gather_elements(ctx):
     # indices may be smaller than x in the other axes: zero-fill the rest
     missing = op.Sub(x_shape, op.Shape(dx))
     return (op.Pad(dx, op.Concat(op.Mul(missing, b.scalar_int(0)), missing, axis=0)),)
+
+
+@grad("TopK", versions=(13, None))
+def _top_k(ctx):
+    # values = GatherElements(x, indices, axis): dy goes back to the positions picked. They are
+    # distinct, so a plain scatter into zeros (no reduction) is exact. Ties pick one of the equal
+    # elements, as the forward did (torch.topk's gradient does the same).
+    indices = ctx.forward_output(1, ir.DataType.INT64, "indices")
+    return (ctx.op.ScatterElements(ctx.b.zeros_like(ctx.x), indices, ctx.dy, axis=ctx.attr("axis", -1)), None)
 
 
 @grad("GatherND", versions=(13, None))

@@ -72,7 +72,11 @@ def _concat(ctx):
 @grad("Split", versions=(13, None))
 def _split(ctx):
     # Outputs without a gradient become zeros of their shape, so the split sizes
-    # (attribute, input or num_outputs) never need to be read.
+    # (attribute, input or num_outputs) never need to be read. An unused output may have no
+    # type (a pass created it): every output has the input's.
+    for out in ctx.outputs:
+        if out.type is None:
+            out.type = ctx.x.type
     parts = [ctx.grad_output(i) for i in range(len(ctx.outputs))]
     return (ctx.op.Concat(*parts, axis=ctx.attr("axis", 0)),)
 

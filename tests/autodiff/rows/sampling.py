@@ -1,0 +1,66 @@
+"""Gradient-table rows for rules/sampling.py (Resize).
+
+Checked in float32 (onnxruntime's CPU Resize has no float64 kernel): inputs stay in [-1, 1].
+Scales, sizes and roi are constants, as exporters emit them; the rule itself reads them at
+run time, so a dynamic size works the same way (tests/test_torch_layer_zoo.py, ``align_corners``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tests.autodiff.grad_table import C, Case, I
+
+_F32 = "float32"
+
+
+def U(*shape, **kw):
+    """A float input in [-1, 1]."""
+    return I(*shape, low=-1.0, high=1.0, **kw)
+
+
+def S(*scales):
+    return C(np.array(scales, np.float32))
+
+
+def Z(*sizes):
+    return C(np.array(sizes, np.int64))
+
+
+def _row(inputs, id, opsets=(13, 23), **attrs):
+    return Case("Resize", inputs, attrs=attrs, opsets=opsets, id=f"Resize-{id}", precision=_F32)
+
+
+ROWS: list[Case] = [
+    # nearest: each output copies one input; the gradient sums the copies (all rounding modes)
+    _row([U("N", 2, 3, 4), None, S(1, 1, 2, 2)], "nearest-x2-symbolic", mode="nearest"),
+    _row([U(1, 2, 5, 4), None, S(1, 1, 1.5, 0.6)], "nearest-fractional-floor", mode="nearest",
+         nearest_mode="floor", coordinate_transformation_mode="asymmetric"),
+    _row([U(1, 2, 5, 4), None, S(1, 1, 1.7, 2.3)], "nearest-ceil-half-pixel", mode="nearest", nearest_mode="ceil"),
+    _row([U(1, 1, 4, 6), None, None, Z(1, 1, 7, 3)], "nearest-sizes-prefer-ceil", mode="nearest",
+         nearest_mode="round_prefer_ceil", coordinate_transformation_mode="align_corners"),
+    # linear (bilinear on 4-D, trilinear on 5-D) under every coordinate transformation
+    _row([U(2, 2, 3, 4), None, S(1, 1, 2, 2)], "linear-half-pixel", mode="linear"),
+    _row([U(1, 2, 3, 4), None, None, Z(1, 2, 5, 7)], "linear-align-corners-sizes", mode="linear",
+         coordinate_transformation_mode="align_corners"),
+    _row([U(1, 2, 6, 5), None, S(1, 1, 0.5, 0.7)], "linear-downsample-pytorch-half-pixel", mode="linear",
+         coordinate_transformation_mode="pytorch_half_pixel"),
+    _row([U(1, 2, 3, 4), None, S(1, 1, 1.6, 1.3)], "linear-asymmetric", mode="linear",
+         coordinate_transformation_mode="asymmetric"),
+    _row([U(1, 1, 3, 3, 4), None, S(1, 1, 2, 1.5, 0.5)], "linear-3d", mode="linear"),
+    _row([U(1, 2, 4, 4), C(np.array([0, 0, 0.2, 0.1, 1, 1, 0.8, 0.7], np.float32)), None, Z(1, 2, 3, 5)],
+         "linear-tf-crop-and-resize", mode="linear", coordinate_transformation_mode="tf_crop_and_resize",
+         extrapolation_value=0.5),
+    # cubic, with and without the outside taps, another coefficient
+    _row([U(1, 2, 4, 5), None, S(1, 1, 1.5, 2)], "cubic", mode="cubic"),
+    _row([U(1, 1, 5, 4), None, S(1, 1, 0.6, 1.75)], "cubic-exclude-outside", mode="cubic", exclude_outside=1,
+         cubic_coeff_a=-0.5),
+    # opset 18: antialiased downsampling, resizing only some axes, half_pixel_symmetric (19)
+    _row([U(1, 2, 8, 6), None, S(1, 1, 0.5, 0.6)], "linear-antialias", opsets=(18, 23), mode="linear",
+         antialias=1),
+    _row([U(1, 2, 7, 6), None, S(1, 1, 0.4, 0.7)], "cubic-antialias", opsets=(18, 23), mode="cubic", antialias=1),
+    _row([U("N", 3, 4, 5), None, S(2, 0.8)], "axes", opsets=(18, 23), mode="linear", axes=[-2, -1]),
+    _row([U(1, 2, 3, 5), None, None, Z(6, 4)], "axes-sizes-nearest", opsets=(18, 23), mode="nearest", axes=[2, 3]),
+    _row([U(1, 2, 5, 4), None, S(1, 1, 1.5, 0.5)], "half-pixel-symmetric", opsets=(19, 23), mode="linear",
+         coordinate_transformation_mode="half_pixel_symmetric"),
+]

@@ -1,0 +1,45 @@
+"""Resize's gradient beyond the table's rows: what it refuses, and what static shapes fold to."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import artifacts
+from onnxtrain.errors import UnsupportedOpError
+
+
+def _upsampler(batch, resize_inputs, **attrs):
+    """y = Resize(x * w) with a trained per-channel w."""
+    nodes = [helper.make_node("Mul", ["x", "w"], ["xw"]),
+             helper.make_node("Resize", ["xw", *resize_inputs], ["y"], name="up", **attrs)]
+    inits = [numpy_helper.from_array(np.full((1, 2, 1, 1), 0.5, np.float32), "w"),
+             numpy_helper.from_array(np.array([1, 1, 2, 3], np.float32), "scales"),
+             numpy_helper.from_array(np.array([6, 9], np.int64), "sizes")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 2, 3, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_keep_aspect_ratio_policy_is_refused_with_the_node_named(tmp_path):
+    # the policy scales every axis by one common factor and rounds the sizes: not one axis at a time
+    model = _upsampler(2, ["", "", "sizes"], mode="linear", axes=[2, 3], keep_aspect_ratio_policy="not_larger")
+    with pytest.raises(UnsupportedOpError, match="keep_aspect_ratio_policy") as info:
+        artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.L1Loss,
+                                     artifact_directory=tmp_path)
+    assert info.value.unsupported == {"Resize": ["up"]}
+
+
+@pytest.mark.parametrize("batch", [2, "N"])
+def test_interpolation_matrices_of_static_axes_are_constants(tmp_path, batch):
+    """The matrices depend on the resized axes' lengths only: with those static they fold away,
+    even under a symbolic batch; only the two resized axes get one (the unscaled N and C none)."""
+    artifacts.generate_artifacts(_upsampler(batch, ["", "scales"], mode="cubic"), requires_grad=["w"],
+                                 loss=artifacts.LossType.L1Loss, artifact_directory=tmp_path)
+    training = onnx.load(str(tmp_path / "training_model.onnx"))
+    ops = [n.op_type for n in training.graph.node]
+    assert ops.count("Resize") == 1  # the forward's
+    assert "EyeLike" not in ops
+    assert ops.count("MatMul") == 2

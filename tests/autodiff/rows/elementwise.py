@@ -77,6 +77,10 @@ ROWS: list[Case] = [
     Case("PRelu", [I(2, 3, 4, away_from=(0.0,)), I(3, 1)], id="PRelu-broadcast"),
     Case("PRelu", [I("N", 4, away_from=(0.0,)), I(4)], id="PRelu-symbolic"),
     Case("ThresholdedRelu", [I(3, 4, away_from=(0.5,))], attrs={"alpha": 0.5}),
+    # onnxruntime's float64 Shrink computes in float32
+    Case("Shrink", [I("N", 4, away_from=(-0.3, 0.3))], attrs={"lambd": 0.3, "bias": 0.2}, opsets=(13, 23),
+         precision="float32"),
+    Case("Shrink", [I(3, 4, away_from=(-0.5, 0.5))], opsets=(13, 23), id="Shrink-defaults", precision="float32"),
     Case("Elu", [I(3, 4, away_from=(0.0,))], attrs={"alpha": 0.7}),
     Case("Selu", [I(3, 4, away_from=(0.0,))]),
     Case("Celu", [I(3, 4, away_from=(0.0,))], attrs={"alpha": 0.8}),

@@ -42,6 +42,10 @@ ROWS: list[Case] = [
          attrs={"training_mode": 1, "momentum": 1.0}, outputs=3, opsets=(14, 23), id="BatchNorm-training-2d"),
     # -- InstanceNormalization -------------------------------------------------------
     Case("InstanceNormalization", [I("N", 3, 5), I(3), I(3)], id="InstanceNorm"),
+    # -- LpNormalization ------------------------------------------------------------
+    Case("LpNormalization", [I("N", 3, 4)], opsets=(13, 23), id="LpNormalization-l2-last-axis"),
+    Case("LpNormalization", [I(3, 4, away_from=(0.0,))], attrs={"axis": 0, "p": 1}, opsets=(13, 23),
+         id="LpNormalization-l1"),
     Case("InstanceNormalization", [I(2, 2, 3, 3), I(2), I(2)], attrs={"epsilon": 1e-3}, id="InstanceNorm-2d"),
     # -- Dropout (random masks are checked exactly in test_dropout.py) ---------------
     Case("Dropout", [I("N", 4)], opsets=(12, 23), id="Dropout-no-mode"),

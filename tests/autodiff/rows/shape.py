@@ -52,6 +52,10 @@ ROWS: list[Case] = [
     # -- triangular, depth/space ---------------------------------------------------------------
     Case("Trilu", [I("N", 3, 4)], opsets=(14, 23), id="Trilu-upper"),
     Case("Trilu", [I(4, 5), C(np.array(-1, np.int64))], attrs={"upper": 0}, opsets=(14, 23), id="Trilu-lower-k"),
+    Case("ReverseSequence", [I(4, 3, 2), C(np.array([4, 1, 2], np.int64))], opsets=(13, 23),
+         id="ReverseSequence-time-major"),
+    Case("ReverseSequence", [I(3, 5), C(np.array([2, 5, 0], np.int64))], attrs={"batch_axis": 0, "time_axis": 1},
+         opsets=(13, 23), id="ReverseSequence-batch-major"),
     Case("DepthToSpace", [I("N", 8, 2, 3)], attrs={"blocksize": 2}, opsets=(11, 23), id="DepthToSpace-DCR"),
     Case("DepthToSpace", [I("N", 8, 2, 3)], attrs={"blocksize": 2, "mode": "CRD"}, opsets=(11, 23),
          id="DepthToSpace-CRD"),

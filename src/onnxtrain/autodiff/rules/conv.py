@@ -470,9 +470,43 @@ def _average_pool(ctx):
     valid = op.Conv(_pad(b, ones, begin, op.Add(_as_value(b, end), reach)), box, strides=strides, dilations=dilations)
     valid = op.Slice(valid, b.ints([0] * r), _tail(b, y), b.ints(list(range(2, 2 + r))))
     scale = op.Div(op.AveragePool(ones, **_pool_attrs(ctx)), valid)
-    g = op.Reshape(op.Mul(dy, scale), op.Concat(b.ints([-1, 1]), _tail(b, dy), axis=0))
-    full = op.ConvTranspose(g, box, strides=strides, dilations=dilations)
-    return (op.Reshape(_fit(b, full, x, begin), op.Shape(x)),)
+    return (_window_sum_adjoint(ctx, op.Mul(dy, scale), kernel, strides, dilations, begin),)
+
+
+def _window_sum_adjoint(ctx: GradContext, g: ir.Value, kernel, strides, dilations, begin) -> ir.Value:
+    """The gradient of x for ``y = sum of x over each pooling window`` with ``dy = g``: every
+    window's g added back over its cells (a ConvTranspose with a box of ones), cut to x."""
+    op, b, x = ctx.op, ctx.b, ctx.x
+    box = b.const(np.ones([1, 1, *kernel], x.dtype.numpy()))
+    per_channel = op.Reshape(g, op.Concat(b.ints([-1, 1]), _tail(b, g), axis=0))
+    full = op.ConvTranspose(per_channel, box, strides=strides, dilations=dilations)
+    return op.Reshape(_fit(b, full, x, begin), op.Shape(x))
+
+
+def _lp_slope(ctx: GradContext, norm: ir.Value) -> ir.Value:
+    """d norm / d x divided by what the adjoint sums: sign(x) |x|^(p-1) / norm^(p-1) for a
+    p-norm ``norm`` of cells including x (x / norm for p = 2, sign(x) for p = 1)."""
+    op, x, p = ctx.op, ctx.x, ctx.attr("p", 2)
+    if p == 1:
+        return op.Sign(x)
+    if p == 2:
+        return op.Div(x, norm)
+    return op.Mul(op.Sign(x), op.Pow(op.Div(op.Abs(x), norm), ctx.like(x, p - 1)))
+
+
+@grad("LpPool", versions=(11, None))
+def _lp_pool(ctx):
+    # y = (window sum of |x|^p)^(1/p): dx = sign(x) |x|^(p-1) * window adjoint of dy * y^(1-p)
+    op, b, x, y = ctx.op, ctx.b, ctx.x, ctx.y
+    kernel = ctx.attr("kernel_shape")
+    r, p = len(kernel), ctx.attr("p", 2)
+    strides, dilations = _ints_attr(ctx, "strides", r, 1), _ints_attr(ctx, "dilations", r, 1)
+    begin, _ = _forward_pads(ctx, r, x, y, strides, dilations)
+    if p == 1:
+        return (op.Mul(op.Sign(x), _window_sum_adjoint(ctx, ctx.dy, kernel, strides, dilations, begin)),)
+    weighted = op.Mul(ctx.dy, op.Pow(y, ctx.like(y, 1 - p)))
+    cell = op.Mul(op.Sign(x), op.Pow(op.Abs(x), ctx.like(x, p - 1))) if p != 2 else x
+    return (op.Mul(cell, _window_sum_adjoint(ctx, weighted, kernel, strides, dilations, begin)),)
 
 
 @grad("GlobalAveragePool", versions=(13, None))
@@ -480,6 +514,11 @@ def _global_average_pool(ctx):
     op = ctx.op
     count = op.Cast(op.ReduceProd(_tail(ctx.b, ctx.x), keepdims=0), to=int(ctx.x.dtype))
     return (Broadcast(op.Div(ctx.dy, count)),)
+
+
+@grad("GlobalLpPool", versions=(2, None))
+def _global_lp_pool(ctx):
+    return (ctx.op.Mul(ctx.dy, _lp_slope(ctx, ctx.y)),)
 
 
 @grad("GlobalMaxPool", versions=(13, None))

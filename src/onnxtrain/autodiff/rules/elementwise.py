@@ -269,6 +269,13 @@ def _thresholded_relu(ctx):
     return (_where_positive(ctx, ctx.dy, ctx.like(ctx.dy, 0.0), threshold=ctx.attr("alpha", 1.0)),)
 
 
+@grad("Shrink", versions=(9, None))
+def _shrink(ctx):
+    # y = x -+ bias outside [-lambd, lambd], 0 inside: slope 1 outside, 0 inside
+    outside = ctx.op.Greater(ctx.op.Abs(ctx.x), ctx.like(ctx.x, ctx.attr("lambd", 0.5)))
+    return (ctx.b.keep_where(outside, ctx.dy),)
+
+
 @grad("Elu", versions=(6, None))
 def _elu(ctx):
     # for x <= 0, y = alpha * (exp(x) - 1) so dy/dx = y + alpha

@@ -181,6 +181,21 @@ def _batch_norm_14(ctx):
     return _batch_norm(ctx, training=bool(ctx.attr("training_mode", 0)))
 
 
+@grad("LpNormalization", versions=(1, None))
+def _lp_normalization(ctx):
+    # y = x / n with n = ||x||_p along axis: dx = (dy - dn/dx * sum(dy * y)) / n, where dn/dx
+    # is y for p = 2 and sign(x) for p = 1 (the only orders the op has)
+    op, b = ctx.op, ctx.b
+    axis, p = ctx.attr("axis", -1), ctx.attr("p", 2)
+    if p not in (1, 2):
+        raise NotImplementedError(f"p={p} (LpNormalization defines p = 1 and 2)")
+    x, y, dy = ctx.x, ctx.y, ctx.dy
+    norm = b.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis])
+    slope = y if p == 2 else op.Sign(x)
+    projected = b.reduce_sum(op.Mul(dy, y), [axis])
+    return (op.Div(op.Sub(dy, op.Mul(slope, projected)), norm),)
+
+
 @grad("InstanceNormalization", versions=(6, None))
 def _instance_norm(ctx):
     x = ctx.x

@@ -157,6 +157,14 @@ def _pad(ctx):
     return (_pad_copy_grad(ctx, mode, pads, axis_list),)
 
 
+@grad("ReverseSequence", versions=(10, None))
+def _reverse_sequence(ctx):
+    # a permutation within each sequence that is its own inverse (positions past a sequence's
+    # length stay in place): the gradient is the same reversal of dy
+    attrs = {"batch_axis": ctx.attr("batch_axis", 1), "time_axis": ctx.attr("time_axis", 0)}
+    return ctx.op.ReverseSequence(ctx.dy, ctx.inputs[1], **attrs), None
+
+
 @grad("Trilu", versions=(14, None))
 def _trilu(ctx):
     # y = mask * x with a fixed mask: dx = mask * dy, the same Trilu applied to dy

@@ -64,3 +64,35 @@ ROWS: list[Case] = [
     _row([U(1, 2, 5, 4), None, S(1, 1, 1.5, 0.5)], "half-pixel-symmetric", opsets=(19, 23), mode="linear",
          coordinate_transformation_mode="half_pixel_symmetric"),
 ]
+
+# GridSample: a grid with points outside the image exercises every padding mode's taps; the mode
+# attribute is left at its default (bilinear, called linear from opset 20). Rows differentiating the
+# grid start at opset 20: onnxruntime has no float64 GridSample kernel before, and float32 finite
+# differences step over the kinks at whole pixel positions. Opset 16 rows differentiate X only.
+_GRID = np.array([[[[-1.25, 0.3], [0.9, -1.3], [0.2, 0.45]], [[1.3, 1.1], [-0.6, -0.95], [0.05, 1.2]]],
+                  [[[0.7, -0.2], [-1.1, 1.25], [0.33, -0.71]], [[-0.4, 0.8], [1.05, 0.0], [-0.9, -1.15]]]],
+                 np.float32)
+
+
+def _grid_row(inputs, id, opsets=(20, 23), **attrs):
+    return Case("GridSample", inputs, attrs=attrs, opsets=opsets, id=f"GridSample-{id}")
+
+
+ROWS += [
+    _grid_row([I(2, 2, 3, 4), I(2, 2, 3, 2, low=-1.3, high=1.3)], "zeros"),
+    _grid_row([I("N", 3, 4, 3), I("N", 3, 2, 2, low=-1.3, high=1.3)], "zeros-align-corners-symbolic",
+              align_corners=1),
+    _grid_row([I(2, 2, 3, 4), I(2, 2, 3, 2, low=-1.3, high=1.3)], "border", padding_mode="border"),
+    _grid_row([I(2, 1, 4, 3), I(2, 3, 2, 2, low=-2.5, high=2.5)], "reflection", padding_mode="reflection"),
+    _grid_row([I(2, 1, 3, 4), I(2, 2, 3, 2, low=-2.5, high=2.5)], "reflection-align-corners",
+              padding_mode="reflection", align_corners=1),
+    _grid_row([I(2, 2, 3, 4), C(_GRID)], "x-only-zeros", opsets=(16, 23)),
+    _grid_row([I(2, 2, 3, 4), C(_GRID)], "x-only-reflection", opsets=(16, 23), padding_mode="reflection"),
+    _grid_row([I(2, 2, 3, 4), C(_GRID)], "nearest-zeros", opsets=(16, 23), mode="nearest"),
+    _grid_row([I(2, 2, 3, 4), C(_GRID)], "nearest-reflection-align-corners", opsets=(16, 23), mode="nearest",
+              padding_mode="reflection", align_corners=1),
+    _grid_row([I(2, 2, 3, 4), C(_GRID)], "nearest-border", mode="nearest", padding_mode="border"),
+    _grid_row([I(1, 2, 2, 3, 2), I(1, 2, 2, 1, 3, low=-1.2, high=1.2)], "3d"),
+    _grid_row([I(1, 1, 3, 2, 3), I(1, 2, 1, 2, 3, low=-1.2, high=1.2)], "3d-border-align-corners",
+              padding_mode="border", align_corners=1),
+]

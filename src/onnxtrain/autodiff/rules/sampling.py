@@ -1,4 +1,4 @@
-"""Resampling: Resize (nearest, linear and cubic interpolation; F.interpolate, nn.Upsample).
+"""Resampling: Resize (F.interpolate, nn.Upsample) and GridSample (F.grid_sample).
 
 Every Resize mode is separable: along each axis, output position ``i`` is a fixed weighted sum
 of input positions (the weights depend on the axis' input and output lengths, its scale, its
@@ -121,3 +121,137 @@ def _resize(ctx):
             matrix = ctx.op.Cast(matrix, to=int(g.dtype))
         g = _contract(ctx, g, matrix, axis, rank)
     return (g,)
+
+
+# -- GridSample -----------------------------------------------------------------------
+
+
+def _reflect(ctx: GradContext, tap: ir.Value, low: ir.Value, high: ir.Value) -> ir.Value:
+    """A pixel position reflected at ``low``/``high`` until inside, as onnxruntime's kernel
+    reflects the positions of the taps (not the sampling coordinate)."""
+    op = ctx.op
+    span = op.Sub(high, low)
+
+    def odd_turns_and_rest(distance):  # distance >= 0 past a bound, in whole spans and the rest
+        turns = op.Floor(op.Div(distance, span))
+        odd = op.Cast(op.Mod(op.Cast(turns, to=int(ir.DataType.INT64)), ctx.b.scalar_int(2)),
+                      to=int(ir.DataType.BOOL))
+        return odd, op.Sub(distance, op.Mul(turns, span))
+
+    odd, rest = odd_turns_and_rest(op.Sub(low, tap))  # below low: an even count lands above low
+    below = op.Where(odd, op.Sub(high, rest), op.Add(low, rest))
+    odd, rest = odd_turns_and_rest(op.Sub(tap, high))  # above high: an even count lands below high
+    above = op.Where(odd, op.Add(low, rest), op.Sub(high, rest))
+    return op.Where(op.Less(tap, low), below, op.Where(op.Greater(tap, high), above, tap))
+
+
+def _grid_tap(ctx: GradContext, tap: ir.Value, size: ir.Value, padding: str, align: bool):
+    """Where tap position ``tap`` (a float, integral) reads along an axis of length ``size``:
+    (int64 position inside the axis, whether it reads the input at all or None if always)."""
+    op = ctx.op
+    last = op.Sub(size, ctx.like(size, 1.0))
+    zero = ctx.like(tap, 0.0)
+    valid = None
+    if padding == "zeros":
+        valid = op.And(op.GreaterOrEqual(tap, zero), op.LessOrEqual(tap, last))
+        position = op.Min(op.Max(tap, zero), last)
+    elif padding == "border":
+        position = op.Min(op.Max(tap, zero), last)
+    elif padding == "reflection":
+        half = ctx.like(tap, 0.5)
+        low, high = (zero, last) if align else (op.Neg(half), op.Sub(size, half))
+        position = op.Floor(op.Max(_reflect(ctx, tap, low, high), zero))  # the kernel truncates
+    else:
+        raise NotImplementedError(f"padding_mode={padding!r}")
+    return op.Cast(position, to=int(ir.DataType.INT64)), valid
+
+
+@grad("GridSample", versions=(16, None))
+def _grid_sample(ctx):
+    # Y = sum over the taps around each sampling point of weight(point) * X[tap]: X's gradient
+    # scatters dY * weight back to the taps; the grid's is dY * d weight / d point * X[tap]
+    # summed over the taps and channels, times d point / d grid (the weights are products of
+    # per-axis linear factors; nearest sampling has no grid gradient).
+    op, b = ctx.op, ctx.b
+    x, grid = ctx.inputs
+    rank = rank_of(x)
+    if rank is None:
+        raise NotImplementedError(f"the rank of {x.name!r} must be known")
+    r = rank - 2
+    mode = _text(ctx.attr("mode", "bilinear" if ctx.opset < 20 else "linear"))
+    if mode not in ("bilinear", "linear", "nearest"):
+        raise NotImplementedError(f"mode={mode!r} (linear and nearest are supported)")
+    linear = mode != "nearest"
+    padding = _text(ctx.attr("padding_mode", "zeros"))
+    align = bool(ctx.attr("align_corners", 0))
+    x_shape = op.Shape(x)
+    batch_channels = op.Slice(x_shape, b.ints([0]), b.ints([2]))
+    one = ctx.like(grid, 1.0)
+    lengths, points, fractions = [], [], []
+    for axis in range(r):  # grid component r - 1 - axis addresses spatial axis ``axis``
+        length = op.Gather(x_shape, b.ints([2 + axis]), axis=0)
+        size = op.Reshape(op.Cast(length, to=int(grid.dtype)), b.ints([]))
+        g = op.Gather(grid, b.scalar_int(r - 1 - axis), axis=-1)
+        point = (op.Div(op.Mul(op.Add(g, one), op.Sub(size, one)), ctx.like(grid, 2.0)) if align else
+                 op.Div(op.Sub(op.Mul(op.Add(g, one), size), one), ctx.like(grid, 2.0)))
+        lengths.append((length, size))
+        points.append(point)
+        fractions.append(op.Sub(point, op.Floor(point)) if linear else None)
+
+    flat_points = op.Concat(op.Slice(x_shape, b.ints([0]), b.ints([1])), b.ints([1, -1]), axis=0)  # [N, 1, Q]
+    corners = [tuple((c >> k) & 1 for k in range(r)) for c in range(2 ** r)] if linear else [None]
+    taps = []  # per corner: (flat int64 index [N, 1, Q], weight [N, *out], per-axis factors, validity)
+    for corner in corners:
+        index, valid, factors = None, None, []
+        for axis in range(r):
+            length, size = lengths[axis]
+            if linear:
+                tap = op.Add(op.Floor(points[axis]), ctx.like(grid, float(corner[axis])))
+                frac = fractions[axis]
+                factors.append(frac if corner[axis] else op.Sub(one, frac))
+            else:
+                tap = op.Round(points[axis])  # half to even, as the kernel's nearbyint
+            position, inside = _grid_tap(ctx, tap, size, padding, align)
+            index = position if index is None else op.Add(op.Mul(index, length), position)
+            if inside is not None:
+                valid = inside if valid is None else op.And(valid, inside)
+        weight = None
+        for factor in factors:
+            weight = factor if weight is None else op.Mul(weight, factor)
+        if valid is not None:
+            mask = op.Cast(valid, to=int(grid.dtype))
+            weight = mask if weight is None else op.Mul(weight, mask)
+        taps.append((op.Reshape(index, flat_points), weight, factors, valid))
+
+    dy = op.Reshape(ctx.dy, op.Concat(batch_channels, b.ints([-1]), axis=0))  # [N, C, Q]
+    per_channel = op.Concat(batch_channels, b.ints([1]), axis=0)
+    flat_x = op.Reshape(x, op.Concat(batch_channels, b.ints([-1]), axis=0))  # [N, C, P]
+    dx = dgrid = None
+    if ctx.needs(0):
+        indices = op.Concat(*(op.Expand(index, per_channel) for index, *_ in taps), axis=2)
+        updates = op.Concat(*(dy if weight is None else op.Mul(dy, op.Reshape(weight, flat_points))
+                              for _, weight, *_ in taps), axis=2)
+        dx = op.Reshape(op.ScatterElements(b.zeros_like(flat_x), indices, updates, axis=2, reduction="add"), x_shape)
+    if ctx.needs(1) and linear:
+        components = [None] * r
+        values = [op.GatherElements(flat_x, op.Expand(index, per_channel), axis=2) for index, *_ in taps]
+        point_shape = op.Shape(points[0])
+        for axis in range(r):
+            slope = None  # d y / d point along ``axis``, per channel: [N, C, Q]
+            for corner, (_, _, factors, valid), value in zip(corners, taps, values):
+                term = ctx.like(grid, 1.0 if corner[axis] else -1.0)
+                for other, factor in enumerate(factors):
+                    if other != axis:
+                        term = op.Mul(term, factor)
+                if valid is not None:
+                    term = op.Mul(term, op.Cast(valid, to=int(grid.dtype)))
+                part = op.Mul(value, op.Reshape(term, flat_points))
+                slope = part if slope is None else op.Add(slope, part)
+            length, size = lengths[axis]
+            scale = op.Div(op.Sub(size, one) if align else size, ctx.like(grid, 2.0))
+            summed = op.ReduceSum(op.Mul(dy, slope), b.ints([1]), keepdims=0)  # [N, Q]
+            components[r - 1 - axis] = op.Unsqueeze(op.Mul(op.Reshape(summed, point_shape), scale), b.ints([-1]))
+        dgrid = op.Concat(*components, axis=-1)
+    elif ctx.needs(1):
+        dgrid = b.zeros_like(grid)
+    return dx, dgrid

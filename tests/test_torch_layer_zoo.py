@@ -98,6 +98,19 @@ class SpatialTransformerNet(nn.Module):
         return nn.functional.grid_sample(self.conv(x), grid, align_corners=False)
 
 
+class PatchNet(nn.Module):
+    """F.unfold (exported as Gathers) and F.fold (Col2Im) around a per-patch linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = nn.Linear(2 * 2 * 3, 2 * 2 * 3)
+
+    def forward(self, x):
+        patches = nn.functional.unfold(x, (2, 3), stride=(1, 2), padding=(0, 1))  # [N, 12, L]
+        mixed = self.mix(patches.transpose(1, 2)).transpose(1, 2)
+        return nn.functional.fold(mixed, (4, 5), (2, 3), stride=(1, 2), padding=(0, 1))
+
+
 class SelectNet(nn.Module):
     """topk, sort and split: values picked or moved by index."""
 
@@ -119,6 +132,7 @@ CASES = {
     "text": (TextNet, lambda r, n: r.integers(0, 20, (n, 7))),
     "resample": (ResampleNet, lambda r, n: r.standard_normal((n, 2, 4, 5)).astype(np.float32)),
     "stn": (SpatialTransformerNet, lambda r, n: r.standard_normal((n, 2, 4, 5)).astype(np.float32)),
+    "patches": (PatchNet, lambda r, n: r.standard_normal((n, 2, 4, 5)).astype(np.float32)),
     "select": (SelectNet, lambda r, n: r.standard_normal((n, 4, 6)).astype(np.float32)),
 }
 

@@ -370,21 +370,20 @@ def test_to_changes_dtype_and_optimizer_keeps_training():
     assert losses[-1] < losses[0]
 
 
-class _WithFold(torch.nn.Module):
-    """Col2Im (F.fold) has no gradient rule: ORTModule cannot build its gradient graph."""
+class _WithDet(torch.nn.Module):
+    """Det (torch.linalg.det) has no gradient rule: ORTModule cannot build its gradient graph."""
 
     def __init__(self):
         super().__init__()
-        self.linear = torch.nn.Linear(6, 8)
+        self.linear = torch.nn.Linear(6, 4)
 
     def forward(self, x):
-        blocks = self.linear(x).reshape(-1, 4, 2)
-        return torch.nn.functional.fold(blocks, output_size=(2, 3), kernel_size=(2, 2)).flatten(1).sum(-1)
+        return torch.linalg.det(self.linear(x).reshape(-1, 2, 2))
 
 
 def test_unsupported_op_falls_back_with_one_warning_and_trains_correctly():
     torch.manual_seed(0)
-    model = _WithFold()
+    model = _WithDet()
     reference = copy.deepcopy(model)
     wrapped = ORTModule(model)
     x = torch.randn(4, 6)
@@ -393,16 +392,16 @@ def test_unsupported_op_falls_back_with_one_warning_and_trains_correctly():
         for _ in range(3):
             wrapped(x).sum().backward()
     fallback = [w for w in caught if issubclass(w.category, ORTModuleFallbackWarning)]
-    assert len(fallback) == 1 and "Col2Im" in str(fallback[0].message)
-    assert "Col2Im" in wrapped.fallback_reason
+    assert len(fallback) == 1 and "Det" in str(fallback[0].message)
+    assert "Det" in wrapped.fallback_reason
     for _ in range(3):
         reference(x).sum().backward()
     _assert_same_gradients(model, reference)
 
 
 def test_unsupported_op_raises_when_fallback_is_off():
-    wrapped = ORTModule(_WithFold(), DebugOptions(fallback=False))
-    with pytest.raises(UnsupportedOpError, match="Col2Im"):
+    wrapped = ORTModule(_WithDet(), DebugOptions(fallback=False))
+    with pytest.raises(UnsupportedOpError, match="Det"):
         wrapped(torch.randn(4, 6)).sum().backward()
 
 

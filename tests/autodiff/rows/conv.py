@@ -121,6 +121,14 @@ ROWS += [
     # onnxruntime 1.32 has no GlobalLpPool kernel past opset 21
     Case("GlobalLpPool", [U("N", 3, 4, 2)], opsets=(13, 21), id="GlobalLpPool-p2"),
     Case("GlobalLpPool", [U(2, 3, 5, away_from=(0.0,))], attrs={"p": 3}, opsets=(13, 21), id="GlobalLpPool-p3"),
+    # -- Col2Im (F.fold) ---------------------------------------------------------------
+    Case("Col2Im", [U("N", 2 * 4, 6), C(np.array([3, 4], np.int64)), C(np.array([2, 2], np.int64))],
+         opsets=(18, 23), id="Col2Im-2d"),
+    Case("Col2Im", [U(2, 3 * 6, 6), C(np.array([5, 4], np.int64)), C(np.array([3, 2], np.int64))],
+         attrs={"strides": [2, 1], "dilations": [1, 2], "pads": [1, 0, 1, 0]}, opsets=(18, 23),
+         id="Col2Im-2d-strides-dilations-pads"),
+    Case("Col2Im", [U(1, 2 * 3, 4), C(np.array([7], np.int64)), C(np.array([3], np.int64))],
+         attrs={"strides": [2], "pads": [1, 1]}, opsets=(18, 23), id="Col2Im-1d"),
     Case("AveragePool", [U(2, 2, 6, 6)], attrs={"kernel_shape": [2, 3], "strides": [2, 2], "pads": [1, 0, 0, 0],
                                                 "ceil_mode": 1},
          opsets=(13, 23), id="AveragePool-2d-exclude-pad-ceil"),

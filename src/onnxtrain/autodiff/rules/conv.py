@@ -528,3 +528,23 @@ def _global_max_pool(ctx):
     first_max = op.ArgMax(flat, axis=2, keepdims=1)  # one winner per (n, c), like MaxPool's Indices
     dx = op.ScatterElements(b.zeros_like(flat), first_max, op.Reshape(ctx.dy, b.ints([0, 0, 1])), axis=2)
     return (op.Reshape(dx, op.Shape(ctx.x)),)
+
+
+@grad("Col2Im", versions=(18, None))
+def _col2im(ctx):
+    # Col2Im adds column blocks into an image (F.fold); its adjoint cuts the image's gradient back
+    # into blocks (F.unfold): a Conv of each channel with one one-hot kernel per block position,
+    # same strides, dilations and pads, gives exactly the blocks in Col2Im's column order.
+    op, b = ctx.op, ctx.b
+    block = ctx.const_input(2)
+    if block is None:
+        raise NotImplementedError("block_shape must be a constant")
+    block = [int(k) for k in np.asarray(block).reshape(-1)]
+    r, count = len(block), int(np.prod(block))
+    picks = np.zeros([count, 1, *block], ctx.dy.dtype.numpy())
+    for position, cell in enumerate(itertools.product(*(range(k) for k in block))):
+        picks[(position, 0, *cell)] = 1
+    per_channel = op.Reshape(ctx.dy, op.Concat(b.ints([-1, 1]), _tail(b, ctx.dy), axis=0))
+    blocks = op.Conv(per_channel, b.const(picks), strides=_ints_attr(ctx, "strides", r, 1),
+                     dilations=_ints_attr(ctx, "dilations", r, 1), pads=_ints_attr(ctx, "pads", 2 * r, 0))
+    return op.Reshape(blocks, op.Shape(ctx.x)), None, None

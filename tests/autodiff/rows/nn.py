@@ -46,6 +46,11 @@ ROWS: list[Case] = [
     Case("LpNormalization", [I("N", 3, 4)], opsets=(13, 23), id="LpNormalization-l2-last-axis"),
     Case("LpNormalization", [I(3, 4, away_from=(0.0,))], attrs={"axis": 0, "p": 1}, opsets=(13, 23),
          id="LpNormalization-l1"),
+    # -- LRN (float32: onnxruntime's LRN and the rule's Conv have no float64 kernels) -----
+    Case("LRN", [I("N", 5, 3, 2)], attrs={"size": 3, "alpha": 0.5, "beta": 0.75, "bias": 2.0}, opsets=(13, 23),
+         id="LRN-odd-size", precision="float32"),
+    Case("LRN", [I(2, 6, 1, 4)], attrs={"size": 5, "alpha": 0.3}, opsets=(13, 23), id="LRN-defaults",
+         precision="float32"),  # onnxruntime's kernel takes odd sizes and 4-D inputs only
     Case("InstanceNormalization", [I(2, 2, 3, 3), I(2), I(2)], attrs={"epsilon": 1e-3}, id="InstanceNorm-2d"),
     # -- Dropout (random masks are checked exactly in test_dropout.py) ---------------
     Case("Dropout", [I("N", 4)], opsets=(12, 23), id="Dropout-no-mode"),

@@ -1,4 +1,4 @@
-"""Gradient rules: softmax, normalization and dropout.
+"""Gradient rules: softmax, normalization (Layer/Batch/Instance/Lp, LRN) and dropout.
 
 Normalizations use the closed form of the standardization's gradient (ReduceMean of
 ``g`` and ``g * xhat``) rather than differentiating the mean/variance subgraph, and
@@ -9,6 +9,7 @@ missing are added to the forward node, so nothing is recomputed or re-randomized
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import GradContext, grad
@@ -194,6 +195,32 @@ def _lp_normalization(ctx):
     slope = y if p == 2 else op.Sign(x)
     projected = b.reduce_sum(op.Mul(dy, y), [axis])
     return (op.Div(op.Sub(dy, op.Mul(slope, projected)), norm),)
+
+
+@grad("LRN", versions=(13, None))
+def _lrn(ctx):
+    # y = x * d^-beta with d = bias + alpha / size * (window sum of x^2 over channels):
+    # dx = dy * d^-beta - 2 alpha beta / size * x * (adjoint window sum of dy * x * d^(-beta-1));
+    # the adjoint window is the forward one mirrored (an even size is lopsided)
+    op, b = ctx.op, ctx.b
+    x, dy = ctx.x, ctx.dy
+    size = int(ctx.attr("size"))
+    alpha, beta, bias = ctx.attr("alpha", 1e-4), ctx.attr("beta", 0.75), ctx.attr("bias", 1.0)
+    shape = op.Shape(x)
+    channels_view = op.Concat(op.Slice(shape, b.ints([0]), b.ints([1])), b.ints([1]),
+                              op.Slice(shape, b.ints([1]), b.ints([2])), b.ints([-1]), axis=0)  # [N, 1, C, rest]
+    ones = b.const(np.ones([1, 1, size, 1], x.dtype.numpy()))
+
+    def channel_window_sum(t, before, after):
+        return op.Reshape(op.Conv(op.Reshape(t, channels_view), ones, pads=[before, 0, after, 0]), shape)
+
+    below, above = (size - 1) // 2, size - 1 - (size - 1) // 2
+    denominator = op.Add(ctx.like(x, bias), op.Mul(ctx.like(x, alpha / size),
+                                                   channel_window_sum(op.Mul(x, x), below, above)))
+    scale = op.Pow(denominator, ctx.like(x, -beta))
+    inner = op.Div(op.Mul(op.Mul(dy, x), scale), denominator)
+    spread = channel_window_sum(inner, above, below)
+    return (op.Sub(op.Mul(dy, scale), op.Mul(ctx.like(x, 2 * alpha * beta / size), op.Mul(x, spread))),)
 
 
 @grad("InstanceNormalization", versions=(6, None))

@@ -67,10 +67,10 @@ def pos(*shape, **kw) -> In:
 
 
 def _all_rows() -> list[Case]:
-    from tests.autodiff.rows import conv, elementwise, index, loss, matmul, nn, reduce, sampling, shape
+    from tests.autodiff.rows import conv, elementwise, index, loss, matmul, nn, recurrent, reduce, sampling, shape
 
     rows: list[Case] = []
-    for family in (elementwise, matmul, reduce, shape, index, conv, nn, loss, sampling):
+    for family in (elementwise, matmul, reduce, shape, index, conv, nn, loss, sampling, recurrent):
         rows.extend(family.ROWS)
     return rows
 

@@ -8,6 +8,7 @@ from onnxtrain.autodiff.rules import (  # noqa: F401
     matmul,
     nn,
     nondiff,
+    recurrent,
     reduce,
     sampling,
     shape,

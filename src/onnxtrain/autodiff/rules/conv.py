@@ -18,7 +18,7 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from onnxtrain.autodiff.registry import Broadcast, grad
+from onnxtrain.autodiff.registry import Broadcast, GradContext, grad
 from onnxtrain.autodiff.rules.index import SCATTER_ADD_OPSET
 from onnxtrain.ir.shapes import rank_of
 from onnxtrain.passes.conv_patches import mark_patches

@@ -1,0 +1,52 @@
+"""ORTModule runs modules whose exports need the recurrent, resampling and selection rules in
+ONNX Runtime (they fell back to PyTorch before those rules), with eager's outputs and gradients."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.torch import ORTModuleFallbackWarning  # noqa: E402
+
+from ._parity import assert_steps_match, eager_and_wrapped  # noqa: E402
+
+nn = torch.nn
+
+
+class _Recurrent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(4, 5, num_layers=2, bidirectional=True, batch_first=True)
+        self.gru = nn.GRU(10, 3, batch_first=True)
+
+    def forward(self, x):
+        return self.gru(self.lstm(x)[0])[0]
+
+
+class _Vision(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.theta = nn.Linear(2 * 4 * 4, 6)
+
+    def forward(self, x):
+        y = nn.functional.interpolate(self.conv(x), scale_factor=2, mode="bilinear", align_corners=False)
+        theta = self.theta(x.flatten(1)).reshape(-1, 2, 3) * 0.1 + torch.tensor([[1.0, 0, 0], [0, 1.0, 0]])
+        grid = nn.functional.affine_grid(theta, [x.shape[0], 3, 5, 5], align_corners=False)
+        picked = torch.topk(nn.functional.grid_sample(y, grid, align_corners=False).flatten(2), 4, dim=-1)
+        return picked.values
+
+
+@pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4))],
+                         ids=["lstm-gru", "interpolate-grid-sample-topk"])
+def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
+    eager, wrapped = eager_and_wrapped(factory)
+    x = torch.randn(*shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for _ in range(2):
+            assert_steps_match(eager, wrapped, x)
+    assert wrapped.fallback_reason is None

@@ -67,3 +67,11 @@ def test_op_without_rule_or_body_is_still_unsupported():
     model = _model("Det", {}, 18, [(3, 3)])
     with pytest.raises(UnsupportedOpError, match="Det"):
         check_gradients(model, {"in0": np.eye(3, dtype=np.float32) * 2})
+
+
+def test_op_whose_body_cannot_be_read_is_unsupported_not_a_crash():
+    """onnx_ir cannot read the body onnx builds for Attention-23: the node is reported."""
+    q = np.random.default_rng(0).standard_normal((1, 2, 3, 4)).astype(np.float32)
+    model = _model("Attention", {}, 23, [(1, 2, 3, 4)] * 3)
+    with pytest.raises(UnsupportedOpError, match="Attention"):
+        check_gradients(model, {"in0": q, "in1": q, "in2": q})

@@ -191,6 +191,7 @@ def unary(op_type: str, derivative: Callable[[GradContext], ir.Value], **kwargs)
         return (ctx.op.Mul(ctx.dy, derivative(ctx)),)
 
     rule.__name__ = f"grad_{op_type}"
+    rule.__module__ = derivative.__module__  # the rule family's module, where the derivative is written
     grad(op_type, **kwargs)(rule)
 
 

@@ -411,10 +411,25 @@ def _dim_ranges(exported_program) -> dict[str, tuple[int, int | None]]:
     return ranges
 
 
+def _refusal(exc: BaseException | None) -> NotImplementedError | None:
+    """The NotImplementedError among ``exc``'s causes: a translation refusing what it cannot
+    train (onnxtrain.torch._translations), whose message names the reason."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, NotImplementedError):
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def export_failure(what: str, exc: Exception) -> ExportError:
-    """``ExportError`` saying ``what`` failed, with the first line of the exporter's reason."""
+    """``ExportError`` saying ``what`` failed, with the first line of the exporter's reason (and
+    a translation's refusal found among its causes)."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return ExportError(f"{what}: {type(exc).__name__}: {first_line}")
+    refusal = _refusal(exc)
+    detail = f" ({refusal})" if refusal is not None and refusal is not exc and str(refusal) else ""
+    return ExportError(f"{what}: {type(exc).__name__}: {first_line}{detail}")
 
 
 def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: frozenset[type] | bool) -> None:

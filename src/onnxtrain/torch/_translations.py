@@ -7,7 +7,9 @@ unchanged. For training that is wrong twice (the forward uses the wrong statisti
 the buffers never update), so we translate it ourselves into primitive ops that compute
 batch statistics and the updated running statistics exactly as PyTorch does.
 
-``aten.embedding`` with a padding index becomes a Gather like the exporter's, plus node
+``aten.embedding_bag`` (nn.EmbeddingBag, sum and mean modes) sums rows into bags with a ScatterND
+instead of the exporter's ``Loop``, which has no gradient. ``aten.embedding`` with a padding index
+becomes a Gather like the exporter's, plus node
 metadata naming the padding index: the Gather gradient rule then gives that row no
 gradient, as ``nn.Embedding(padding_idx=...)`` does in PyTorch.
 
@@ -77,6 +79,50 @@ def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool =
     if padding_idx is not None and padding_idx >= 0:
         out.producer().metadata_props[names.PADDING_IDX_METADATA] = str(int(padding_idx))
     return out
+
+
+_BAG_MODES = {0: "sum", 1: "mean", 2: "max"}
+
+
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mode: int = 0, sparse: bool = False,
+                  per_sample_weights=None, include_last_offset: bool = False, padding_idx=None):
+    """``aten.embedding_bag`` / ``aten._embedding_bag`` (nn.EmbeddingBag) in sum or mean mode:
+    each index's row scattered into its bag's sum (ScatterND with ``add``), which trains with
+    standard ops. The exporter's translation loops over the bags with a ``Loop``, which has no
+    gradient. Returns (output, offset2bag, bag_size, max_indices)."""
+    if _BAG_MODES.get(int(mode)) not in ("sum", "mean"):
+        raise NotImplementedError("nn.EmbeddingBag(mode='max') is not supported")
+    if scale_grad_by_freq:
+        raise NotImplementedError("nn.EmbeddingBag(scale_grad_by_freq=True) is not supported")
+    flat = op.Reshape(indices, op.Constant(value_ints=[-1]))
+    starts = op.Slice(offsets, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1])) \
+        if include_last_offset else offsets
+    zero, one = op.Constant(value_ints=[0]), op.Constant(value_ints=[1])
+    length = op.Shape(flat)
+    # each position's bag: a mark at every bag's start (starts may repeat for empty bags, or equal
+    # the length for trailing ones), counted cumulatively
+    marks = op.ScatterElements(op.Expand(zero, op.Add(length, one)), starts, op.Expand(one, op.Shape(starts)),
+                               axis=0, reduction="add")
+    bag = op.Sub(op.Slice(op.CumSum(marks, zero), zero, length), one)
+    rows = op.Gather(weight, flat, axis=0)
+    counted = op.Expand(one, length)
+    if padding_idx is not None and padding_idx >= 0:  # padding indices add nothing and count for nothing
+        counted = op.Cast(op.Not(op.Equal(flat, op.Constant(value_int=int(padding_idx)))), to=7)
+        rows = op.Mul(rows, op.Unsqueeze(op.CastLike(counted, rows), one))
+    if per_sample_weights is not None:
+        rows = op.Mul(rows, op.Unsqueeze(per_sample_weights, one))
+    bags = op.Shape(starts)
+    out_shape = op.Concat(bags, op.Shape(weight, start=1), axis=0)
+    out = op.ScatterND(op.Expand(op.CastLike(op.Constant(value_float=0.0), weight), out_shape),
+                       op.Unsqueeze(bag, one), rows, reduction="add")
+    sizes = op.ScatterElements(op.Expand(zero, bags), bag, counted, axis=0, reduction="add")
+    if _BAG_MODES[int(mode)] == "mean":  # an empty bag stays 0
+        out = op.Div(out, op.Unsqueeze(op.CastLike(op.Max(sizes, one), out), one))
+    if int(mode) == 0 and (padding_idx is None or padding_idx < 0):
+        # PyTorch's offset2bag is empty here, and the exporter gives the output that shape: a value
+        # the graph uses (bag) must not take it
+        return out, op.Slice(bag, zero, zero), sizes, op.Identity(sizes)
+    return out, op.Identity(bag), sizes, op.Identity(sizes)
 
 
 def _bound(x, value: float):
@@ -204,6 +250,10 @@ def translation_table() -> dict:
     return {
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,
+        torch.ops.aten.embedding_bag.default: embedding_bag,
+        torch.ops.aten.embedding_bag.padding_idx: embedding_bag,
+        torch.ops.aten._embedding_bag.default: embedding_bag,
+        torch.ops.aten._embedding_bag_forward_only.default: embedding_bag,
         torch.ops.aten.detach.default: detach,
         torch.ops.aten.clamp.Tensor: clamp,
         torch.ops.aten.clamp_min.Tensor: clamp_min,

@@ -1,0 +1,115 @@
+"""nn.EmbeddingBag trains in ONNX Runtime (the exporter's Loop has no gradient; our translation
+scatters rows into bags), for ORTModule and for artifacts exported with the translation table."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.torch import ORTModuleFallbackWarning, onnx_translation_table  # noqa: E402
+
+from ._parity import eager_and_wrapped  # noqa: E402
+
+nn = torch.nn
+
+
+class _Bags(nn.Module):
+    def __init__(self, mode="sum", padding_idx=None, weighted=False, include_last_offset=False):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(20, 4, mode=mode, padding_idx=padding_idx, include_last_offset=include_last_offset)
+        self.head = nn.Linear(4, 3)
+        self.weighted = weighted
+
+    def forward(self, indices, offsets):
+        weights = torch.sigmoid(indices.float() * 0.1) if self.weighted else None
+        return self.head(self.bag(indices, offsets, per_sample_weights=weights))
+
+
+def _step(model, *inputs):
+    for p in model.parameters():
+        p.grad = None
+    out = model(*inputs)
+    out.square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+# offsets with an empty bag in the middle (2, 2) and, with include_last_offset, a last bag
+CASES = {
+    "sum": (dict(mode="sum"), [0, 2, 2, 6]),
+    "mean": (dict(mode="mean"), [0, 2, 2, 6]),
+    "mean-padding": (dict(mode="mean", padding_idx=3), [0, 2, 2, 6]),
+    "sum-weighted-last-offset": (dict(mode="sum", weighted=True, include_last_offset=True), [0, 2, 2, 6, 9]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ortmodule_matches_eager(case):
+    options, offsets = CASES[case]
+    eager, wrapped = eager_and_wrapped(lambda: _Bags(**options))
+    inputs = (torch.tensor([0, 3, 5, 3, 7, 0, 11, 19, 2]), torch.tensor(offsets))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for _ in range(2):
+            (out, grads), (eager_out, eager_grads) = _step(wrapped, *inputs), _step(eager, *inputs)
+            torch.testing.assert_close(out, eager_out)
+            for ours, theirs in zip(grads, eager_grads):
+                torch.testing.assert_close(ours, theirs)
+
+
+def test_max_mode_falls_back():
+    _, wrapped = eager_and_wrapped(lambda: _Bags(mode="max"))
+    with pytest.warns(ORTModuleFallbackWarning, match="max"):
+        wrapped(torch.tensor([0, 3, 5, 3]), torch.tensor([0, 2])).sum().backward()
+
+
+def test_artifacts_from_the_translated_export_match_torch():
+    """Fixed-size bags (a 2-D input, as fastText-style classifiers use) exported with the table."""
+    from onnxtrain.ir import io
+    from onnxtrain.onnxblock import base
+    from tests.test_torch_layer_zoo import _SumOfWeighted
+    import onnxruntime as ort
+
+    from onnxtrain import names
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(30, 6, mode="mean", padding_idx=0)
+            self.head = nn.Linear(6, 2)
+
+        def forward(self, tokens):
+            return self.head(self.bag(tokens))
+
+    torch.manual_seed(0)
+    model = Classifier()
+    example = torch.randint(0, 30, (3, 5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(model, (example,), dynamo=True, input_names=["x"], optimize=False,
+                                    dynamic_shapes=({0: torch.export.Dim("batch", min=2, max=16)},),
+                                    custom_translation_table=onnx_translation_table(), verbose=False)
+    onnx_model = program.model_proto
+    assert "Loop" not in {n.op_type for n in onnx_model.graph.node}
+    tokens = np.array([[0, 4, 4, 9, 0], [1, 2, 3, 0, 0], [7, 7, 7, 7, 7], [0, 0, 0, 0, 0]], np.int64)
+    out = model(torch.tensor(tokens))
+    weight = np.random.default_rng(0).standard_normal(tuple(out.shape)).astype(np.float32)
+    block = _SumOfWeighted(weight)
+    params = dict(model.named_parameters())
+    for name in params:
+        block.requires_grad(name)
+    with base(onnx_model):
+        block(onnx_model.graph.output[0].name)
+    training, _ = block.to_ir_models()
+    session = ort.InferenceSession(io.serialize(training), providers=["CPUExecutionProvider"])
+    feeds = {"x": tokens, names.LAZY_RESET_GRAD: np.array(True)}
+    for name, p in params.items():
+        feeds[name] = p.detach().numpy()
+        feeds[names.accumulation_buffer_name(name)] = np.zeros(tuple(p.shape), np.float32)
+    results = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    (out * torch.tensor(weight)).sum().backward()
+    for name, p in params.items():
+        np.testing.assert_allclose(results[names.accumulation_out_name(name)], p.grad.numpy(), rtol=1e-5, atol=1e-6)

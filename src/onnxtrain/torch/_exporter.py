@@ -305,6 +305,44 @@ def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = Tr
     return cuts
 
 
+def _mutated_through(node: torch.fx.Node) -> bool:
+    """Whether an in-place op writes ``node``'s output, directly or through views of it."""
+    pending, seen = [node], set()
+    while pending:
+        value = pending.pop()
+        for user in value.users:
+            if user in seen or user.op != "call_function" or not isinstance(user.target, torch._ops.OpOverload):
+                continue
+            seen.add(user)
+            schema = user.target._schema
+            if schema.is_mutable:
+                return True
+            if any(r.alias_info is not None for r in schema.returns):  # a view: follow it
+                pending.append(user)
+    return False
+
+
+def contiguous_as_clone(program: torch.export.ExportedProgram) -> int:
+    """Make each ``aten.contiguous`` whose result nothing writes in place an ``aten.clone`` to the
+    contiguous format: the same values, and ONNX has no strides. The exporter's decomposition
+    re-traces ``contiguous`` with strides of its own, and where they differ from the capture's
+    (the tensor looked contiguous already) it drops the copy and a later ``view`` fails: Hugging
+    Face T5 and Swin attention (``transpose(1, 2).contiguous().view(...)`` after SDPA) do not export
+    otherwise. Returns how many were rewritten."""
+    graph_module = program.graph_module
+    count = 0
+    for node in graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.contiguous.default \
+                and node.kwargs.get("memory_format", torch.contiguous_format) is torch.contiguous_format \
+                and not _mutated_through(node):
+            node.target = torch.ops.aten.clone.default
+            node.kwargs = {"memory_format": torch.contiguous_format}
+            count += 1
+    if count:
+        graph_module.recompile()
+    return count
+
+
 def export_program(program: torch.export.ExportedProgram, custom_translations: Mapping[Callable, Callable]):
     """``torch.onnx.export(program, dynamo=True, optimize=False,
     custom_translation_table=custom_translations)`` with the cached registry; returns the

@@ -159,6 +159,28 @@ def test_reentrant_checkpoint_runs_in_onnx_runtime():
     assert wrapped.fallback_reason is None
 
 
+def test_bloom_gelu_function_is_known_exact():
+    """transformers' BLOOM runs its tanh GELU as a custom Function in training, whose backward is
+    the forward's derivative: it trains in ONNX Runtime with eager's gradients."""
+    transformers = pytest.importorskip("transformers")
+
+    class Bloom(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            config = transformers.BloomConfig(vocab_size=50, hidden_size=16, n_layer=2, n_head=2, hidden_dropout=0.0,
+                                              attention_dropout=0.0)
+            self.model = transformers.BloomForCausalLM(config)
+
+        def forward(self, ids):
+            return self.model(ids).logits
+
+    eager, wrapped = eager_and_wrapped(Bloom)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        assert_steps_match(eager, wrapped, torch.randint(0, 50, (3, 7)))
+    assert wrapped.fallback_reason is None
+
+
 def test_a_function_on_tensors_without_gradient_does_not_matter():
     eager, wrapped = eager_and_wrapped(InputNormalized)
     with warnings.catch_warnings():

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -203,11 +204,22 @@ class _Recorder(list):
         return self
 
 
+# custom Functions of libraries whose backward is the gradient of their forward, by module and
+# name (looked up only where the library is imported already): BLOOM's tanh GELU, whose backward
+# is the forward's derivative with its constants multiplied out
+_EXACT_LIBRARY_FUNCTIONS = (("transformers.models.bloom.modeling_bloom", "GeLUFunction"),)
+
+
 def _exact_torch_functions() -> frozenset[type]:
-    """torch's own autograd Functions whose backward is the gradient of their forward: the
-    reentrant checkpoint's backward reruns its forward and differentiates it."""
+    """Autograd Functions whose backward is the gradient of their forward: torch's reentrant
+    checkpoint (its backward reruns its forward and differentiates it) and known library ones."""
     from torch.utils.checkpoint import CheckpointFunction
-    return frozenset({CheckpointFunction})
+    exact = {CheckpointFunction}
+    for module_name, name in _EXACT_LIBRARY_FUNCTIONS:
+        function = getattr(sys.modules.get(module_name), name, None)
+        if function is not None:
+            exact.add(function)
+    return frozenset(exact)
 
 
 @dataclass

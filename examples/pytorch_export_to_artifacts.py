@@ -18,6 +18,7 @@ from tqdm import tqdm
 from onnxtrain import artifacts, onnxblock
 from onnxtrain.api import CheckpointState, LinearLRScheduler, Module, Optimizer
 from onnxtrain.runlog import RunLog
+from onnxtrain.torch import export_for_training
 
 
 def main(out: pathlib.Path) -> float:
@@ -30,11 +31,10 @@ def main(out: pathlib.Path) -> float:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).eval()
-    exported = torch.onnx.export(model, (torch.zeros(8, 64),), dynamo=True, input_names=["pixels"],
-                                 output_names=["logits"], dynamic_shapes=({0: torch.export.Dim("batch")},),
-                                 optimize=False)
+    exported = export_for_training(model, (torch.zeros(8, 64),), input_names=["pixels"], output_names=["logits"],
+                                   dynamic_shapes=({0: torch.export.Dim("batch")},))
     artifacts.generate_artifacts(
-        exported.model_proto,
+        exported,
         requires_grad=[name for name, _ in model.named_parameters()],
         loss=artifacts.LossType.CrossEntropyLoss,
         optimizer=onnxblock.optim.AdamW(mode="torch", weight_decay=0.01),  # exactly torch.optim.AdamW

@@ -4,9 +4,10 @@ Importing this package needs PyTorch (``pip install torch``); ``import onnxtrain
 """
 
 from onnxtrain.torch._export import ForwardHookWarning
-from onnxtrain.torch._translations import translation_table as onnx_translation_table
+from onnxtrain.torch._translations import artifacts_translation_table as onnx_translation_table
 from onnxtrain.torch.memory import MemoryEstimate, estimate_memory
 from onnxtrain.torch.ortmodule import DebugOptions, LogLevel, MemoryOptionsError, ORTModule, ORTModuleFallbackWarning
+from onnxtrain.torch.training_export import export_for_training
 
 __all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "ForwardHookWarning",
-           "MemoryOptionsError", "MemoryEstimate", "estimate_memory", "onnx_translation_table"]
+           "MemoryOptionsError", "MemoryEstimate", "estimate_memory", "onnx_translation_table", "export_for_training"]

@@ -444,7 +444,8 @@ def export_failure(what: str, exc: Exception) -> ExportError:
     return ExportError(f"{what}: {type(exc).__name__}: {first_line}{detail}")
 
 
-def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: frozenset[type] | bool) -> None:
+def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: frozenset[type] | bool,
+                     option: str = "ORTModule(..., inline_autograd_functions=[...])") -> None:
     """``ExportError`` naming the custom Functions in ``found`` whose own backward the gradient
     graph would not run: all but torch's exact ones and ``inline``'s (none if ``inline`` is
     True). Backward hooks, which run as such a Function too, are refused before the export
@@ -459,8 +460,7 @@ def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: fro
         raise ExportError(
             f"{type(module).__name__} runs custom torch.autograd.Function {names}: the exported graph traces "
             f"their forward, so ONNX Runtime would differentiate that instead of running their own backward. "
-            f"If their backward is the exact gradient of their forward, pass them in "
-            f"ORTModule(..., inline_autograd_functions=[...])")
+            f"If their backward is the exact gradient of their forward, pass them in {option}")
 
 
 class ForwardHookWarning(UserWarning):

@@ -71,6 +71,30 @@ def batch_norm_functional(input, weight, bias, running_mean, running_var,
     return out, save_mean, save_rstd, new_mean, new_var
 
 
+def batch_norm_for_artifacts(input, weight, bias, running_mean, running_var,
+                             training: bool = False, momentum: float = 0.1, eps: float = 1e-5):
+    """``aten._native_batch_norm_legit_functional`` for a model exported to generate artifacts
+    from: in training an ONNX ``BatchNormalization(training_mode=1)`` reading the running
+    statistics, which ``torch.onnx.export`` keeps as initializers only if a node reads them (it
+    drops buffer updates). The artifacts' training model then writes the node's updated
+    statistics back after each step, and their eval model normalizes with them (ONNX updates the
+    running variance with the biased batch variance, PyTorch with the unbiased one)."""
+    if not training:
+        return batch_norm_functional(input, weight, bias, running_mean, running_var, False, momentum, eps)
+    channels = op.Shape(input, start=1, end=2)
+    scale = weight if weight is not None else op.Expand(op.CastLike(op.Constant(value_float=1.0), input), channels)
+    shift = bias if bias is not None else op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
+    out, new_mean, new_var = op.BatchNormalization(input, scale, shift, running_mean, running_var, epsilon=eps,
+                                                   momentum=1.0 - momentum, training_mode=1)
+    # the batch statistics aten returns beside (autograd's, unused by a forward graph)
+    axes = op.Constant(value_ints=[0, *range(2, len(input.shape))])
+    flat = op.Constant(value_ints=[-1])
+    mean = op.ReduceMean(input, axes, keepdims=1)
+    var = op.ReduceMean(op.Mul(op.Sub(input, mean), op.Sub(input, mean)), axes, keepdims=0)
+    rstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(op.Constant(value_float=eps), var))))
+    return out, op.Reshape(mean, flat), rstd, new_mean, new_var
+
+
 def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse: bool = False):
     """``aten.embedding``: Gather rows of ``weight``; the padding row gets no gradient."""
     if scale_grad_by_freq:
@@ -237,16 +261,9 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
 
 
 def translation_table() -> dict:
-    """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export``.
-
-    Public as ``onnxtrain.torch.onnx_translation_table``: pass it when exporting a model for
-    artifacts, so training-mode BatchNorm exports with batch statistics and running-stat
-    updates, padded embeddings carry their padding index, and ``detach()`` stops gradients.
-
-    Example:
-        >>> torch.onnx.export(model, args, dynamo=True, optimize=False,
-        ...                   custom_translation_table=onnx_translation_table())
-    """
+    """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
+    return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
+    with primitive ops)."""
     return {
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,
@@ -264,3 +281,19 @@ def translation_table() -> dict:
         torch.ops.aten.instance_norm.default: instance_norm,
         torch.ops.aten.scatter_reduce.two: scatter_reduce,
     }
+
+
+def artifacts_translation_table() -> dict:
+    """The ``custom_translation_table`` to export a model with for artifacts (public as
+    ``onnxtrain.torch.onnx_translation_table``; :func:`onnxtrain.torch.export_for_training` uses
+    it): ORTModule's, except that training-mode BatchNorm is an ONNX ``BatchNormalization`` whose
+    running statistics the artifacts update and evaluate with. Padded embeddings carry their
+    padding index, ``nn.EmbeddingBag`` exports without a ``Loop``, ``detach()`` stops gradients.
+
+    Example:
+        >>> torch.onnx.export(model, args, dynamo=True, optimize=False,
+        ...                   custom_translation_table=onnx_translation_table())
+    """
+    table = translation_table()
+    table[torch.ops.aten._native_batch_norm_legit_functional.default] = batch_norm_for_artifacts
+    return table

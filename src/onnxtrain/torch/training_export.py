@@ -1,0 +1,116 @@
+"""Export a PyTorch module as an ONNX model to generate training artifacts from.
+
+``torch.onnx.export`` writes graphs for inference; trained from, several of them compute other
+gradients than PyTorch does. :func:`export_for_training` exports the way ORTModule does:
+training-mode BatchNorm with batch statistics and running-statistics updates, ``detach()`` and
+``torch.no_grad()`` regions as stop-gradients, embeddings' padding rows without a gradient,
+``nn.EmbeddingBag`` without a ``Loop``, Hugging Face T5/Swin attention exportable, and custom
+``torch.autograd.Function``s refused unless declared exact.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+
+from onnxtrain.errors import ExportError
+from onnxtrain.torch._export import (
+    _check_functions,
+    _check_module_hooks,
+    autograd_functions,
+    export_failure,
+    quiet_exporter,
+)
+from onnxtrain.torch._exporter import capture, contiguous_as_clone, export_program, mark_gradient_cuts
+from onnxtrain.torch._translations import artifacts_translation_table
+
+
+def _rename(values, names: Sequence[str] | None, what: str, model: onnx.ModelProto) -> None:
+    if names is None:
+        return
+    if len(names) != len(values):
+        raise ExportError(f"{len(names)} {what} names given for {len(values)} {what}s "
+                          f"({', '.join(v.name for v in values)})")
+    renames = {v.name: new for v, new in zip(values, names) if v.name != new}
+    for value in values:
+        value.name = renames.get(value.name, value.name)
+    for node in model.graph.node:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+        node.output[:] = [renames.get(o, o) for o in node.output]
+
+
+def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.PathLike | None = None, *,
+                        input_names: Sequence[str] | None = None,
+                        output_names: Sequence[str] | None = None, dynamic_shapes: Any = None,
+                        inline_autograd_functions: Iterable[type] | bool = ()) -> onnx.ModelProto:
+    """``model(*args)`` as an ONNX model whose gradients are PyTorch's, for
+    :func:`onnxtrain.artifacts.generate_artifacts`.
+
+    The model is exported in its current mode: in ``train()`` mode BatchNorm normalizes with
+    batch statistics and the model's extra outputs update its running statistics (the
+    artifacts keep them as frozen state); Dropout stays random.
+
+    Args:
+        model: the module; its parameters become the model's initializers, named as in
+            ``model.named_parameters()``.
+        args: the example positional inputs (a tuple of tensors).
+        path: where to write the model (also returned), or None.
+        input_names, output_names: names for the graph's user inputs and outputs, in order
+            (default: the forward's argument names, and the exporter's output names).
+        dynamic_shapes: as for ``torch.export.export`` (e.g. ``({0: torch.export.Dim("batch", min=2)},)``:
+            a training-mode BatchNorm needs batches of 2 or more).
+        inline_autograd_functions: custom ``torch.autograd.Function`` classes whose backward is
+            the exact gradient of their forward (or True for all): the export traces their
+            forward, which the gradient graph then differentiates. Others raise.
+
+    Raises:
+        ExportError: the model runs custom autograd Functions not declared exact, has backward
+            hooks, or does not export (the reason is in the message).
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
+        >>> proto = export_for_training(model, (torch.randn(16, 4),), input_names=["x"],
+        ...                             dynamic_shapes=({0: torch.export.Dim("batch", min=2)},))
+        >>> [i.name for i in proto.graph.input][-1]
+        'x'
+    """
+    if not isinstance(args, tuple):
+        raise ExportError(f"args must be a tuple of example inputs, not {type(args).__name__}")
+    _check_module_hooks(model)
+    inline = True if inline_autograd_functions is True else frozenset(inline_autograd_functions or ())
+    # the autograd graph of one run names the custom Functions it applied; the run must not
+    # change the model (BatchNorm's running statistics) or the random stream (Dropout)
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    rng = torch.random.get_rng_state()
+    try:
+        with torch.enable_grad():
+            outputs = model(*args)
+    finally:
+        torch.random.set_rng_state(rng)
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name in buffers:
+                    buffer.copy_(buffers[name])
+    _check_functions(model, autograd_functions(torch.utils._pytree.tree_leaves(outputs)), inline,
+                     option="export_for_training(..., inline_autograd_functions=[...])")
+    try:
+        with quiet_exporter():
+            program = capture(model, args, dynamic_shapes)
+            mark_gradient_cuts(program)
+            contiguous_as_clone(program)
+            proto = export_program(program, artifacts_translation_table()).model_proto
+    except Exception as exc:  # the exporter raises many types; the reason is in the message
+        raise export_failure(f"torch.onnx.export could not export {type(model).__name__}", exc) from exc
+    initializers = {t.name for t in proto.graph.initializer}
+    _rename([i for i in proto.graph.input if i.name not in initializers], input_names, "input", proto)
+    _rename(list(proto.graph.output), output_names, "output", proto)
+    if path is not None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        onnx.save(proto, str(path))
+    return proto
+

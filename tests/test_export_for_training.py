@@ -1,0 +1,158 @@
+"""onnxtrain.torch.export_for_training: ONNX models whose gradients are PyTorch's."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain import artifacts, names  # noqa: E402
+from onnxtrain.api import CheckpointState, Module  # noqa: E402
+from onnxtrain.errors import ExportError  # noqa: E402
+from onnxtrain.ir import io  # noqa: E402
+from onnxtrain.onnxblock import base  # noqa: E402
+from onnxtrain.torch import export_for_training  # noqa: E402
+from tests.test_torch_layer_zoo import _SumOfWeighted  # noqa: E402
+
+nn = torch.nn
+BATCH = ({0: torch.export.Dim("batch", min=2, max=64)},)
+
+
+def _gradients(proto: onnx.ModelProto, params: list[str], feeds: dict, weight: np.ndarray) -> dict:
+    """onnxtrain's gradients of sum(output * weight) for ``params``, from the training graph."""
+    block = _SumOfWeighted(weight)
+    for name in params:
+        block.requires_grad(name)
+    with base(proto):
+        block(proto.graph.output[0].name)
+    training, _ = block.to_ir_models()
+    session = ort.InferenceSession(io.serialize(training), providers=["CPUExecutionProvider"])
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
+    feeds = {**feeds, names.LAZY_RESET_GRAD: np.array(True)}
+    for name in params:
+        feeds[name] = inits[name]
+        feeds[names.accumulation_buffer_name(name)] = np.zeros_like(inits[name])
+    wanted = {i.name for i in session.get_inputs()}
+    outputs = session.run(None, {k: v for k, v in feeds.items() if k in wanted})
+    results = dict(zip([o.name for o in session.get_outputs()], outputs))
+    return {name: results[names.accumulation_out_name(name)] for name in params}
+
+
+class _NoGradTeacher(nn.Module):
+    """A target computed under no_grad from the same layer: only the first use trains it."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = torch.tanh(self.layer(x))
+        return self.layer(x) * target
+
+
+def test_no_grad_regions_and_detach_stop_gradients_as_in_pytorch():
+    torch.manual_seed(0)
+    model = _NoGradTeacher()
+    x = torch.randn(5, 4)
+    weight = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    (model(x) * torch.tensor(weight)).sum().backward()
+    expected = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    params = list(expected)
+
+    ours = _gradients(export_for_training(model, (x,), input_names=["x"], dynamic_shapes=BATCH), params,
+                      {"x": x.numpy()}, weight)
+    for name in params:
+        np.testing.assert_allclose(ours[name], expected[name], rtol=1e-5, atol=1e-6)
+    # torch.onnx.export inlines the region: its graph trains the teacher path too
+    plain = torch.onnx.export(model, (x,), dynamo=True, input_names=["x"], optimize=False,
+                              dynamic_shapes=BATCH).model_proto
+    theirs = _gradients(plain, params, {"x": x.numpy()}, weight)
+    assert not np.allclose(theirs["layer.weight"], expected["layer.weight"], rtol=1e-3)
+
+
+class _Round(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad  # straight-through
+
+
+class _Quantized(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return _Round.apply(self.layer(x))
+
+
+def test_custom_functions_are_refused_unless_declared_exact():
+    with pytest.raises(ExportError, match="_Round.*export_for_training\\(\\.\\.\\., inline_autograd_functions"):
+        export_for_training(_Quantized(), (torch.randn(2, 3),))
+    proto = export_for_training(_Quantized(), (torch.randn(2, 3),), inline_autograd_functions=[_Round])
+    assert "Round" in {n.op_type for n in proto.graph.node}
+
+
+def test_names_and_path(tmp_path):
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))  # train mode: batch statistics
+    proto = export_for_training(model, (torch.randn(4, 3),), tmp_path / "sub" / "model.onnx", input_names=["features"],
+                                output_names=["logits"], dynamic_shapes=BATCH)
+    assert [i.name for i in proto.graph.input if i.name not in {t.name for t in proto.graph.initializer}] == \
+        ["features"]
+    assert proto.graph.output[0].name == "logits"
+    assert onnx.load(str(tmp_path / "sub" / "model.onnx")).graph.output[0].name == "logits"
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.run(["logits"], {"features": np.ones((6, 3), np.float32)})[0].shape == (6, 2)
+    with pytest.raises(ExportError, match="2 input names given for 1 input"):
+        export_for_training(model, (torch.randn(4, 3),), input_names=["a", "b"])
+    with pytest.raises(ExportError, match="tuple"):
+        export_for_training(model, torch.randn(4, 3))
+
+
+def test_t5_attention_exports():
+    """torch.onnx.export fails on Hugging Face T5 (a view after SDPA); export_for_training does not."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+                                   dropout_rate=0.0)
+    model = transformers.T5EncoderModel(config)
+    proto = export_for_training(model, (torch.randint(0, 50, (2, 5)),), input_names=["ids"])
+    assert proto.graph.output
+
+
+def test_training_batch_norm_updates_its_running_statistics_and_evaluates_with_them(tmp_path):
+    """A train-mode BatchNorm exports as BatchNormalization(training_mode=1): the artifacts train
+    with batch statistics, update the running ones (the mean as PyTorch does, the variance with
+    the biased batch variance, ONNX's rule) and the eval model normalizes with them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.BatchNorm2d(3, momentum=0.2), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    x = torch.randn(8, 1, 6, 6)
+    labels = np.array([0, 1, 1, 0, 1, 0, 0, 1], np.int32)
+    proto = export_for_training(model, (x,), input_names=["image"], dynamic_shapes=BATCH)
+    artifacts.generate_artifacts(proto, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    assert "1.running_mean" in state.parameters and "1.running_var" in state.parameters
+    np.testing.assert_array_equal(model[1].running_mean.numpy(), np.zeros(3, np.float32))  # the export ran it
+    loss = module(x.numpy(), labels)
+    expected = torch.nn.functional.cross_entropy(model(x), torch.tensor(labels, dtype=torch.long))  # updates buffers
+    np.testing.assert_allclose(float(loss), expected.item(), rtol=1e-5)
+
+    bn = model[1]
+    np.testing.assert_allclose(state.parameters["1.running_mean"].data, bn.running_mean.numpy(), rtol=1e-5, atol=1e-6)
+    count = 8 * 4 * 4
+    unbiased = (bn.running_var.numpy() - 0.8) / 0.2  # PyTorch's update from 1: 0.8 * 1 + 0.2 * var
+    np.testing.assert_allclose(state.parameters["1.running_var"].data, 0.8 + 0.2 * unbiased * (count - 1) / count,
+                               rtol=1e-5)
+
+    module.eval()
+    bn.running_var.copy_(torch.tensor(state.parameters["1.running_var"].data))
+    eval_loss = module(x.numpy(), labels)
+    expected = torch.nn.functional.cross_entropy(model.eval()(x), torch.tensor(labels, dtype=torch.long))
+    np.testing.assert_allclose(float(eval_loss), expected.item(), rtol=1e-5)

@@ -142,10 +142,11 @@ def prepare_ortmodule_recompute(spec, model, batches, workdir, info):
 def _export_dynamo(spec, model, batches):
     """``torch.onnx.export(dynamo=True, optimize=False)`` of the logits, with a dynamic batch.
 
-    The model is in training mode. onnxtrain's ORTModule translations are used for two aten
-    ops that the exporter translates for inference only: training-mode batch norm (batch
-    statistics, as in PyTorch; the exporter would normalize with the running statistics) and
-    ``embedding`` with a padding index (the padding row gets no gradient, as in PyTorch).
+    The model is in training mode. onnxtrain's artifacts translations
+    (``onnxtrain.torch.onnx_translation_table()``) are used for aten ops that the exporter
+    translates for inference only: training-mode batch norm (a ``BatchNormalization`` in
+    training mode, batch statistics as in PyTorch; the exporter would normalize with the running
+    statistics) and ``embedding`` with a padding index (the padding row gets no gradient).
     """
     import logging
     import warnings

@@ -178,7 +178,7 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               "reference that shows how much of a gain is the optimizer's; *ORTModule* trains with "
               "`onnxtrain.torch.optim.FusedAdam` in `torch.optim.AdamW`'s mode and defaults; "
               "*on-device* exports with `torch.onnx.export(dynamo=True, optimize=False)` (dynamic batch; "
-              "onnxtrain's ORTModule translations for training-mode batch norm and padded embeddings), "
+              "onnxtrain's artifacts translations for training-mode batch norm and padded embeddings), "
               "then generates artifacts with `OptimType.AdamW` and trains with `onnxtrain.api` in a worker "
               "process that does not import torch (`bench/ondevice_worker.py`); *upstream* exports with the "
               "TorchScript exporter (opset 14, training mode), then generates onnxruntime-training 1.19.2's "

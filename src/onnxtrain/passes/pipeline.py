@@ -12,6 +12,7 @@ from onnx_ir.passes.common import (
 )
 
 from onnxtrain.autodiff.decompose import DecomposePass
+from onnxtrain.passes.batch_norm import TrainingBatchNormPass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
@@ -56,14 +57,15 @@ def after_autodiff() -> list[ir.passes.PassBase]:
 
 
 def training_model() -> list[ir.passes.PassBase]:
-    """The artifacts' training model after autodiff: ``after_autodiff`` plus layout rewrites.
+    """The artifacts' training model after autodiff: ``after_autodiff`` plus a training-mode
+    BatchNormalization written as primitive ops (passes/batch_norm.py) and layout rewrites.
 
     ORTModule's graphs (passes/partition.py) do not take TransposedProductPass: with it the
     half-budget recompute run of tests/ortmodule/test_memory.py (GPT, batch 64) peaked at
     ~620 MB against ~400, and still at ~650 MB with the pass on the backward graph alone
     (after the cut, the saved values unchanged): the order ONNX Runtime runs the rewritten
     backward in, not yet pinned down further."""
-    return [TransposedProductPass(), *after_autodiff()]
+    return [TrainingBatchNormPass(), TransposedProductPass(), *after_autodiff()]
 
 
 def cleanup() -> list[ir.passes.PassBase]:

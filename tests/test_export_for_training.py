@@ -9,36 +9,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain import artifacts, names  # noqa: E402
+from onnxtrain import artifacts  # noqa: E402
 from onnxtrain.api import CheckpointState, Module  # noqa: E402
 from onnxtrain.errors import ExportError  # noqa: E402
-from onnxtrain.ir import io  # noqa: E402
-from onnxtrain.onnxblock import base  # noqa: E402
 from onnxtrain.torch import export_for_training  # noqa: E402
-from tests.test_torch_layer_zoo import _SumOfWeighted  # noqa: E402
+from tests.torch_models import training_gradients  # noqa: E402
 
 nn = torch.nn
 BATCH = ({0: torch.export.Dim("batch", min=2, max=64)},)
-
-
-def _gradients(proto: onnx.ModelProto, params: list[str], feeds: dict, weight: np.ndarray) -> dict:
-    """onnxtrain's gradients of sum(output * weight) for ``params``, from the training graph."""
-    block = _SumOfWeighted(weight)
-    for name in params:
-        block.requires_grad(name)
-    with base(proto):
-        block(proto.graph.output[0].name)
-    training, _ = block.to_ir_models()
-    session = ort.InferenceSession(io.serialize(training), providers=["CPUExecutionProvider"])
-    inits = {t.name: onnx.numpy_helper.to_array(t) for t in proto.graph.initializer}
-    feeds = {**feeds, names.LAZY_RESET_GRAD: np.array(True)}
-    for name in params:
-        feeds[name] = inits[name]
-        feeds[names.accumulation_buffer_name(name)] = np.zeros_like(inits[name])
-    wanted = {i.name for i in session.get_inputs()}
-    outputs = session.run(None, {k: v for k, v in feeds.items() if k in wanted})
-    results = dict(zip([o.name for o in session.get_outputs()], outputs))
-    return {name: results[names.accumulation_out_name(name)] for name in params}
 
 
 class _NoGradTeacher(nn.Module):
@@ -63,14 +41,14 @@ def test_no_grad_regions_and_detach_stop_gradients_as_in_pytorch():
     expected = {n: p.grad.numpy() for n, p in model.named_parameters()}
     params = list(expected)
 
-    ours = _gradients(export_for_training(model, (x,), input_names=["x"], dynamic_shapes=BATCH), params,
+    ours = training_gradients(export_for_training(model, (x,), input_names=["x"], dynamic_shapes=BATCH), params,
                       {"x": x.numpy()}, weight)
     for name in params:
         np.testing.assert_allclose(ours[name], expected[name], rtol=1e-5, atol=1e-6)
     # torch.onnx.export inlines the region: its graph trains the teacher path too
     plain = torch.onnx.export(model, (x,), dynamo=True, input_names=["x"], optimize=False,
                               dynamic_shapes=BATCH).model_proto
-    theirs = _gradients(plain, params, {"x": x.numpy()}, weight)
+    theirs = training_gradients(plain, params, {"x": x.numpy()}, weight)
     assert not np.allclose(theirs["layer.weight"], expected["layer.weight"], rtol=1e-3)
 
 

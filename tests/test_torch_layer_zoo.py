@@ -7,14 +7,9 @@ has a correct gradient rule (or decomposition) on real exported graphs, with a s
 from __future__ import annotations
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
-from tests.torch_models import export, torch
-
-from onnxtrain import names
-from onnxtrain.ir import io
-from onnxtrain.onnxblock import TrainingBlock, base, blocks
+from tests.torch_models import export, torch, training_gradients
 
 nn = torch.nn
 
@@ -137,18 +132,6 @@ CASES = {
 }
 
 
-class _SumOfWeighted(TrainingBlock):
-    """loss = sum(output * w) for a fixed random w: its gradient is a random-direction VJP."""
-
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = weight
-
-    def build(self, output_name):
-        mul = blocks.Mul()(output_name, blocks.Constant(self.weight)())
-        return blocks.ReduceSum()(mul)
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_gradients_match_torch(case):
     make, sample = CASES[case]
@@ -161,21 +144,9 @@ def test_layer_gradients_match_torch(case):
     out = model(torch.tensor(x))
     weight = rng.standard_normal(tuple(out.shape)).astype(np.float32)
 
-    block = _SumOfWeighted(weight)
     params = dict(model.named_parameters())
-    for name in params:
-        block.requires_grad(name)
-    with base(onnx_model):
-        block(onnx_model.graph.output[0].name)
-    training, _ = block.to_ir_models()
-    session = ort.InferenceSession(io.serialize(training), providers=["CPUExecutionProvider"])
-    feeds = {"x": x, names.LAZY_RESET_GRAD: np.array(True)}
-    for name, p in params.items():
-        feeds[name] = p.detach().numpy()
-        feeds[names.accumulation_buffer_name(name)] = np.zeros(tuple(p.shape), np.float32)
-    results = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-
+    ours = training_gradients(onnx_model, list(params), {"x": x}, weight)
     (out * torch.tensor(weight)).sum().backward()
     for name, p in params.items():
-        np.testing.assert_allclose(results[names.accumulation_out_name(name)], p.grad.numpy(), rtol=1e-4,
+        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4,
                                    atol=1e-5, err_msg=f"{case}: gradient of {name}")

@@ -118,3 +118,34 @@ def examples() -> dict[str, Example]:
                         lambda n, r: r.integers(0, 3, n), ["input_ids", "attention_mask"],
                         lambda: ({0: batch, 1: seq}, {0: batch, 1: seq})),
     }
+
+
+def training_gradients(onnx_model: onnx.ModelProto, params: list[str], inputs: dict, weight: np.ndarray) -> dict:
+    """onnxtrain's gradients of ``sum(output0 * weight)`` (a random-direction VJP for a random
+    ``weight``) for the initializers ``params``, run through the training graph onnxblock builds."""
+    import onnxruntime as ort
+
+    from onnxtrain import names
+    from onnxtrain.ir import io
+    from onnxtrain.onnxblock import TrainingBlock, base, blocks
+
+    class SumOfWeighted(TrainingBlock):
+        def build(self, output_name):
+            return blocks.ReduceSum()(blocks.Mul()(output_name, blocks.Constant(weight)()))
+
+    block = SumOfWeighted()
+    for name in params:
+        block.requires_grad(name)
+    values = {t.name: onnx.numpy_helper.to_array(t) for t in onnx_model.graph.initializer}
+    with base(onnx_model):
+        block(onnx_model.graph.output[0].name)
+    training, _ = block.to_ir_models()
+    session = ort.InferenceSession(io.serialize(training), providers=["CPUExecutionProvider"])
+    feeds = {**inputs, names.LAZY_RESET_GRAD: np.array(True)}
+    for name in params:
+        feeds[name] = values[name]
+        feeds[names.accumulation_buffer_name(name)] = np.zeros_like(values[name])
+    wanted = {i.name for i in session.get_inputs()}
+    results = dict(zip([o.name for o in session.get_outputs()],
+                       session.run(None, {k: v for k, v in feeds.items() if k in wanted})))
+    return {name: results[names.accumulation_out_name(name)] for name in params}

@@ -68,12 +68,7 @@ def test_max_mode_falls_back():
 
 def test_artifacts_from_the_translated_export_match_torch():
     """Fixed-size bags (a 2-D input, as fastText-style classifiers use) exported with the table."""
-    from onnxtrain.ir import io
-    from onnxtrain.onnxblock import base
-    from tests.test_torch_layer_zoo import _SumOfWeighted
-    import onnxruntime as ort
-
-    from onnxtrain import names
+    from tests.torch_models import training_gradients
 
     class Classifier(nn.Module):
         def __init__(self):
@@ -97,19 +92,8 @@ def test_artifacts_from_the_translated_export_match_torch():
     tokens = np.array([[0, 4, 4, 9, 0], [1, 2, 3, 0, 0], [7, 7, 7, 7, 7], [0, 0, 0, 0, 0]], np.int64)
     out = model(torch.tensor(tokens))
     weight = np.random.default_rng(0).standard_normal(tuple(out.shape)).astype(np.float32)
-    block = _SumOfWeighted(weight)
     params = dict(model.named_parameters())
-    for name in params:
-        block.requires_grad(name)
-    with base(onnx_model):
-        block(onnx_model.graph.output[0].name)
-    training, _ = block.to_ir_models()
-    session = ort.InferenceSession(io.serialize(training), providers=["CPUExecutionProvider"])
-    feeds = {"x": tokens, names.LAZY_RESET_GRAD: np.array(True)}
-    for name, p in params.items():
-        feeds[name] = p.detach().numpy()
-        feeds[names.accumulation_buffer_name(name)] = np.zeros(tuple(p.shape), np.float32)
-    results = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+    ours = training_gradients(onnx_model, list(params), {"x": tokens}, weight)
     (out * torch.tensor(weight)).sum().backward()
     for name, p in params.items():
-        np.testing.assert_allclose(results[names.accumulation_out_name(name)], p.grad.numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-5, atol=1e-6)

@@ -497,7 +497,7 @@ def _lp_slope(ctx: GradContext, norm: ir.Value) -> ir.Value:
 @grad("LpPool", versions=(11, None))
 def _lp_pool(ctx):
     # y = (window sum of |x|^p)^(1/p): dx = sign(x) |x|^(p-1) * window adjoint of dy * y^(1-p)
-    op, b, x, y = ctx.op, ctx.b, ctx.x, ctx.y
+    op, x, y = ctx.op, ctx.x, ctx.y
     kernel = ctx.attr("kernel_shape")
     r, p = len(kernel), ctx.attr("p", 2)
     strides, dilations = _ints_attr(ctx, "strides", r, 1), _ints_attr(ctx, "dilations", r, 1)

@@ -1,5 +1,6 @@
-"""ORTModule runs modules whose exports need the recurrent, resampling and selection rules in
-ONNX Runtime (they fell back to PyTorch before those rules), with eager's outputs and gradients."""
+"""ORTModule runs modules whose exports need the recurrent, resampling and selection rules, or
+our translation of 3-D scaled dot product attention, in ONNX Runtime (they fell back to PyTorch
+before), with eager's outputs and gradients."""
 
 from __future__ import annotations
 
@@ -40,8 +41,27 @@ class _Vision(nn.Module):
         return picked.values
 
 
-@pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4))],
-                         ids=["lstm-gru", "interpolate-grid-sample-topk"])
+class _SingleHeadAttention(nn.Module):
+    """F.scaled_dot_product_attention on [batch, sequence, features] (the exporter takes 4-D only):
+    causal, with a boolean mask and with an additive float mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(6, 18)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        f = nn.functional
+        causal = f.scaled_dot_product_attention(q, k, v, is_causal=True)
+        keep = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()
+        masked = f.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        bias = torch.arange(x.shape[1], dtype=x.dtype).expand(x.shape[0], x.shape[1], -1) * -0.1
+        return causal + masked + f.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3)
+
+
+@pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4)),
+                                               (_SingleHeadAttention, (3, 5, 6))],
+                         ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     eager, wrapped = eager_and_wrapped(factory)
     x = torch.randn(*shape)

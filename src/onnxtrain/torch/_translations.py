@@ -27,6 +27,7 @@ statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 
 from __future__ import annotations
 
+import onnx_ir as ir
 import torch
 from onnxscript import opset18 as op
 
@@ -220,6 +221,29 @@ def scatter_reduce(self, dim: int, index, src, reduce: str, include_self: bool =
     return aten_scatter_reduce(self, dim, index, src, reduce, include_self=include_self)
 
 
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                                 scale=None, enable_gqa: bool = False):
+    """``aten.scaled_dot_product_attention``: the exporter's translation, which takes 4-D inputs
+    only; 3-D ones (``[batch, sequence, features]``, one head) get a head axis around it."""
+    from onnxscript.function_libs.torch_lib.ops.nn import aten_scaled_dot_product_attention
+    if len(query.shape) != 3:
+        return aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                 enable_gqa)
+    heads = op.Constant(value_ints=[1])
+
+    def with_head_axis(x):  # the translation reads ranks, dims and element types: give them
+        out = op.Unsqueeze(x, heads)
+        out.type = x.type
+        out.shape = ir.Shape([x.shape[0], 1, *x.shape[1:]])
+        return out
+
+    if attn_mask is not None and len(attn_mask.shape) == 3:
+        attn_mask = with_head_axis(attn_mask)
+    out = aten_scaled_dot_product_attention(with_head_axis(query), with_head_axis(key), with_head_axis(value),
+                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return op.Squeeze(out, heads)
+
+
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
@@ -280,6 +304,7 @@ def translation_table() -> dict:
         torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
         torch.ops.aten.instance_norm.default: instance_norm,
         torch.ops.aten.scatter_reduce.two: scatter_reduce,
+        torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
     }
 
 

@@ -1,6 +1,6 @@
 """ORTModule runs modules whose exports need the recurrent, resampling and selection rules, or
-our translation of 3-D scaled dot product attention, in ONNX Runtime (they fell back to PyTorch
-before), with eager's outputs and gradients."""
+our translations of 3-D scaled dot product attention, median and cdist (which the exporter lacks),
+in ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
 from __future__ import annotations
 
@@ -59,9 +59,24 @@ class _SingleHeadAttention(nn.Module):
         return causal + masked + f.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3)
 
 
+class _MedianDistance(nn.Module):
+    """torch.median (over a dim, an even count, all elements) and torch.cdist (p = 2, 1, 3)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(6, 4)
+
+    def forward(self, x):
+        y = self.embed(x)
+        anchors = y[:, :3] * 0.5 + 0.25  # not a shift of y: the bias gets a gradient
+        centre = y[..., :4].median(dim=-1, keepdim=True).values + y.median()
+        distances = torch.cdist(y, anchors) + torch.cdist(y, anchors, p=1.0) + torch.cdist(y, anchors, p=3.0)
+        return distances * centre + y.median(dim=1).values.sum(-1)[:, None, None]
+
+
 @pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4)),
-                                               (_SingleHeadAttention, (3, 5, 6))],
-                         ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d"])
+                                               (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6))],
+                         ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     eager, wrapped = eager_and_wrapped(factory)
     x = torch.randn(*shape)

@@ -244,6 +244,50 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     return op.Squeeze(out, heads)
 
 
+def median_dim(x, dim: int, keepdim: bool = False):
+    """``aten.median.dim``: the lower of the two middle values for an even count, as PyTorch (which
+    the exporter cannot translate): the last of the ``(n - 1) // 2 + 1`` smallest (TopK), and
+    its index."""
+    axis = op.Constant(value_ints=[dim])
+    count = op.Gather(op.Shape(x), axis, axis=0)
+    one = op.Constant(value_ints=[1])
+    k = op.Add(op.Div(op.Sub(count, one), op.Constant(value_ints=[2])), one)
+    smallest, indices = op.TopK(x, k, axis=dim, largest=0, sorted=1)
+    last = op.Sub(k, one)
+    value, index = op.Gather(smallest, last, axis=dim), op.Gather(indices, last, axis=dim)
+    if not keepdim:
+        value, index = op.Squeeze(value, axis), op.Squeeze(index, axis)
+    return value, index
+
+
+def median(x):
+    """``aten.median.default``: the median of all elements (:func:`median_dim` of the flat tensor)."""
+    value, _ = median_dim(op.Reshape(x, op.Constant(value_ints=[-1])), 0)
+    return value
+
+
+def cdist(x1, x2, p: float = 2.0, compute_mode=None):
+    """``aten._cdist_forward`` (``torch.cdist``; the exporter has no translation): the p-norms of
+    every difference ``x1[..., i, :] - x2[..., j, :]``, computed from the differences themselves
+    (the matrix-product shortcut loses precision for close points), so the gradient at a zero
+    distance is 0 as in PyTorch."""
+    difference = op.Sub(op.Unsqueeze(x1, op.Constant(value_ints=[-2])), op.Unsqueeze(x2, op.Constant(value_ints=[-3])))
+    last = op.Constant(value_ints=[-1])
+    if p == 2.0:
+        return op.ReduceL2(difference, last, keepdims=0)
+    if p == 1.0:
+        return op.ReduceL1(difference, last, keepdims=0)
+    if p == float("inf"):
+        return op.ReduceMax(op.Abs(difference), last, keepdims=0)
+    if p == 0.0:
+        nonzero = op.CastLike(op.Not(op.Equal(difference, op.CastLike(op.Constant(value_float=0.0), difference))),
+                              difference)
+        return op.ReduceSum(nonzero, last, keepdims=0)
+    order = op.CastLike(op.Constant(value_float=p), difference)
+    summed = op.ReduceSum(op.Pow(op.Abs(difference), order), last, keepdims=0)
+    return op.Pow(summed, op.Div(op.CastLike(op.Constant(value_float=1.0), difference), order))
+
+
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
@@ -305,6 +349,9 @@ def translation_table() -> dict:
         torch.ops.aten.instance_norm.default: instance_norm,
         torch.ops.aten.scatter_reduce.two: scatter_reduce,
         torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
+        torch.ops.aten.median.dim: median_dim,
+        torch.ops.aten.median.default: median,
+        torch.ops.aten._cdist_forward.default: cdist,
     }
 
 

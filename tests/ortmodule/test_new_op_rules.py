@@ -1,5 +1,6 @@
 """ORTModule runs modules whose exports need the recurrent, resampling and selection rules, or
-our translations of 3-D scaled dot product attention, median and cdist (which the exporter lacks),
+our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist and hypot
+(which the exporter lacks),
 in ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ class _SingleHeadAttention(nn.Module):
 
 
 class _MedianDistance(nn.Module):
-    """torch.median (over a dim, an even count, all elements) and torch.cdist (p = 2, 1, 3)."""
+    """torch.median (over a dim, an even count, all elements), torch.cdist (p = 2, 1, 3), F.pdist,
+    torch.kthvalue and torch.hypot."""
 
     def __init__(self):
         super().__init__()
@@ -71,7 +73,9 @@ class _MedianDistance(nn.Module):
         anchors = y[:, :3] * 0.5 + 0.25  # not a shift of y: the bias gets a gradient
         centre = y[..., :4].median(dim=-1, keepdim=True).values + y.median()
         distances = torch.cdist(y, anchors) + torch.cdist(y, anchors, p=1.0) + torch.cdist(y, anchors, p=3.0)
-        return distances * centre + y.median(dim=1).values.sum(-1)[:, None, None]
+        pairs = nn.functional.pdist(y[0]).sum() + torch.kthvalue(y, 2, dim=1).values.sum()
+        pairs = pairs + torch.hypot(y[:, :3], 1 - y[:, :3]).sum()
+        return distances * centre + y.median(dim=1).values.sum(-1)[:, None, None] + pairs
 
 
 @pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4)),

@@ -244,20 +244,29 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     return op.Squeeze(out, heads)
 
 
-def median_dim(x, dim: int, keepdim: bool = False):
-    """``aten.median.dim``: the lower of the two middle values for an even count, as PyTorch (which
-    the exporter cannot translate): the last of the ``(n - 1) // 2 + 1`` smallest (TopK), and
-    its index."""
+def _kth_smallest(x, k, dim: int, keepdim: bool):
+    """The ``k``-th smallest value along ``dim`` (``k`` a [1] int64 tensor, from 1) and its index:
+    the last of TopK's ``k`` smallest."""
     axis = op.Constant(value_ints=[dim])
-    count = op.Gather(op.Shape(x), axis, axis=0)
-    one = op.Constant(value_ints=[1])
-    k = op.Add(op.Div(op.Sub(count, one), op.Constant(value_ints=[2])), one)
     smallest, indices = op.TopK(x, k, axis=dim, largest=0, sorted=1)
-    last = op.Sub(k, one)
+    last = op.Sub(k, op.Constant(value_ints=[1]))
     value, index = op.Gather(smallest, last, axis=dim), op.Gather(indices, last, axis=dim)
     if not keepdim:
         value, index = op.Squeeze(value, axis), op.Squeeze(index, axis)
     return value, index
+
+
+def median_dim(x, dim: int, keepdim: bool = False):
+    """``aten.median.dim``: the lower of the two middle values for an even count, as PyTorch (which
+    the exporter cannot translate), and its index."""
+    count = op.Gather(op.Shape(x), op.Constant(value_ints=[dim]), axis=0)
+    one = op.Constant(value_ints=[1])
+    return _kth_smallest(x, op.Add(op.Div(op.Sub(count, one), op.Constant(value_ints=[2])), one), dim, keepdim)
+
+
+def kthvalue(x, k: int, dim: int = -1, keepdim: bool = False):
+    """``aten.kthvalue`` (the exporter cannot translate it): the ``k``-th smallest and its index."""
+    return _kth_smallest(x, op.Constant(value_ints=[int(k)]), dim, keepdim)
 
 
 def median(x):
@@ -286,6 +295,20 @@ def cdist(x1, x2, p: float = 2.0, compute_mode=None):
     order = op.CastLike(op.Constant(value_float=p), difference)
     summed = op.ReduceSum(op.Pow(op.Abs(difference), order), last, keepdims=0)
     return op.Pow(summed, op.Div(op.CastLike(op.Constant(value_float=1.0), difference), order))
+
+
+def pdist(x, p: float = 2.0):
+    """``aten._pdist_forward`` (``F.pdist``; the exporter cannot translate it): the distances of
+    every pair of rows ``i < j``, in PyTorch's order, picked from :func:`cdist`."""
+    distances = cdist(x, x, p)
+    ones = op.Expand(op.Constant(value_ints=[1]), op.Shape(distances))
+    above = op.Cast(op.Trilu(ones, op.Constant(value_int=1), upper=1), to=9)  # bool
+    return op.GatherND(distances, op.Transpose(op.NonZero(above), perm=[1, 0]))
+
+
+def hypot(a, b):
+    """``aten.hypot`` (its decomposition reaches ``prims.hypot``, which the exporter lacks)."""
+    return op.Sqrt(op.Add(op.Mul(a, a), op.Mul(b, b)))
 
 
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
@@ -352,6 +375,9 @@ def translation_table() -> dict:
         torch.ops.aten.median.dim: median_dim,
         torch.ops.aten.median.default: median,
         torch.ops.aten._cdist_forward.default: cdist,
+        torch.ops.aten._pdist_forward.default: pdist,
+        torch.ops.aten.kthvalue.default: kthvalue,
+        torch.ops.aten.hypot.default: hypot,
     }
 
 

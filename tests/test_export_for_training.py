@@ -134,3 +134,32 @@ def test_training_batch_norm_updates_its_running_statistics_and_evaluates_with_t
     eval_loss = module(x.numpy(), labels)
     expected = torch.nn.functional.cross_entropy(model.eval()(x), torch.tensor(labels, dtype=torch.long))
     np.testing.assert_allclose(float(eval_loss), expected.item(), rtol=1e-5)
+
+
+class _TiedLanguageModel(nn.Module):
+    """An LM head sharing the embedding's weight (listed second, the exporter meets it first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 4)
+        self.mix = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 12, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def test_tied_parameters_keep_their_first_name_and_get_both_uses_gradients():
+    torch.manual_seed(0)
+    model = _TiedLanguageModel()
+    ids = torch.tensor([[1, 5, 7], [0, 11, 3]])
+    proto = export_for_training(model, (ids,), input_names=["ids"])
+    names_in_model = [n for n, _ in model.named_parameters()]
+    assert sorted(t.name for t in proto.graph.initializer) == sorted(names_in_model)
+    out = model(ids)
+    weight = np.random.default_rng(0).standard_normal(tuple(out.shape)).astype(np.float32)
+    ours = training_gradients(proto, names_in_model, {"ids": ids.numpy()}, weight)
+    (out * torch.tensor(weight)).sum().backward()
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)

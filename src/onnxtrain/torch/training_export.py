@@ -44,6 +44,28 @@ def _rename(values, names: Sequence[str] | None, what: str, model: onnx.ModelPro
         node.output[:] = [renames.get(o, o) for o in node.output]
 
 
+def _canonical_state_names(model: torch.nn.Module, proto: onnx.ModelProto) -> None:
+    """Name each initializer that holds a parameter or buffer as ``named_parameters()`` /
+    ``named_buffers()`` name it: a tied tensor (an LM head sharing the embedding) reaches the
+    exporter under whichever of its names it meets, often not the first one."""
+    renames = {}
+    for named in (model.named_parameters, model.named_buffers):
+        canonical = {id(t): name for name, t in named()}
+        for name, tensor in named(remove_duplicate=False):
+            if canonical[id(tensor)] != name:
+                renames[name] = canonical[id(tensor)]
+    present = {t.name for t in proto.graph.initializer}
+    renames = {old: new for old, new in renames.items() if old in present and new not in present}
+    if not renames:
+        return
+    for tensor in proto.graph.initializer:
+        tensor.name = renames.get(tensor.name, tensor.name)
+    for value in [*proto.graph.input, *proto.graph.value_info]:
+        value.name = renames.get(value.name, value.name)
+    for node in proto.graph.node:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+
+
 def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.PathLike | None = None, *,
                         input_names: Sequence[str] | None = None,
                         output_names: Sequence[str] | None = None, dynamic_shapes: Any = None,
@@ -56,8 +78,9 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     artifacts keep them as frozen state); Dropout stays random.
 
     Args:
-        model: the module; its parameters become the model's initializers, named as in
-            ``model.named_parameters()``.
+        model: the module; its parameters and buffers become the model's initializers, named
+            as in ``model.named_parameters()`` and ``model.named_buffers()`` (a tied parameter
+            by its first name).
         args: the example positional inputs (a tuple of tensors).
         path: where to write the model (also returned), or None.
         input_names, output_names: names for the graph's user inputs and outputs, in order
@@ -106,6 +129,7 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
             proto = export_program(program, artifacts_translation_table()).model_proto
     except Exception as exc:  # the exporter raises many types; the reason is in the message
         raise export_failure(f"torch.onnx.export could not export {type(model).__name__}", exc) from exc
+    _canonical_state_names(model, proto)
     initializers = {t.name for t in proto.graph.initializer}
     _rename([i for i in proto.graph.input if i.name not in initializers], input_names, "input", proto)
     _rename(list(proto.graph.output), output_names, "output", proto)

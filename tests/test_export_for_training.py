@@ -163,3 +163,24 @@ def test_tied_parameters_keep_their_first_name_and_get_both_uses_gradients():
     (out * torch.tensor(weight)).sum().backward()
     for name, p in model.named_parameters():
         np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "t5-encoder", "swin"])
+def test_hugging_face_architectures_train_from_artifacts_with_torch_gradients(name):
+    pytest.importorskip("transformers")
+    from tests.ortmodule.test_hf_architectures import ARCHITECTURES, _Head
+
+    make, data = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    model = _Head(make()).eval()
+    x = data()
+    proto = export_for_training(model, (x,), input_names=["x"])
+    out = model(x)
+    weight = np.random.default_rng(0).standard_normal(tuple(out.shape)).astype(np.float32)
+    used = {t.name for t in proto.graph.initializer}  # (parameters the output does not read are gone)
+    ours = training_gradients(proto, [n for n, _ in model.named_parameters() if n in used], {"x": x.numpy()}, weight)
+    (out * torch.tensor(weight)).sum().backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    scale = max(float(g.abs().max()) for g in grads.values() if g is not None)
+    for key, value in ours.items():
+        np.testing.assert_allclose(value, grads[key].numpy(), rtol=1e-4, atol=1e-5 * scale, err_msg=key)

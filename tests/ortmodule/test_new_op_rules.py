@@ -78,9 +78,29 @@ class _MedianDistance(nn.Module):
         return distances * centre + y.median(dim=1).values.sum(-1)[:, None, None] + pairs
 
 
+class _ScatterExtrema(nn.Module):
+    """scatter_reduce amax/amin (graph networks' max aggregation), with ties between a value and its
+    copy (PyTorch shares the gradient among tied elements) and with or without the initial values."""
+
+    def __init__(self):
+        super().__init__()
+        self.message = nn.Linear(6, 4)
+
+    def forward(self, x):
+        messages = self.message(x)  # [nodes, 4]
+        doubled = torch.cat([messages, messages[:2]])  # rows 0 and 1 twice: ties
+        index = torch.tensor([0, 2, 2, 1, 0, 0, 1])[: doubled.shape[0]].unsqueeze(1).expand(-1, 4)
+        base = torch.zeros(3, 4) + messages[-1:] * 0.5
+        high = base.scatter_reduce(0, index, doubled, reduce="amax")
+        low = base.scatter_reduce(0, index, doubled, reduce="amin", include_self=False)
+        return high * 2 + low
+
+
 @pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4)),
-                                               (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6))],
-                         ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist"])
+                                               (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6)),
+                                               (_ScatterExtrema, (5, 6))],
+                         ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
+                              "scatter-amax-amin"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     eager, wrapped = eager_and_wrapped(factory)
     x = torch.randn(*shape)

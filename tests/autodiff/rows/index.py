@@ -65,4 +65,11 @@ ROWS: list[Case] = [
          id="ScatterElements-negative-axis"),
     Case("ScatterElements", [I(3, 4), C([[0, 0], [1, 1]], np.int64), I(2, 2)],
          attrs={"axis": 1, "reduction": "add"}, opsets=(16, 23), id="ScatterElements-add-repeated"),
+    # max/min (opset 18): data and updates compete per position; values are distinct (no ties)
+    Case("ScatterElements", [I(3, 4), C([[0, 0, 3], [1, 1, 1], [2, 0, 2]], np.int64), I(3, 3)],
+         attrs={"axis": 1, "reduction": "max"}, opsets=(18, 23), id="ScatterElements-max-repeated"),
+    Case("ScatterElements", [I(4, "N"), C([[3], [0], [3]], np.int64), I(3, 1)],
+         attrs={"axis": 0, "reduction": "min"}, opsets=(18, 23), id="ScatterElements-min"),
+    Case("ScatterND", [I(4, 2), C([[1], [1], [3]], np.int64), I(3, 2)], attrs={"reduction": "max"},
+         opsets=(18, 23), id="ScatterND-max-rows"),
 ]

@@ -223,9 +223,24 @@ def _gather_nd(ctx):
 def _scatter_reduction(ctx: GradContext) -> str:
     reduction = ctx.attr("reduction", "none")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-    if reduction not in ("none", "add"):
-        raise ModelError(f"{ctx.node.op_type} gradient supports reduction none or add, not {reduction!r}")
+    if reduction not in ("none", "add", "max", "min"):
+        raise NotImplementedError(f"reduction={reduction!r} (none, add, max and min are supported)")
     return reduction
+
+
+def _extremum_grads(ctx: GradContext, gather, scatter_add):
+    """Gradients of a scatter with reduction max/min, as PyTorch's ``scatter_reduce`` (amax,
+    amin) gives them: every element equal to its position's result (the data's own and the
+    updates scattered there) gets an equal share of that position's gradient."""
+    op = ctx.op
+    data, _, updates = ctx.inputs
+    y = ctx.y
+    data_wins = op.Cast(op.Equal(data, y), to=int(y.dtype))
+    update_wins = op.Cast(op.Equal(updates, gather(y)), to=int(y.dtype))
+    share = op.Div(ctx.dy, scatter_add(data_wins, update_wins))  # the count is >= 1 where it matters
+    d_data = op.Mul(share, data_wins) if ctx.needs(0) else None
+    d_updates = op.Mul(gather(share), update_wins) if ctx.needs(2) else None
+    return d_data, None, d_updates
 
 
 @grad("ScatterND", versions=(13, None))
@@ -235,6 +250,9 @@ def _scatter_nd(ctx):
     op = ctx.op
     _, indices, updates = ctx.inputs
     reduction = _scatter_reduction(ctx)
+    if reduction in ("max", "min"):
+        return _extremum_grads(ctx, lambda t: op.GatherND(t, indices),
+                               lambda base, u: op.ScatterND(base, indices, u, reduction="add"))
     d_data = d_updates = None
     if ctx.needs(0):
         d_data = ctx.dy if reduction == "add" else op.ScatterND(ctx.dy, indices, ctx.b.zeros_like(updates))
@@ -249,6 +267,9 @@ def _scatter_elements(ctx):
     _, indices, updates = ctx.inputs
     axis = ctx.attr("axis", 0)
     reduction = _scatter_reduction(ctx)
+    if reduction in ("max", "min"):
+        return _extremum_grads(ctx, lambda t: op.GatherElements(t, indices, axis=axis),
+                               lambda base, u: op.ScatterElements(base, indices, u, axis=axis, reduction="add"))
     d_data = d_updates = None
     if ctx.needs(0):
         d_data = (ctx.dy if reduction == "add"

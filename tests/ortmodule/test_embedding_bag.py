@@ -1,5 +1,6 @@
-"""nn.EmbeddingBag trains in ONNX Runtime (the exporter's Loop has no gradient; our translation
-scatters rows into bags), for ORTModule and for artifacts exported with the translation table."""
+"""nn.EmbeddingBag trains in ONNX Runtime in every mode (the exporter's Loop has no gradient; our
+translation scatters rows into bags), for ORTModule and for artifacts exported with the
+translation table."""
 
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ CASES = {
     "mean": (dict(mode="mean"), [0, 2, 2, 6]),
     "mean-padding": (dict(mode="mean", padding_idx=3), [0, 2, 2, 6]),
     "sum-weighted-last-offset": (dict(mode="sum", weighted=True, include_last_offset=True), [0, 2, 2, 6, 9]),
+    "max": (dict(mode="max"), [0, 2, 2, 6]),
+    "max-padding-trailing-empty": (dict(mode="max", padding_idx=0), [0, 2, 6, 9]),
 }
 
 
@@ -58,12 +61,6 @@ def test_ortmodule_matches_eager(case):
             torch.testing.assert_close(out, eager_out)
             for ours, theirs in zip(grads, eager_grads):
                 torch.testing.assert_close(ours, theirs)
-
-
-def test_max_mode_falls_back():
-    _, wrapped = eager_and_wrapped(lambda: _Bags(mode="max"))
-    with pytest.warns(ORTModuleFallbackWarning, match="max"):
-        wrapped(torch.tensor([0, 3, 5, 3]), torch.tensor([0, 2])).sum().backward()
 
 
 def test_artifacts_from_the_translated_export_match_torch():

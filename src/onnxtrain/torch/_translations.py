@@ -7,7 +7,7 @@ unchanged. For training that is wrong twice (the forward uses the wrong statisti
 the buffers never update), so we translate it ourselves into primitive ops that compute
 batch statistics and the updated running statistics exactly as PyTorch does.
 
-``aten.embedding_bag`` (nn.EmbeddingBag, sum and mean modes) sums rows into bags with a ScatterND
+``aten.embedding_bag`` (nn.EmbeddingBag, every mode) gathers rows into bags with a ScatterND
 instead of the exporter's ``Loop``, which has no gradient. ``aten.embedding`` with a padding index
 becomes a Gather like the exporter's, plus node
 metadata naming the padding index: the Gather gradient rule then gives that row no
@@ -111,12 +111,11 @@ _BAG_MODES = {0: "sum", 1: "mean", 2: "max"}
 
 def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mode: int = 0, sparse: bool = False,
                   per_sample_weights=None, include_last_offset: bool = False, padding_idx=None):
-    """``aten.embedding_bag`` / ``aten._embedding_bag`` (nn.EmbeddingBag) in sum or mean mode:
-    each index's row scattered into its bag's sum (ScatterND with ``add``), which trains with
-    standard ops. The exporter's translation loops over the bags with a ``Loop``, which has no
-    gradient. Returns (output, offset2bag, bag_size, max_indices)."""
-    if _BAG_MODES.get(int(mode)) not in ("sum", "mean"):
-        raise NotImplementedError("nn.EmbeddingBag(mode='max') is not supported")
+    """``aten.embedding_bag`` / ``aten._embedding_bag`` (nn.EmbeddingBag): each index's row
+    scattered into its bag (ScatterND with ``add``, or ``max``), which trains with standard ops.
+    The exporter's translation loops over the bags with a ``Loop``, which has no gradient.
+    Returns (output, offset2bag, bag_size, max_indices)."""
+    bag_mode = _BAG_MODES.get(int(mode))
     if scale_grad_by_freq:
         raise NotImplementedError("nn.EmbeddingBag(scale_grad_by_freq=True) is not supported")
     flat = op.Reshape(indices, op.Constant(value_ints=[-1]))
@@ -129,21 +128,37 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mo
     marks = op.ScatterElements(op.Expand(zero, op.Add(length, one)), starts, op.Expand(one, op.Shape(starts)),
                                axis=0, reduction="add")
     bag = op.Sub(op.Slice(op.CumSum(marks, zero), zero, length), one)
+    at_bag = op.Unsqueeze(bag, one)
     rows = op.Gather(weight, flat, axis=0)
     counted = op.Expand(one, length)
-    if padding_idx is not None and padding_idx >= 0:  # padding indices add nothing and count for nothing
+    padded = padding_idx is not None and padding_idx >= 0
+    if padded:  # padding indices add nothing and count for nothing
         counted = op.Cast(op.Not(op.Equal(flat, op.Constant(value_int=int(padding_idx)))), to=7)
+    bags = op.Shape(starts)
+    out_shape = op.Concat(bags, op.Shape(weight, start=1), axis=0)
+    sizes = op.ScatterElements(op.Expand(zero, bags), bag, counted, axis=0, reduction="add")
+    if bag_mode == "max":
+        lowest = op.CastLike(op.Constant(value_float=float("-inf")), weight)
+        if padded:
+            rows = op.Where(op.Unsqueeze(op.Cast(counted, to=9), one), rows, lowest)
+        out = op.ScatterND(op.Expand(lowest, out_shape), at_bag, rows, reduction="max")
+        out = op.Where(op.IsInf(out, detect_positive=0), op.CastLike(op.Constant(value_float=0.0), out), out)
+        # the position of each bag's largest row, per feature (-1 for an empty bag)
+        position = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(length, zero), op.Constant(value_int=1)),
+                                one)
+        won = op.Equal(rows, op.GatherND(out, at_bag))
+        winner = op.Where(won, op.Expand(position, op.Shape(rows)), op.Constant(value_int=-1))
+        max_indices = op.ScatterND(op.Expand(op.Constant(value_int=-1), out_shape), at_bag, winner, reduction="max")
+        return out, op.Identity(bag), sizes, max_indices
+    if padded:
         rows = op.Mul(rows, op.Unsqueeze(op.CastLike(counted, rows), one))
     if per_sample_weights is not None:
         rows = op.Mul(rows, op.Unsqueeze(per_sample_weights, one))
-    bags = op.Shape(starts)
-    out_shape = op.Concat(bags, op.Shape(weight, start=1), axis=0)
-    out = op.ScatterND(op.Expand(op.CastLike(op.Constant(value_float=0.0), weight), out_shape),
-                       op.Unsqueeze(bag, one), rows, reduction="add")
-    sizes = op.ScatterElements(op.Expand(zero, bags), bag, counted, axis=0, reduction="add")
-    if _BAG_MODES[int(mode)] == "mean":  # an empty bag stays 0
+    out = op.ScatterND(op.Expand(op.CastLike(op.Constant(value_float=0.0), weight), out_shape), at_bag, rows,
+                       reduction="add")
+    if bag_mode == "mean":  # an empty bag stays 0
         out = op.Div(out, op.Unsqueeze(op.CastLike(op.Max(sizes, one), out), one))
-    if int(mode) == 0 and (padding_idx is None or padding_idx < 0):
+    if bag_mode == "sum" and not padded:
         # PyTorch's offset2bag is empty here, and the exporter gives the output that shape: a value
         # the graph uses (bag) must not take it
         return out, op.Slice(bag, zero, zero), sizes, op.Identity(sizes)

@@ -43,3 +43,13 @@ def test_interpolation_matrices_of_static_axes_are_constants(tmp_path, batch):
     assert ops.count("Resize") == 1  # the forward's
     assert "EyeLike" not in ops
     assert ops.count("MatMul") == 2
+
+
+def test_nearest_upsampling_by_a_whole_factor_sums_the_last_axis_blocks(tmp_path):
+    """PyTorch's nearest upsampling (asymmetric, floor) by 2 and 3: along the last axis the gradient
+    is a reshape and a sum (no interpolation matrix), along the other one a product."""
+    model = _upsampler("N", ["", "scales"], mode="nearest", coordinate_transformation_mode="asymmetric",
+                       nearest_mode="floor")
+    artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.L1Loss, artifact_directory=tmp_path)
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node]
+    assert ops.count("MatMul") == 1 and "ReduceSum" in ops and ops.count("Resize") == 1

@@ -39,6 +39,13 @@ ROWS: list[Case] = [
     _row([U(1, 2, 5, 4), None, S(1, 1, 1.7, 2.3)], "nearest-ceil-half-pixel", mode="nearest", nearest_mode="ceil"),
     _row([U(1, 1, 4, 6), None, None, Z(1, 1, 7, 3)], "nearest-sizes-prefer-ceil", mode="nearest",
          nearest_mode="round_prefer_ceil", coordinate_transformation_mode="align_corners"),
+    # whole factors where nearest copies blocks (the gradient sums them, no matrix)
+    _row([U("N", 2, 3, 4), None, S(1, 1, 3, 2)], "nearest-blocks-asymmetric-floor", mode="nearest",
+         coordinate_transformation_mode="asymmetric", nearest_mode="floor"),
+    _row([U(1, 2, 3, 2), None, None, Z(1, 2, 6, 8)], "nearest-blocks-sizes-pytorch-half-pixel", mode="nearest",
+         coordinate_transformation_mode="pytorch_half_pixel", nearest_mode="round_prefer_ceil"),
+    _row([U(1, 2, 3, 4), None, S(1, 1, 2, 3)], "nearest-whole-factor-not-blocks", mode="nearest",
+         coordinate_transformation_mode="asymmetric", nearest_mode="round_prefer_ceil"),
     # linear (bilinear on 4-D, trilinear on 5-D) under every coordinate transformation
     _row([U(2, 2, 3, 4), None, S(1, 1, 2, 2)], "linear-half-pixel", mode="linear"),
     _row([U(1, 2, 3, 4), None, None, Z(1, 2, 5, 7)], "linear-align-corners-sizes", mode="linear",

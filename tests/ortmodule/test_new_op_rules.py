@@ -1,6 +1,6 @@
 """ORTModule runs modules whose exports need the recurrent, resampling and selection rules, or
-our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist and hypot
-(which the exporter lacks),
+our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist, hypot and
+searchsorted (which the exporter lacks),
 in ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
 from __future__ import annotations
@@ -96,11 +96,27 @@ class _ScatterExtrema(nn.Module):
         return high * 2 + low
 
 
+class _Bucketed(nn.Module):
+    """torch.searchsorted (1-D and batched boundaries, left and right) choosing embeddings."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(6, 4)
+        self.score = nn.Linear(6, 1)
+        self.register_buffer("edges", torch.tensor([-1.0, -0.3, 0.0, 0.4, 1.2]))
+
+    def forward(self, x):
+        t = self.score(x).squeeze(-1)
+        left = torch.searchsorted(self.edges, t)
+        right = torch.searchsorted(self.edges.expand(x.shape[0], -1).contiguous(), t.detach(), right=True)
+        return self.embed(left) * t.unsqueeze(-1) + self.embed(right)
+
+
 @pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4)),
                                                (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6)),
-                                               (_ScatterExtrema, (5, 6))],
+                                               (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
-                              "scatter-amax-amin"])
+                              "scatter-amax-amin", "searchsorted"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     eager, wrapped = eager_and_wrapped(factory)
     x = torch.randn(*shape)

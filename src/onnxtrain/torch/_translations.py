@@ -326,6 +326,21 @@ def hypot(a, b):
     return op.Sqrt(op.Add(op.Mul(a, a), op.Mul(b, b)))
 
 
+def searchsorted(sorted_sequence, values, out_int32: bool = False, right: bool = False, side=None, sorter=None):
+    """``aten.searchsorted.Tensor`` (the exporter cannot translate it): for each value, how many
+    boundaries lie below it (``right``: at or below), counted against every boundary of its row."""
+    if sorter is not None:
+        raise NotImplementedError("torch.searchsorted(sorter=...) is not supported")
+    last = op.Constant(value_ints=[-1])
+    if len(sorted_sequence.shape) == 1:
+        boundaries = sorted_sequence
+    else:
+        boundaries = op.Unsqueeze(sorted_sequence, op.Constant(value_ints=[-2]))
+    candidates = op.Unsqueeze(values, last)
+    below = op.LessOrEqual(boundaries, candidates) if right or side == "right" else op.Less(boundaries, candidates)
+    return op.Cast(op.ReduceSum(op.Cast(below, to=7), last, keepdims=0), to=6 if out_int32 else 7)
+
+
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
@@ -393,6 +408,7 @@ def translation_table() -> dict:
         torch.ops.aten._pdist_forward.default: pdist,
         torch.ops.aten.kthvalue.default: kthvalue,
         torch.ops.aten.hypot.default: hypot,
+        torch.ops.aten.searchsorted.Tensor: searchsorted,
     }
 
 

@@ -1,6 +1,6 @@
 """ORTModule runs modules whose exports need the recurrent, resampling and selection rules, or
-our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist, hypot and
-searchsorted (which the exporter lacks),
+our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist, hypot,
+searchsorted and cumprod (which the exporter lacks),
 in ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
 from __future__ import annotations
@@ -112,11 +112,25 @@ class _Bucketed(nn.Module):
         return self.embed(left) * t.unsqueeze(-1) + self.embed(right)
 
 
+class _Transmittance(nn.Module):
+    """torch.cumprod (volume rendering's transmittance), with exact zeros in the running product."""
+
+    def __init__(self):
+        super().__init__()
+        self.density = nn.Linear(6, 1)
+
+    def forward(self, x):
+        alpha = torch.sigmoid(self.density(x)).squeeze(-1)  # [rays, samples]
+        passed = torch.where(alpha > 0.6, torch.zeros_like(alpha), 1 - alpha)
+        return torch.cumprod(passed, dim=1) * alpha + torch.cumprod(x[..., :3], dim=-1).sum(-1)
+
+
 @pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4)),
                                                (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6)),
-                                               (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6))],
+                                               (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6)),
+                                               (_Transmittance, (4, 9, 6))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
-                              "scatter-amax-amin", "searchsorted"])
+                              "scatter-amax-amin", "searchsorted", "cumprod"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     eager, wrapped = eager_and_wrapped(factory)
     x = torch.randn(*shape)

@@ -341,6 +341,31 @@ def searchsorted(sorted_sequence, values, out_int32: bool = False, right: bool =
     return op.Cast(op.ReduceSum(op.Cast(below, to=7), last, keepdims=0), to=6 if out_int32 else 7)
 
 
+def cumprod(x, dim: int, dtype=None):
+    """``aten.cumprod`` (the exporter cannot translate it): prefix products by doubling, each
+    step multiplying by the values ``2^k`` positions back (ones before the start); log2(n)
+    products of the whole tensor, exact where a running product has zeros (no log-space
+    trick), differentiable through standard ops. The length along ``dim`` must be static."""
+    if dtype is not None:
+        raise NotImplementedError("torch.cumprod(dtype=...) is not supported")
+    rank = len(x.shape)
+    axis = dim % rank
+    length = x.shape[axis]
+    if not isinstance(length, int):
+        raise NotImplementedError("torch.cumprod needs a static length along its dim")
+    one = op.CastLike(op.Constant(value_float=1.0), x)
+    axes = op.Constant(value_ints=[axis])
+    product, shift = x, 1
+    while shift < length:
+        ones_shape = op.Concat(op.Shape(x, start=0, end=axis), op.Constant(value_ints=[shift]),
+                               op.Shape(x, start=axis + 1), axis=0) if axis + 1 < rank else \
+            op.Concat(op.Shape(x, start=0, end=axis), op.Constant(value_ints=[shift]), axis=0)
+        earlier = op.Slice(product, op.Constant(value_ints=[0]), op.Constant(value_ints=[length - shift]), axes)
+        product = op.Mul(product, op.Concat(op.Expand(one, ones_shape), earlier, axis=axis))
+        shift *= 2
+    return product
+
+
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
@@ -409,6 +434,7 @@ def translation_table() -> dict:
         torch.ops.aten.kthvalue.default: kthvalue,
         torch.ops.aten.hypot.default: hypot,
         torch.ops.aten.searchsorted.Tensor: searchsorted,
+        torch.ops.aten.cumprod.default: cumprod,
     }
 
 

@@ -50,6 +50,7 @@ def test_nearest_upsampling_by_a_whole_factor_sums_the_last_axis_blocks(tmp_path
     is a reshape and a sum (no interpolation matrix), along the other one a product."""
     model = _upsampler("N", ["", "scales"], mode="nearest", coordinate_transformation_mode="asymmetric",
                        nearest_mode="floor")
-    artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.L1Loss, artifact_directory=tmp_path)
+    artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.L1Loss,
+                                 artifact_directory=tmp_path)
     ops = [n.op_type for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node]
     assert ops.count("MatMul") == 1 and "ReduceSum" in ops and ops.count("Resize") == 1

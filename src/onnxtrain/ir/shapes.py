@@ -18,7 +18,7 @@ def rank_of(x: ir.Value) -> int | None:
     return None if x.shape is None else len(x.shape)
 
 
-def _dims_equal(a, b) -> bool | None:
+def dims_equal(a, b) -> bool | None:
     """True/False when provably equal/different, None when unknown."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
@@ -49,7 +49,7 @@ def broadcast_axes(target: ir.Shape | None, source: ir.Shape | None) -> tuple[li
             return None  # a symbolic dim against 1: broadcast or not, only runtime knows
         if isinstance(tdim, int):
             continue  # an operand dim != 1 equals the result dim in any valid broadcast
-        if _dims_equal(tdim, sdim) or (isinstance(sdim, int) and sdim == 1):
+        if dims_equal(tdim, sdim) or (isinstance(sdim, int) and sdim == 1):
             continue
         return None  # a symbolic operand dim may be 1 at runtime: only runtime knows
     return list(range(lead)), kept

@@ -19,7 +19,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import GradContext, grad
-from onnxtrain.ir.shapes import rank_of
+from onnxtrain.ir.shapes import dims_equal, rank_of
 
 _FLOAT = int(ir.DataType.FLOAT)
 # the largest identity written into the graph as a constant: the folder's input limit (onnxscript's
@@ -29,14 +29,6 @@ _FOLDED_IDENTITY_SIZE = 8192
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _same_dim(a, b) -> bool:
-    """Whether two dims of a static or symbolic shape are provably equal."""
-    if isinstance(a, int) and isinstance(b, int):
-        return a == b
-    return isinstance(a, ir.SymbolicDim) and isinstance(b, ir.SymbolicDim) and a.value is not None \
-        and a.value == b.value
 
 
 def _resized_axes(ctx: GradContext, axes: list[int], scales, sizes, crop: bool) -> list[int]:
@@ -54,7 +46,7 @@ def _resized_axes(ctx: GradContext, axes: list[int], scales, sizes, crop: bool) 
         elif sizes is not None and x_shape is not None and isinstance(x_shape[axis], int):
             if int(sizes[k]) == x_shape[axis]:
                 kept.add(axis)
-        elif x_shape is not None and y_shape is not None and _same_dim(x_shape[axis], y_shape[axis]):
+        elif x_shape is not None and y_shape is not None and dims_equal(x_shape[axis], y_shape[axis]):
             kept.add(axis)
     return [a for a in axes if a not in kept]
 
@@ -111,13 +103,11 @@ def _block_factor(ctx: GradContext, axis: int, k: int, scales, sizes) -> int | N
     return int(factor) if factor >= 1 and factor == int(factor) else None
 
 
-def _sum_blocks(ctx: GradContext, g: ir.Value, axis: int, factor: int) -> ir.Value:
-    """``g`` with each run of ``factor`` positions along ``axis`` (the last) summed into one."""
+def _sum_last_axis_blocks(ctx: GradContext, g: ir.Value, factor: int) -> ir.Value:
+    """``g`` with each run of ``factor`` positions along its last axis summed into one."""
     op, b = ctx.op, ctx.b
-    shape = op.Shape(g)
-    split = op.Concat(op.Slice(shape, b.ints([0]), b.ints([axis])), b.ints([-1, factor]),
-                      op.Slice(shape, b.ints([axis + 1]), b.ints([np.iinfo(np.int64).max])), axis=0)
-    return b.reduce_sum(op.Reshape(g, split), [axis + 1], keepdims=False)
+    split = op.Concat(op.Slice(op.Shape(g), b.ints([0]), b.ints([-1])), b.ints([-1, factor]), axis=0)
+    return b.reduce_sum(op.Reshape(g, split), [-1], keepdims=False)
 
 
 def _contract(ctx: GradContext, g: ir.Value, matrix: ir.Value, axis: int, rank: int) -> ir.Value:
@@ -156,7 +146,7 @@ def _resize(ctx):
         factor = _block_factor(ctx, axis, axes.index(axis), scales if uses_scales else None, sizes) \
             if axis == rank - 1 else None
         if factor is not None:
-            g = _sum_blocks(ctx, g, axis, factor)
+            g = _sum_last_axis_blocks(ctx, g, factor)
             continue
         matrix = _axis_matrix(ctx, axis, axes.index(axis), len(axes), uses_scales)
         if g.dtype != ir.DataType.FLOAT:

@@ -227,13 +227,35 @@ def instance_norm(input, weight=None, bias=None, running_mean=None, running_var=
                               cudnn_enabled)
 
 
+def _src_like_index(src, index):
+    """``src`` cut to ``index``'s shape: PyTorch scatters read only the part of ``src`` that ``index``
+    covers (it may be smaller), ONNX's ScatterElements wants the two shapes equal."""
+    if src.shape is not None and index.shape is not None and list(src.shape) == list(index.shape):
+        return src
+    rank = len(index.shape)
+    return op.Slice(src, op.Constant(value_ints=[0] * rank), op.Shape(index), op.Constant(value_ints=list(range(rank))))
+
+
+def scatter_src(self, dim: int, index, src):
+    """``aten.scatter.src``: the exporter's translation, with ``src`` cut to ``index``'s shape."""
+    from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_src
+    return aten_scatter_src(self, dim, index, _src_like_index(src, index))
+
+
+def scatter_add(self, dim: int, index, src):
+    """``aten.scatter_add``: the exporter's translation, with ``src`` cut to ``index``'s shape."""
+    from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_add
+    return aten_scatter_add(self, dim, index, _src_like_index(src, index))
+
+
 def scatter_reduce(self, dim: int, index, src, reduce: str, include_self: bool = True):
-    """``aten.scatter_reduce.two``: the exporter's translation, but for ``reduce="mean"``, which it
-    turns into a plain scatter (no averaging): NotImplementedError (the export fails)."""
+    """``aten.scatter_reduce.two``: the exporter's translation with ``src`` cut to ``index``'s
+    shape, but for ``reduce="mean"``, which it turns into a plain scatter (no averaging):
+    NotImplementedError (the export fails)."""
     if reduce == "mean":
         raise NotImplementedError("scatter_reduce(reduce='mean'): the exporter's translation does not average")
     from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_reduce
-    return aten_scatter_reduce(self, dim, index, src, reduce, include_self=include_self)
+    return aten_scatter_reduce(self, dim, index, _src_like_index(src, index), reduce, include_self=include_self)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -426,6 +448,8 @@ def translation_table() -> dict:
         torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
         torch.ops.aten.instance_norm.default: instance_norm,
         torch.ops.aten.scatter_reduce.two: scatter_reduce,
+        torch.ops.aten.scatter.src: scatter_src,
+        torch.ops.aten.scatter_add.default: scatter_add,
         torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
         torch.ops.aten.median.dim: median_dim,
         torch.ops.aten.median.default: median,

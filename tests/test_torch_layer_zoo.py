@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.torch_models import export, torch, training_gradients
+from tests.torch_models import assert_exported_gradients_match_torch, torch
 
 nn = torch.nn
 
@@ -135,18 +135,4 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_layer_gradients_match_torch(case):
     make, sample = CASES[case]
-    torch.manual_seed(0)
-    model = make().eval()
-    rng = np.random.default_rng(0)
-    example = sample(rng, 3)
-    onnx_model = export(model, (torch.tensor(example),), ["x"], ({0: torch.export.Dim("batch", min=2, max=16)},))
-    x = sample(rng, 5)  # another batch size than the export's
-    out = model(torch.tensor(x))
-    weight = rng.standard_normal(tuple(out.shape)).astype(np.float32)
-
-    params = dict(model.named_parameters())
-    ours = training_gradients(onnx_model, list(params), {"x": x}, weight)
-    (out * torch.tensor(weight)).sum().backward()
-    for name, p in params.items():
-        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4,
-                                   atol=1e-5, err_msg=f"{case}: gradient of {name}")
+    assert_exported_gradients_match_torch(make, sample, case=case)

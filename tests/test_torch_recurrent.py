@@ -14,7 +14,7 @@ import pytest
 
 from onnxtrain import artifacts
 from onnxtrain.api import CheckpointState, Module, Optimizer
-from tests.torch_models import export, torch, training_gradients
+from tests.torch_models import assert_exported_gradients_match_torch, export, torch
 
 nn = torch.nn
 
@@ -71,23 +71,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_recurrent_gradients_match_torch(case):
     make, batch_axis, sample, op_type = CASES[case]
-    torch.manual_seed(0)
-    model = make().eval()
-    rng = np.random.default_rng(0)
-    example = sample(rng, 3)
-    onnx_model = export(model, (torch.tensor(example),), ["x"],
-                        ({batch_axis: torch.export.Dim("batch", min=2, max=16)},))
+    onnx_model = assert_exported_gradients_match_torch(make, sample, batch_axis, case)
     assert op_type in {n.op_type for n in onnx_model.graph.node}, "the exporter no longer emits the ONNX op"
-    x = sample(rng, 4)  # another batch size than the export's
-    out = model(torch.tensor(x))
-    weight = rng.standard_normal(tuple(out.shape)).astype(np.float32)
-
-    params = dict(model.named_parameters())
-    ours = training_gradients(onnx_model, list(params), {"x": x}, weight)
-    (out * torch.tensor(weight)).sum().backward()
-    for name, p in params.items():
-        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4,
-                                   atol=1e-5, err_msg=f"{case}: gradient of {name}")
 
 
 class LstmClassifier(nn.Module):

@@ -149,3 +149,25 @@ def training_gradients(onnx_model: onnx.ModelProto, params: list[str], inputs: d
     results = dict(zip([o.name for o in session.get_outputs()],
                        session.run(None, {k: v for k, v in feeds.items() if k in wanted})))
     return {name: results[names.accumulation_out_name(name)] for name in params}
+
+
+def assert_exported_gradients_match_torch(make: Callable[[], nn.Module], sample: Callable, batch_axis: int = 0,
+                                          case: str = "") -> onnx.ModelProto:
+    """Export ``make()`` (eval mode) with a dynamic batch along ``batch_axis`` from a sample of 3,
+    run its training graph on a sample of 5 (``sample(rng, n)``), and compare the parameters'
+    gradients of a random-direction VJP with torch.autograd's. Returns the exported model."""
+    torch.manual_seed(0)
+    model = make().eval()
+    rng = np.random.default_rng(0)
+    onnx_model = export(model, (torch.tensor(sample(rng, 3)),), ["x"],
+                        ({batch_axis: torch.export.Dim("batch", min=2, max=16)},))
+    x = sample(rng, 5)  # another batch size than the export's
+    out = model(torch.tensor(x))
+    weight = rng.standard_normal(tuple(out.shape)).astype(np.float32)
+    params = dict(model.named_parameters())
+    ours = training_gradients(onnx_model, list(params), {"x": x}, weight)
+    (out * torch.tensor(weight)).sum().backward()
+    for name, p in params.items():
+        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4, atol=1e-5,
+                                   err_msg=f"{case}: gradient of {name}")
+    return onnx_model

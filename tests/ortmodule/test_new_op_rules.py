@@ -1,6 +1,6 @@
 """ORTModule runs modules whose exports need the recurrent, resampling and selection rules, or
 our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist, hypot,
-searchsorted and cumprod (which the exporter lacks),
+searchsorted and cumprod (which the exporter lacks), or nn.Transformer's causal-mask check,
 in ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
 from __future__ import annotations
@@ -128,12 +128,26 @@ class _Transmittance(nn.Module):
         return torch.cumprod(passed, dim=1) * alpha + torch.cumprod(x[..., :3], dim=-1).sum(-1)
 
 
+class _Seq2Seq(nn.Module):
+    """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
+    (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
+
+    def __init__(self):
+        super().__init__()
+        self.transformer = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True)
+
+    def forward(self, x):
+        target = x[:, :4] * 0.5
+        mask = nn.Transformer.generate_square_subsequent_mask(4)
+        return self.transformer(x, target, tgt_mask=mask) * 0.1
+
+
 @pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4)),
                                                (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6)),
                                                (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6)),
-                                               (_Transmittance, (4, 9, 6))],
+                                               (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
-                              "scatter-amax-amin", "searchsorted", "cumprod"])
+                              "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)

@@ -217,6 +217,29 @@ def _internal_export():
     return (_core.export, _constants.ONNX_DEFAULT_OPSET) if needed else None
 
 
+@contextlib.contextmanager
+def _causal_masks_taken_as_given():
+    """nn.Transformer and its decoder compare a given target mask with a causal one (a
+    data-dependent ``torch.equal``, which the capture cannot trace) only to pick a faster kernel
+    for the same result: while capturing, a mask is taken as given (``is_causal`` as passed, else
+    False), so the mask itself is applied."""
+    from torch.nn.modules import transformer
+
+    detect = getattr(transformer, "_detect_is_causal_mask", None)
+    if detect is None:
+        yield
+        return
+
+    def as_given(mask, is_causal=None, size=None):
+        return bool(is_causal) if is_causal is not None else False
+
+    transformer._detect_is_causal_mask = as_given
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
+
+
 def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
     """``module(*args)`` as the exporter's first capture strategy captures it: non-strict
     ``torch.export.export`` with the exporter's flags, ``torch.onnx.is_in_onnx_export()`` true."""
@@ -229,7 +252,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
 
     def run() -> torch.export.ExportedProgram:
         with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
-              torch.fx.experimental._config.patch(backed_size_oblivious=True)):
+              torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -82,15 +82,16 @@ class SpatialTransformerNet(nn.Module):
     """A spatial transformer: an affine grid predicted from the input, then F.grid_sample
     (GridSample; the gradient reaches the localization layer through the grid)."""
 
-    def __init__(self):
+    def __init__(self, mode="bilinear"):
         super().__init__()
         self.conv = nn.Conv2d(2, 3, 3, padding=1)
         self.localize = nn.Linear(2 * 4 * 5, 6)
+        self.mode = mode
 
     def forward(self, x):
         theta = self.localize(x.flatten(1)).reshape(-1, 2, 3) * 0.1 + torch.tensor([[1.0, 0, 0], [0, 1.0, 0]])
         grid = nn.functional.affine_grid(theta, [x.shape[0], 3, 3, 4], align_corners=False)
-        return nn.functional.grid_sample(self.conv(x), grid, align_corners=False)
+        return nn.functional.grid_sample(self.conv(x), grid, mode=self.mode, align_corners=False)
 
 
 class PatchNet(nn.Module):
@@ -127,6 +128,8 @@ CASES = {
     "text": (TextNet, lambda r, n: r.integers(0, 20, (n, 7))),
     "resample": (ResampleNet, lambda r, n: r.standard_normal((n, 2, 4, 5)).astype(np.float32)),
     "stn": (SpatialTransformerNet, lambda r, n: r.standard_normal((n, 2, 4, 5)).astype(np.float32)),
+    "stn-bicubic": (lambda: SpatialTransformerNet("bicubic"),
+                    lambda r, n: r.standard_normal((n, 2, 4, 5)).astype(np.float32)),
     "patches": (PatchNet, lambda r, n: r.standard_normal((n, 2, 4, 5)).astype(np.float32)),
     "select": (SelectNet, lambda r, n: r.standard_normal((n, 4, 6)).astype(np.float32)),
 }

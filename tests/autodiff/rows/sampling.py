@@ -99,6 +99,13 @@ ROWS += [
     _grid_row([I(2, 2, 3, 4), C(_GRID)], "nearest-reflection-align-corners", opsets=(16, 23), mode="nearest",
               padding_mode="reflection", align_corners=1),
     _grid_row([I(2, 2, 3, 4), C(_GRID)], "nearest-border", mode="nearest", padding_mode="border"),
+    # bicubic (4 x 4 taps, Keys' coefficient -0.75); called "bicubic" before opset 20, "cubic" from it
+    _grid_row([I(2, 2, 4, 5), I(2, 2, 3, 2, low=-1.3, high=1.3)], "cubic", mode="cubic"),
+    _grid_row([I(1, 2, 4, 5), I(1, 3, 2, 2, low=-2.5, high=2.5)], "cubic-reflection-align-corners",
+              mode="cubic", padding_mode="reflection", align_corners=1),
+    _grid_row([I(1, 1, 5, 4), I(1, 2, 2, 2, low=-1.3, high=1.3)], "cubic-border", mode="cubic",
+              padding_mode="border"),
+    _grid_row([I(2, 2, 3, 4), C(_GRID)], "bicubic-x-only", opsets=(16, 19), mode="bicubic"),
     _grid_row([I(1, 2, 2, 3, 2), I(1, 2, 2, 1, 3, low=-1.2, high=1.2)], "3d"),
     _grid_row([I(1, 1, 3, 2, 3), I(1, 2, 1, 2, 3, low=-1.2, high=1.2)], "3d-border-align-corners",
               padding_mode="border", align_corners=1),

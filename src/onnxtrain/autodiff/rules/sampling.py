@@ -15,6 +15,8 @@ the matrix: the gradient sums the blocks (a reshape and a sum over the innermost
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import onnx_ir as ir
 
@@ -198,12 +200,52 @@ def _grid_tap(ctx: GradContext, tap: ir.Value, size: ir.Value, padding: str, ali
     return op.Cast(position, to=int(ir.DataType.INT64)), valid
 
 
+_CUBIC_A = -0.75  # onnxruntime's (and PyTorch's) bicubic coefficient for GridSample
+
+
+def _cubic_near(ctx: GradContext, s: ir.Value, derivative: bool) -> ir.Value:
+    """Keys' cubic weight of a tap at distance ``s`` in [0, 1] (or its derivative in ``s``)."""
+    op, a = ctx.op, _CUBIC_A
+    if derivative:  # 3 (a + 2) s^2 - 2 (a + 3) s
+        return op.Mul(s, op.Sub(op.Mul(ctx.like(s, 3 * (a + 2)), s), ctx.like(s, 2 * (a + 3))))
+    return op.Add(op.Mul(op.Mul(s, s), op.Sub(op.Mul(ctx.like(s, a + 2), s), ctx.like(s, a + 3))), ctx.like(s, 1.0))
+
+
+def _cubic_far(ctx: GradContext, s: ir.Value, derivative: bool) -> ir.Value:
+    """Keys' cubic weight of a tap at distance ``s`` in [1, 2] (or its derivative in ``s``)."""
+    op, a = ctx.op, _CUBIC_A
+    if derivative:  # 3 a s^2 - 10 a s + 8 a
+        return op.Add(op.Mul(s, op.Sub(op.Mul(ctx.like(s, 3 * a), s), ctx.like(s, 10 * a))), ctx.like(s, 8 * a))
+    inner = op.Add(op.Mul(op.Sub(op.Mul(ctx.like(s, a), s), ctx.like(s, 5 * a)), s), ctx.like(s, 8 * a))
+    return op.Sub(op.Mul(inner, s), ctx.like(s, 4 * a))
+
+
+def _axis_taps(ctx: GradContext, point: ir.Value, mode: str) -> list[tuple[ir.Value, ir.Value | None, ir.Value | None]]:
+    """The taps a sampling point reads along one axis: (position, weight, d weight / d point);
+    the weights are None for nearest sampling (one tap, weight 1, no gradient)."""
+    op = ctx.op
+    if mode == "nearest":
+        return [(op.Round(point), None, None)]  # half to even, as the kernel's nearbyint
+    base = op.Floor(point)
+    t = op.Sub(point, base)
+    one = ctx.like(point, 1.0)
+    if mode in ("bilinear", "linear"):
+        return [(base, op.Sub(one, t), ctx.like(point, -1.0)), (op.Add(base, one), t, one)]
+    # cubic: 4 taps from floor - 1, at distances t + 1, t, 1 - t, 2 - t
+    near, far = op.Sub(one, t), op.Sub(ctx.like(point, 2.0), t)
+    before = op.Add(t, one)
+    return [(op.Sub(base, one), _cubic_far(ctx, before, False), _cubic_far(ctx, before, True)),
+            (base, _cubic_near(ctx, t, False), _cubic_near(ctx, t, True)),
+            (op.Add(base, one), _cubic_near(ctx, near, False), op.Neg(_cubic_near(ctx, near, True))),
+            (op.Add(base, ctx.like(point, 2.0)), _cubic_far(ctx, far, False), op.Neg(_cubic_far(ctx, far, True)))]
+
+
 @grad("GridSample", versions=(16, None))
 def _grid_sample(ctx):
     # Y = sum over the taps around each sampling point of weight(point) * X[tap]: X's gradient
     # scatters dY * weight back to the taps; the grid's is dY * d weight / d point * X[tap]
     # summed over the taps and channels, times d point / d grid (the weights are products of
-    # per-axis linear factors; nearest sampling has no grid gradient).
+    # per-axis factors: linear or Keys' cubic; nearest sampling has no grid gradient).
     op, b = ctx.op, ctx.b
     x, grid = ctx.inputs
     rank = rank_of(x)
@@ -211,15 +253,14 @@ def _grid_sample(ctx):
         raise NotImplementedError(f"the rank of {x.name!r} must be known")
     r = rank - 2
     mode = _text(ctx.attr("mode", "bilinear" if ctx.opset < 20 else "linear"))
-    if mode not in ("bilinear", "linear", "nearest"):
-        raise NotImplementedError(f"mode={mode!r} (linear and nearest are supported)")
-    linear = mode != "nearest"
+    if mode not in ("bilinear", "linear", "nearest", "bicubic", "cubic"):
+        raise NotImplementedError(f"mode={mode!r}")
     padding = _text(ctx.attr("padding_mode", "zeros"))
     align = bool(ctx.attr("align_corners", 0))
     x_shape = op.Shape(x)
     batch_channels = op.Slice(x_shape, b.ints([0]), b.ints([2]))
     one = ctx.like(grid, 1.0)
-    lengths, points, fractions = [], [], []
+    lengths, points, axis_taps = [], [], []
     for axis in range(r):  # grid component r - 1 - axis addresses spatial axis ``axis``
         length = op.Gather(x_shape, b.ints([2 + axis]), axis=0)
         size = op.Reshape(op.Cast(length, to=int(grid.dtype)), b.ints([]))
@@ -228,32 +269,26 @@ def _grid_sample(ctx):
                  op.Div(op.Sub(op.Mul(op.Add(g, one), size), one), ctx.like(grid, 2.0)))
         lengths.append((length, size))
         points.append(point)
-        fractions.append(op.Sub(point, op.Floor(point)) if linear else None)
+        axis_taps.append(_axis_taps(ctx, point, mode))
 
     flat_points = op.Concat(op.Slice(x_shape, b.ints([0]), b.ints([1])), b.ints([1, -1]), axis=0)  # [N, 1, Q]
-    corners = [tuple((c >> k) & 1 for k in range(r)) for c in range(2 ** r)] if linear else [None]
-    taps = []  # per corner: (flat int64 index [N, 1, Q], weight [N, *out], per-axis factors, validity)
-    for corner in corners:
-        index, valid, factors = None, None, []
-        for axis in range(r):
+    taps = []  # per tap: (flat int64 index [N, 1, Q], weight [N, *out], per-axis (weight, slope), validity)
+    for choice in itertools.product(*axis_taps):
+        index, valid = None, None
+        for axis, (tap, _, _) in enumerate(choice):
             length, size = lengths[axis]
-            if linear:
-                tap = op.Add(op.Floor(points[axis]), ctx.like(grid, float(corner[axis])))
-                frac = fractions[axis]
-                factors.append(frac if corner[axis] else op.Sub(one, frac))
-            else:
-                tap = op.Round(points[axis])  # half to even, as the kernel's nearbyint
             position, inside = _grid_tap(ctx, tap, size, padding, align)
             index = position if index is None else op.Add(op.Mul(index, length), position)
             if inside is not None:
                 valid = inside if valid is None else op.And(valid, inside)
         weight = None
-        for factor in factors:
-            weight = factor if weight is None else op.Mul(weight, factor)
+        for _, factor, _ in choice:
+            if factor is not None:
+                weight = factor if weight is None else op.Mul(weight, factor)
         if valid is not None:
             mask = op.Cast(valid, to=int(grid.dtype))
             weight = mask if weight is None else op.Mul(weight, mask)
-        taps.append((op.Reshape(index, flat_points), weight, factors, valid))
+        taps.append((op.Reshape(index, flat_points), weight, choice, valid))
 
     dy = op.Reshape(ctx.dy, op.Concat(batch_channels, b.ints([-1]), axis=0))  # [N, C, Q]
     per_channel = op.Concat(batch_channels, b.ints([1]), axis=0)
@@ -264,20 +299,20 @@ def _grid_sample(ctx):
         updates = op.Concat(*(dy if weight is None else op.Mul(dy, op.Reshape(weight, flat_points))
                               for _, weight, *_ in taps), axis=2)
         dx = op.Reshape(op.ScatterElements(b.zeros_like(flat_x), indices, updates, axis=2, reduction="add"), x_shape)
-    if ctx.needs(1) and linear:
+    if ctx.needs(1) and mode != "nearest":
         components = [None] * r
         values = [op.GatherElements(flat_x, op.Expand(index, per_channel), axis=2) for index, *_ in taps]
         point_shape = op.Shape(points[0])
         for axis in range(r):
             slope = None  # d y / d point along ``axis``, per channel: [N, C, Q]
-            for corner, (_, _, factors, valid), value in zip(corners, taps, values):
-                term = ctx.like(grid, 1.0 if corner[axis] else -1.0)
-                for other, factor in enumerate(factors):
+            for (_, _, choice, valid), value in zip(taps, values):
+                term = choice[axis][2]
+                for other, (_, factor, _) in enumerate(choice):
                     if other != axis:
                         term = op.Mul(term, factor)
                 if valid is not None:
                     term = op.Mul(term, op.Cast(valid, to=int(grid.dtype)))
-                part = op.Mul(value, op.Reshape(term, flat_points))
+                part = op.Mul(value, op.Reshape(op.Expand(term, point_shape), flat_points))
                 slope = part if slope is None else op.Add(slope, part)
             length, size = lengths[axis]
             scale = op.Div(op.Sub(size, one) if align else size, ctx.like(grid, 2.0))

@@ -45,6 +45,9 @@ class Case:
     rtol: float | None = None
     # "float32" for ops whose onnxruntime float64 kernel computes in float32 internally
     precision: str = "float64"
+    # float graph inputs (named cap0, cap1, ...) that the node's subgraphs read without listing
+    # them as node inputs (an If's branches); differentiated like the inputs
+    captured: list = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -67,10 +70,11 @@ def pos(*shape, **kw) -> In:
 
 
 def _all_rows() -> list[Case]:
-    from tests.autodiff.rows import conv, elementwise, index, loss, matmul, nn, recurrent, reduce, sampling, shape
+    from tests.autodiff.rows import (conv, control, elementwise, index, loss, matmul, nn, recurrent, reduce,
+                                     sampling, shape)
 
     rows: list[Case] = []
-    for family in (elementwise, matmul, reduce, shape, index, conv, nn, loss, sampling, recurrent):
+    for family in (elementwise, matmul, reduce, shape, index, conv, nn, loss, sampling, recurrent, control):
         rows.extend(family.ROWS)
     return rows
 

@@ -47,6 +47,11 @@ def build_case_model(case: Case, opset: int, rng):
         feeds[name] = _sample(spec, rng, sizes)
         if spec.grad:
             wrt.append(name)
+    for k, spec in enumerate(case.captured):  # graph inputs the node's subgraphs read by name
+        name = f"cap{k}"
+        graph_inputs.append(helper.make_tensor_value_info(name, _ONNX_TYPES[spec.dtype], list(spec.shape)))
+        feeds[name] = _sample(spec, rng, sizes)
+        wrt.append(name)
     outputs = [f"out{k}" for k in range(case.outputs)]
     node = helper.make_node(case.op, names, outputs, domain=case.domain, **case.attrs)
     graph = helper.make_graph([node], case.name, graph_inputs,

@@ -2,7 +2,8 @@
 
 ONNX lets an If branch or a Loop/Scan body read any value in scope without listing it as an
 input. Autodiff must see those reads: a parameter used only inside a Loop body is on the path
-to the loss, and with no rule for Loop the result is an error, never a zero gradient.
+to the loss, and with no rule for Loop the result is an error, never a zero gradient; If's rule
+differentiates its branches and gives the captured values their gradients.
 """
 
 from __future__ import annotations
@@ -53,23 +54,52 @@ def test_a_parameter_read_only_inside_a_loop_body_is_reported_not_given_zeros(tm
     assert info.value.unsupported == {"Loop": ["cube_loop"]}
 
 
-def test_a_branch_passing_an_outer_value_on_depends_on_it(tmp_path):
-    """``If`` whose branches pass outer values on unchanged: still a read of them."""
-    then = helper.make_graph([helper.make_node("Identity", ["w"], ["w_copy"])], "then", [],
-                             [helper.make_tensor_value_info("w_copy", TensorProto.FLOAT, [3])])
-    other = helper.make_graph([helper.make_node("Identity", ["x"], ["x_copy"])], "else", [],
-                              [helper.make_tensor_value_info("x_copy", TensorProto.FLOAT, [3])])
+def _switch_model():
+    """y = If(flag, then: tanh(w) * w, else: x * 2) * x, the branches reading w and x from outside."""
+    then = helper.make_graph([helper.make_node("Tanh", ["w"], ["t"]), helper.make_node("Mul", ["t", "w"], ["w_out"])],
+                             "then", [], [helper.make_tensor_value_info("w_out", TensorProto.FLOAT, [3])])
+    other = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["x_out"])], "else", [],
+                              [helper.make_tensor_value_info("x_out", TensorProto.FLOAT, [3])])
     nodes = [helper.make_node("If", ["flag"], ["picked"], then_branch=then, else_branch=other, name="pick"),
              helper.make_node("Mul", ["picked", "x"], ["y"])]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
                                            helper.make_tensor_value_info("flag", TensorProto.BOOL, [])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])],
-                              [numpy_helper.from_array(np.ones(3, np.float32), "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(UnsupportedOpError) as info:
-        artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.L1Loss,
-                                     artifact_directory=tmp_path)
-    assert info.value.unsupported == {"If": ["pick"]}
+                              [numpy_helper.from_array(np.array([0.5, -1.0, 2.0], np.float32), "w"),
+                               numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_if_branches_differentiate_what_they_read_from_outside(flag):
+    """The taken branch's gradient reaches the captured values; the other branch's does not."""
+    import onnxruntime as ort
+
+    from onnxtrain.autodiff import build_gradients
+
+    model = io.load_model(_switch_model())
+    graph = model.graph
+    x = graph.inputs[0]
+    w = graph.initializers["w"]
+    grads = build_gradients(graph, graph.outputs[0], [w, x])
+    graph.outputs.extend([grads[w], grads[x]])
+    session = ort.InferenceSession(io.serialize(model), providers=["CPUExecutionProvider"])
+    xv, wv = np.array([1.5, -0.5, 0.25], np.float32), np.array([0.5, -1.0, 2.0], np.float32)
+    _, dw, dx = session.run(None, {"x": xv, "flag": np.array(flag)})
+    if flag:  # y = tanh(w) w x
+        np.testing.assert_allclose(dw, xv * (np.tanh(wv) + wv * (1 - np.tanh(wv) ** 2)), rtol=1e-5)
+        np.testing.assert_allclose(dx, np.tanh(wv) * wv, rtol=1e-5)
+    else:  # y = 2 x^2
+        np.testing.assert_allclose(dw, np.zeros(3), atol=0)
+        np.testing.assert_allclose(dx, 4 * xv, rtol=1e-5)
+
+
+def test_if_gradients_pass_the_finite_difference_check():
+    from onnxtrain.autodiff.check import check_gradients
+
+    for flag in (True, False):
+        check_gradients(_switch_model(), {"x": np.array([1.5, -0.5, 0.25], np.float32), "flag": np.array(flag)},
+                        wrt=["x", "w"])
 
 
 def test_a_loop_that_reads_no_parameter_stays_off_the_path():

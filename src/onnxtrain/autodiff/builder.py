@@ -21,7 +21,7 @@ from onnxtrain import names
 from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, Broadcast, GradContext, Registry
 from onnxtrain.errors import UnsupportedOpError
 from onnxtrain.ir.builder import GraphBuilder
-from onnxtrain.ir.nodes import node_reads
+from onnxtrain.ir.nodes import captured_values, node_reads
 from onnxtrain.ir.shapes import sum_to_shape
 
 FLOAT_TYPES = frozenset(
@@ -127,7 +127,8 @@ def build_gradients(
     losses = [loss] if isinstance(loss, ir.Value) else list(loss)
     seeds = [loss_grad] if isinstance(loss_grad, ir.Value) else list(loss_grad or [None] * len(losses))
     nodes = list(graph)
-    opsets = dict(graph.opset_imports)
+    # a subgraph (an If branch a rule differentiates) imports no opsets: its model's are the builder's
+    opsets = dict(graph.opset_imports) or {"": b.opset}
 
     active = active_values(nodes, wrt)
     reaching = _values_reaching(nodes, losses)
@@ -162,8 +163,9 @@ def build_gradients(
             continue
         rule, version = rules[node]
         needs = [i is not None and i in active for i in node.inputs]
+        captured = [v for v in captured_values(node) if v in active]
         ctx = GradContext(node=node, b=b.child(f"grad/{node.name}"), grad_outputs=grad_outputs,
-                          needs_grad=needs, opset=version)
+                          needs_grad=needs, opset=version, captured_needing_grad=captured)
         try:
             input_grads = tuple(rule.fn(ctx))
         except NotImplementedError as exc:  # a rule that does not cover this variant of its op
@@ -180,6 +182,8 @@ def build_gradients(
                 if isinstance(g, Broadcast):  # in the output's shape first, then summed down to the input's
                     g = ctx.b.op.Expand(g.value, ctx.b.op.Shape(node.outputs[0]))
                 g = sum_to_shape(ctx.b, g, value, node.outputs[0].shape)
+            contributions.setdefault(value, []).append(g)
+        for value, g in ctx.captured_grads.items():
             contributions.setdefault(value, []).append(g)
 
     result = {}

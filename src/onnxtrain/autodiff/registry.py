@@ -58,6 +58,10 @@ class GradContext:
     grad_outputs: list[ir.Value | None]
     needs_grad: list[bool]
     opset: int
+    # values of enclosing graphs the node's subgraphs read that need a gradient (If, Loop, Scan
+    # capture them without listing them as inputs); a rule puts their gradients in captured_grads
+    captured_needing_grad: list[ir.Value] = field(default_factory=list)
+    captured_grads: dict[ir.Value, ir.Value] = field(default_factory=dict)
 
     @property
     def op(self):

@@ -1,0 +1,58 @@
+"""Gradient rules: control flow (If).
+
+A branch of an ``If`` reads the values of the enclosing graph it needs without listing them as
+inputs: their gradients are what the rule computes. It runs a gradient ``If`` on the same
+condition whose branches are copies of the forward branches, each differentiated by the same
+autodiff (seeded with the gradients of the ``If``'s outputs, read from the enclosing graph), so
+the taken branch computes the gradient of the taken computation. A captured value a branch does
+not read gets zeros from that branch.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from onnxtrain.autodiff.registry import GradContext, grad
+from onnxtrain.ir.builder import GraphBuilder
+
+_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
+
+
+def _branch_gradients(ctx: GradContext, branch: ir.Graph, label: str) -> ir.Graph:
+    """A copy of ``branch`` whose outputs are the gradients of ``ctx.captured_needing_grad``."""
+    from onnxtrain.autodiff.builder import build_gradients  # the builder imports the rules
+
+    copy = branch.clone(allow_outer_scope_values=True)
+    copy.name = f"{branch.name or label}_gradient"
+    b = GraphBuilder(copy, scope=f"{ctx.b.scope}/{label}", opset=ctx.b.opset, _counter=ctx.b._counter)
+    seeded = [(out, g) for out, g in zip(copy.outputs, ctx.grad_outputs)
+              if g is not None and out.dtype in _FLOAT_TYPES]
+    wanted = ctx.captured_needing_grad
+    if seeded:
+        grads = build_gradients(copy, [out for out, _ in seeded], wanted, loss_grad=[g for _, g in seeded], builder=b)
+    else:
+        grads = {w: b.zeros_like(w) for w in wanted}
+    outputs = []
+    for w in wanted:
+        g = grads[w]
+        if g.producer() is None or g.producer().graph is not copy:  # an outer value: copy it in
+            g = b.op.Identity(g)
+        g.type, g.shape = w.type, w.shape
+        outputs.append(g)
+    copy.outputs.clear()
+    copy.outputs.extend(outputs)
+    return copy
+
+
+@grad("If", versions=(13, None))
+def _if(ctx):
+    wanted = ctx.captured_needing_grad
+    if wanted:
+        then_branch = _branch_gradients(ctx, ctx.node.attributes["then_branch"].value, "then")
+        else_branch = _branch_gradients(ctx, ctx.node.attributes["else_branch"].value, "else")
+        grads = ctx.op.If(ctx.inputs[0], then_branch=then_branch, else_branch=else_branch, _outputs=len(wanted))
+        grads = grads if isinstance(grads, tuple) else (grads,)
+        for value, g in zip(wanted, grads):
+            g.type, g.shape = value.type, value.shape
+            ctx.captured_grads[value] = g
+    return (None,)  # the condition is boolean

@@ -184,3 +184,11 @@ def test_hugging_face_architectures_train_from_artifacts_with_torch_gradients(na
     scale = max(float(g.abs().max()) for g in grads.values() if g is not None)
     for key, value in ours.items():
         np.testing.assert_allclose(value, grads[key].numpy(), rtol=1e-4, atol=1e-5 * scale, err_msg=key)
+
+
+def test_a_parameter_left_without_gradient_path_is_refused():
+    """nn.Embedding(max_norm=...) renormalizes its weight in place under no_grad: the exported
+    graph cannot, and its Gather reads the cut; the artifacts would never train the weight."""
+    model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
+    with pytest.raises(ExportError, match="no gradient to 0.weight, which PyTorch's autograd reaches"):
+        export_for_training(model, (torch.tensor([[1, 2, 3]]),))

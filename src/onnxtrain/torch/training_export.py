@@ -19,10 +19,12 @@ import onnx
 import torch
 
 from onnxtrain.errors import ExportError
+from onnxtrain.autodiff.builder import inputs_with_gradient
+from onnxtrain.ir import io
 from onnxtrain.torch._export import (
     _check_functions,
     _check_module_hooks,
-    autograd_functions,
+    autograd_graph,
     export_failure,
     quiet_exporter,
 )
@@ -66,6 +68,25 @@ def _canonical_state_names(model: torch.nn.Module, proto: onnx.ModelProto) -> No
         node.input[:] = [renames.get(i, i) for i in node.input]
 
 
+def _check_gradient_paths(model: torch.nn.Module, proto: onnx.ModelProto, leaves) -> None:
+    """``ExportError`` if a parameter that PyTorch's autograd reaches from the outputs has no
+    gradient path in the exported graph: its artifacts would train it with zeros. (An in-place
+    update of a parameter under ``torch.no_grad()``, as ``nn.Embedding(max_norm=...)`` makes,
+    is exported as a cut the gradient cannot cross.)"""
+    reached = {id(t) for t in leaves}
+    names = [name for name, p in model.named_parameters() if id(p) in reached]
+    graph = io.load_model(proto).graph
+    candidates = [graph.initializers[n] for n in names if n in graph.initializers]
+    found = {v.name for v in inputs_with_gradient(list(graph), candidates, graph.outputs)}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ExportError(
+            f"the exported graph of {type(model).__name__} gives no gradient to {', '.join(missing[:8])}"
+            f"{', ...' if len(missing) > 8 else ''}, which PyTorch's autograd reaches (a forward that changes a "
+            f"parameter in place under torch.no_grad(), as nn.Embedding(max_norm=...) renormalizes its weight, "
+            f"exports as a cut no gradient crosses)")
+
+
 def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.PathLike | None = None, *,
                         input_names: Sequence[str] | None = None,
                         output_names: Sequence[str] | None = None, dynamic_shapes: Any = None,
@@ -93,7 +114,8 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
 
     Raises:
         ExportError: the model runs custom autograd Functions not declared exact, has backward
-            hooks, or does not export (the reason is in the message).
+            hooks, changes a parameter in place (no gradient path left), or does not export (the
+            reason is in the message).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
@@ -119,7 +141,8 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
             for name, buffer in model.named_buffers():
                 if name in buffers:
                     buffer.copy_(buffers[name])
-    _check_functions(model, autograd_functions(torch.utils._pytree.tree_leaves(outputs)), inline,
+    traced = autograd_graph(torch.utils._pytree.tree_leaves(outputs))
+    _check_functions(model, traced.functions, inline,
                      option="export_for_training(..., inline_autograd_functions=[...])")
     try:
         with quiet_exporter():
@@ -133,6 +156,7 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     initializers = {t.name for t in proto.graph.initializer}
     _rename([i for i in proto.graph.input if i.name not in initializers], input_names, "input", proto)
     _rename(list(proto.graph.output), output_names, "output", proto)
+    _check_gradient_paths(model, proto, traced.leaves)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         onnx.save(proto, str(path))

@@ -87,13 +87,10 @@ def batch_norm_for_artifacts(input, weight, bias, running_mean, running_var,
     shift = bias if bias is not None else op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
     out, new_mean, new_var = op.BatchNormalization(input, scale, shift, running_mean, running_var, epsilon=eps,
                                                    momentum=1.0 - momentum, training_mode=1)
-    # the batch statistics aten returns beside (autograd's, unused by a forward graph)
-    axes = op.Constant(value_ints=[0, *range(2, len(input.shape))])
-    flat = op.Constant(value_ints=[-1])
-    mean = op.ReduceMean(input, axes, keepdims=1)
-    var = op.ReduceMean(op.Mul(op.Sub(input, mean), op.Sub(input, mean)), axes, keepdims=0)
-    rstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(op.Constant(value_float=eps), var))))
-    return out, op.Reshape(mean, flat), rstd, new_mean, new_var
+    # the batch statistics aten returns beside (autograd's; a forward graph leaves them unread)
+    _, save_mean, save_rstd, _, _ = batch_norm_functional(input, weight, bias, running_mean, running_var, True,
+                                                          momentum, eps)
+    return out, save_mean, save_rstd, new_mean, new_var
 
 
 def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse: bool = False):

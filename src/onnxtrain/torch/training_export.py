@@ -18,8 +18,8 @@ from typing import Any
 import onnx
 import torch
 
-from onnxtrain.errors import ExportError
 from onnxtrain.autodiff.builder import inputs_with_gradient
+from onnxtrain.errors import ExportError
 from onnxtrain.ir import io
 from onnxtrain.torch._export import (
     _check_functions,
@@ -32,18 +32,25 @@ from onnxtrain.torch._exporter import capture, contiguous_as_clone, export_progr
 from onnxtrain.torch._translations import artifacts_translation_table
 
 
+def _apply_renames(proto: onnx.ModelProto, renames: dict[str, str]) -> None:
+    """Rename values of ``proto``'s main graph wherever they are named."""
+    if not renames:
+        return
+    graph = proto.graph
+    for named in (*graph.initializer, *graph.input, *graph.output, *graph.value_info):
+        named.name = renames.get(named.name, named.name)
+    for node in graph.node:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+        node.output[:] = [renames.get(o, o) for o in node.output]
+
+
 def _rename(values, names: Sequence[str] | None, what: str, model: onnx.ModelProto) -> None:
     if names is None:
         return
     if len(names) != len(values):
         raise ExportError(f"{len(names)} {what} names given for {len(values)} {what}s "
                           f"({', '.join(v.name for v in values)})")
-    renames = {v.name: new for v, new in zip(values, names) if v.name != new}
-    for value in values:
-        value.name = renames.get(value.name, value.name)
-    for node in model.graph.node:
-        node.input[:] = [renames.get(i, i) for i in node.input]
-        node.output[:] = [renames.get(o, o) for o in node.output]
+    _apply_renames(model, {v.name: new for v, new in zip(values, names) if v.name != new})
 
 
 def _canonical_state_names(model: torch.nn.Module, proto: onnx.ModelProto) -> None:
@@ -57,15 +64,7 @@ def _canonical_state_names(model: torch.nn.Module, proto: onnx.ModelProto) -> No
             if canonical[id(tensor)] != name:
                 renames[name] = canonical[id(tensor)]
     present = {t.name for t in proto.graph.initializer}
-    renames = {old: new for old, new in renames.items() if old in present and new not in present}
-    if not renames:
-        return
-    for tensor in proto.graph.initializer:
-        tensor.name = renames.get(tensor.name, tensor.name)
-    for value in [*proto.graph.input, *proto.graph.value_info]:
-        value.name = renames.get(value.name, value.name)
-    for node in proto.graph.node:
-        node.input[:] = [renames.get(i, i) for i in node.input]
+    _apply_renames(proto, {old: new for old, new in renames.items() if old in present and new not in present})
 
 
 def _check_gradient_paths(model: torch.nn.Module, proto: onnx.ModelProto, leaves) -> None:
@@ -95,8 +94,8 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     :func:`onnxtrain.artifacts.generate_artifacts`.
 
     The model is exported in its current mode: in ``train()`` mode BatchNorm normalizes with
-    batch statistics and the model's extra outputs update its running statistics (the
-    artifacts keep them as frozen state); Dropout stays random.
+    batch statistics, as a ``BatchNormalization(training_mode=1)`` whose running statistics
+    the artifacts keep as frozen state and update each step; Dropout stays random.
 
     Args:
         model: the module; its parameters and buffers become the model's initializers, named

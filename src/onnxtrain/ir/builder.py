@@ -72,6 +72,19 @@ class GraphBuilder:
         """A builder on the same graph whose node names start with ``scope``."""
         return GraphBuilder(self.graph, scope=scope, opset=self.opset, _counter=self._counter)
 
+    def for_subgraph(self, graph: ir.Graph, scope: str) -> "GraphBuilder":
+        """A builder on ``graph`` (a subgraph of this builder's model) sharing this one's name
+        counter: names stay unique across both, whatever scopes child builders take."""
+        return GraphBuilder(graph, scope=scope, opset=self.opset, _counter=self._counter)
+
+    def owned(self, value: ir.Value) -> ir.Value:
+        """``value`` if a node of this builder's graph computes it, else an Identity of it: a
+        graph's outputs must be computed in it (a subgraph's may not be read from outside)."""
+        producer = value.producer()
+        if producer is not None and producer.graph is self.graph:
+            return value
+        return self.op.Identity(value)
+
     def fresh_name(self, base: str) -> str:
         """A name unique within this builder's graph, under this builder's scope."""
         prefix = f"{self.scope}/" if self.scope else ""

@@ -12,21 +12,16 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from onnxtrain.autodiff.builder import build_gradients, is_float
 from onnxtrain.autodiff.registry import GradContext, grad
-from onnxtrain.ir.builder import GraphBuilder
-
-_FLOAT_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 
 def _branch_gradients(ctx: GradContext, branch: ir.Graph, label: str) -> ir.Graph:
     """A copy of ``branch`` whose outputs are the gradients of ``ctx.captured_needing_grad``."""
-    from onnxtrain.autodiff.builder import build_gradients  # the builder imports the rules
-
     copy = branch.clone(allow_outer_scope_values=True)
     copy.name = f"{branch.name or label}_gradient"
-    b = GraphBuilder(copy, scope=f"{ctx.b.scope}/{label}", opset=ctx.b.opset, _counter=ctx.b._counter)
-    seeded = [(out, g) for out, g in zip(copy.outputs, ctx.grad_outputs)
-              if g is not None and out.dtype in _FLOAT_TYPES]
+    b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/{label}")
+    seeded = [(out, g) for out, g in zip(copy.outputs, ctx.grad_outputs) if g is not None and is_float(out)]
     wanted = ctx.captured_needing_grad
     if seeded:
         grads = build_gradients(copy, [out for out, _ in seeded], wanted, loss_grad=[g for _, g in seeded], builder=b)
@@ -34,9 +29,7 @@ def _branch_gradients(ctx: GradContext, branch: ir.Graph, label: str) -> ir.Grap
         grads = {w: b.zeros_like(w) for w in wanted}
     outputs = []
     for w in wanted:
-        g = grads[w]
-        if g.producer() is None or g.producer().graph is not copy:  # an outer value: copy it in
-            g = b.op.Identity(g)
+        g = b.owned(grads[w])
         g.type, g.shape = w.type, w.shape
         outputs.append(g)
     copy.outputs.clear()

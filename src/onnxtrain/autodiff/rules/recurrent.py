@@ -212,8 +212,7 @@ def _scan(b: GraphBuilder, label: str, states: Sequence[ir.Value], carried: Sequ
     ranks = [_STEP_RANK] * len(next_states) + [rank for _, rank in carried] + [_STEP_RANK] * len(outputs)
     for value, rank in zip([*next_states, *carried_in, *outputs.values()], ranks):
         # a body output must be computed in the body, and only once
-        if value.producer() is None or value.producer().graph is not body or value in body_outputs:
-            value = sb.op.Identity(value)
+        value = sb.op.Identity(value) if value in body_outputs else sb.owned(value)
         if value.shape is None:
             value.shape = ir.Shape([None] * rank)
         body_outputs.append(value)

@@ -13,6 +13,7 @@ from onnxtrain import artifacts  # noqa: E402
 from onnxtrain.api import CheckpointState, Module  # noqa: E402
 from onnxtrain.errors import ExportError  # noqa: E402
 from onnxtrain.torch import export_for_training  # noqa: E402
+from tests.ortmodule.test_autograd_functions import RoundSTE  # noqa: E402
 from tests.torch_models import training_gradients  # noqa: E402
 
 nn = torch.nn
@@ -52,29 +53,19 @@ def test_no_grad_regions_and_detach_stop_gradients_as_in_pytorch():
     assert not np.allclose(theirs["layer.weight"], expected["layer.weight"], rtol=1e-3)
 
 
-class _Round(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad  # straight-through
-
-
 class _Quantized(nn.Module):
     def __init__(self):
         super().__init__()
         self.layer = nn.Linear(3, 3)
 
     def forward(self, x):
-        return _Round.apply(self.layer(x))
+        return RoundSTE.apply(self.layer(x))
 
 
 def test_custom_functions_are_refused_unless_declared_exact():
-    with pytest.raises(ExportError, match="_Round.*export_for_training\\(\\.\\.\\., inline_autograd_functions"):
+    with pytest.raises(ExportError, match="RoundSTE.*export_for_training\\(\\.\\.\\., inline_autograd_functions"):
         export_for_training(_Quantized(), (torch.randn(2, 3),))
-    proto = export_for_training(_Quantized(), (torch.randn(2, 3),), inline_autograd_functions=[_Round])
+    proto = export_for_training(_Quantized(), (torch.randn(2, 3),), inline_autograd_functions=[RoundSTE])
     assert "Round" in {n.op_type for n in proto.graph.node}
 
 

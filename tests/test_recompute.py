@@ -14,6 +14,7 @@ from onnxtrain.ir import io
 from onnxtrain.passes import memory, recompute
 from onnxtrain.passes.partition import (FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUTPUT_GRAD, MemoryOptions,
                                         build_forward_backward)
+from onnxtrain.runtime.session import list_for_default_order
 
 BATCH, WIDTH, LAYERS = 8, 6, 3
 
@@ -56,7 +57,9 @@ def _gradients(options: MemoryOptions | None):
     shapes = {n: v.shape for n, v in feeds.items()}
     graphs = build_forward_backward(io.load_model(proto), wrt, memory_options=options, input_shapes=shapes)
     forward = ort.InferenceSession(io.serialize(graphs.forward), providers=["CPUExecutionProvider"])
-    backward = ort.InferenceSession(io.serialize(graphs.backward_for_session()), providers=["CPUExecutionProvider"])
+    listed = io.to_proto(graphs.backward)
+    list_for_default_order(listed.graph)  # as ORTModule's backward session runs it
+    backward = ort.InferenceSession(listed.SerializeToString(), providers=["CPUExecutionProvider"])
     outputs = forward.run(None, feeds)
     seed = np.random.default_rng(1).standard_normal(outputs[0].shape).astype(np.float32)
     names = [v.name for v in graphs.forward.graph.inputs]

@@ -81,7 +81,7 @@ def _sessions(wrapped):
     for variants in wrapped._variants.values():
         for variant in variants:
             for programs in variant.training.values():
-                for graph in (programs.graphs.forward, programs.graphs.backward_for_session()):
+                for graph in (programs.graphs.forward, programs.graphs.backward):
                     yield onnx.load_from_string(_session_bytes(graph, ["CPUExecutionProvider"])).graph
 
 

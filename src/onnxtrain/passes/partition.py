@@ -166,23 +166,6 @@ class ForwardBackward:
     wrt: list[str]
     saved: list[str] = field(default_factory=list)
     memory: MemoryReport | None = None
-    reverse_node_list_for_ort: bool = False
-
-    def backward_for_session(self) -> ir.Model:
-        """The backward model to hand to ONNX Runtime.
-
-        With memory options, the backward graph's nodes are listed in a just-in-time order
-        (recomputed forward values right before the gradient that reads them).
-        ONNX Runtime's default execution order is a depth-first walk from the graph's leaves
-        that visits a node's highest-indexed producer first, so it follows that order when
-        the node list is reversed: this returns such a copy (not topologically sorted, which
-        ONNX Runtime accepts; the debug files keep the sorted graph).
-        """
-        if not self.reverse_node_list_for_ort:
-            return self.backward
-        copy = ir.from_proto(ir.to_proto(self.backward))
-        _relist(copy.graph, list(reversed(copy.graph)))
-        return copy
 
 
 def _distinct_outputs(graph: ir.Graph) -> None:
@@ -359,7 +342,7 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
             level=int(options.resolved_level()), budget=options.budget,
             input_shapes={k: tuple(int(d) for d in v) for k, v in input_shapes.items() if k in data_inputs})
     return ForwardBackward(forward, backward, len(model_outputs), differentiable, backward_inputs, wrt,
-                           saved=[v.name for v in saved], memory=report, reverse_node_list_for_ort=options.active)
+                           saved=[v.name for v in saved], memory=report)
 
 
 def _schedule_just_in_time(backward: ir.Model, backward_inputs: list[tuple[str, int]]) -> None:

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 
 from onnxtrain.errors import ModelError
@@ -52,6 +53,23 @@ def input_specs(session: ort.InferenceSession) -> list[IOSpec]:
 
 def output_specs(session: ort.InferenceSession) -> list[IOSpec]:
     return [_spec(a) for a in session.get_outputs()]
+
+
+def list_for_default_order(graph: onnx.GraphProto) -> None:
+    """Relist ``graph``'s nodes (in place) so that ONNX Runtime's default execution order runs
+    them in the order they are listed now (a topological order).
+
+    That order (``ExecutionOrder.DEFAULT``) is a depth-first walk from the graph's leaves (nodes
+    nothing reads) that visits a node's highest-indexed producer first and emits a node after
+    its producers: on a reversed node list it follows the list. On a backward graph listed in
+    topological order the walk would otherwise start from the first layer's gradient, pull in
+    the whole chain of input gradients, and run every weight gradient (a leaf of its own) at
+    the end, keeping every layer's output gradient alive through the whole run. The result is
+    not topologically sorted, which ONNX Runtime accepts: use it for sessions only.
+    """
+    nodes = list(graph.node)
+    del graph.node[:]
+    graph.node.extend(reversed(nodes))
 
 
 def quiet_session_options() -> ort.SessionOptions:

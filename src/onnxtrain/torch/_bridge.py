@@ -23,7 +23,7 @@ from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUT
 from onnxtrain.runtime import fusions
 from onnxtrain.runtime.denormals import denormals_flushed, runs_flush_denormals
 from onnxtrain.runtime.device import Device, providers_for
-from onnxtrain.runtime.session import create_session
+from onnxtrain.runtime.session import create_session, list_for_default_order
 from onnxtrain.torch._openmp import release_torch_openmp_threads
 
 
@@ -58,25 +58,33 @@ def _to_ort(tensor: torch.Tensor) -> ort.OrtValue:
 # 39.8 ms without the fusion (bench/ANALYSIS.md). Training sessions only: an inference graph
 # hands over no such values (its GPT run measured the same either way, within the host's ±1 ms).
 # Not on CUDA, where it was not measured.
-TRAINING_CPU_DISABLED_ORT_OPTIMIZERS = ["MatMulAddFusion"]
+# Its NchwcTransformer too: onnxtrain's own pass already runs the Convs with run-time weights (all
+# of a training graph's but the Conv weight gradients' patch gathers) in the blocked layout;
+# onnxruntime's adds reorders around the rest. Bench CNN, 3 alternating rounds of 60 steps: 14.3-15.1
+# ms without it against 15.1-15.3 with it, peak RSS 487 MB against 502.
+TRAINING_CPU_DISABLED_ORT_OPTIMIZERS = ["MatMulAddFusion", "NchwcTransformer"]
 
 
-def _session_bytes(model: ir.Model, providers: list) -> bytes:
+def _session_bytes(model: ir.Model, providers: list, in_listed_order: bool = False) -> bytes:
     """The model's bytes for a session on ``providers``: on the CPU provider, with the Conv weight
     gradients' patches gathered by a grouped Conv and the Convs in onnxruntime's blocked layout
     (``onnxtrain.runtime.fusions``), in a copy (the graph ORTModule keeps, saves and estimates
-    stays in standard ops)."""
+    stays in standard ops). With ``in_listed_order``, listed so that onnxruntime runs the
+    nodes in the graph's order (:func:`onnxtrain.runtime.session.list_for_default_order`)."""
     if fusions.rewrites(model, providers):
         model = ir.from_proto(io.to_proto(model))
         fusions.for_session(model, providers, gated_add=False)
-    return io.serialize(model)
+    proto = io.to_proto(model)
+    if in_listed_order:
+        list_for_default_order(proto.graph)
+    return proto.SerializeToString()
 
 
 class SessionRunner:
     """One InferenceSession and the names of its inputs and outputs, run on torch tensors."""
 
     def __init__(self, model, device: Device, session_options: ort.SessionOptions | None, what: str,
-                 shrink_arena: bool = False, training: bool = False):
+                 shrink_arena: bool = False, training: bool = False, in_listed_order: bool = False):
         self.device = device
         # With ``shrink_arena`` each run ends by handing the arena's free regions back to the
         # system, so the memory a run's intermediates took is not held while PyTorch computes
@@ -96,8 +104,8 @@ class SessionRunner:
         # threads and on this one; create_session gives this thread its own back, and the runs
         # set them for their length only
         self._flush_denormals = runs_flush_denormals(session_options, device.type)
-        self.session = create_session(_session_bytes(model, providers), providers, session_options, what=what,
-                                      disabled_optimizers=disabled)
+        self.session = create_session(_session_bytes(model, providers, in_listed_order), providers, session_options,
+                                      what=what, disabled_optimizers=disabled)
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         # per input position: (parameter, data_ptr, shape, OrtValue) of the last call.
@@ -168,8 +176,10 @@ class TrainingPrograms:
         non_diff = [i for i in range(num) if i not in graphs.differentiable_outputs]
         return cls(graphs, SessionRunner(graphs.forward, device, session_options, "forward graph", shrink_arena,
                                          training=True),
-                   SessionRunner(graphs.backward_for_session(), device, session_options, "backward graph",
-                                 shrink_arena, training=True),
+                   # each layer's weight gradients as soon as its output gradient is there (and
+                   # recomputed forward values right before their use): the graph's own order
+                   SessionRunner(graphs.backward, device, session_options, "backward graph", shrink_arena,
+                                 training=True, in_listed_order=True),
                    wrt_positions, non_diff)
 
 

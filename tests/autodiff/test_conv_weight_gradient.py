@@ -58,8 +58,11 @@ def _product(model: ir.Model) -> str:
     sums = [n for n in model.graph if n.op_type == "ReduceSum"]
     if not sums:
         return "one"
-    transposed = any(use.op_type == "Transpose" for n in sums for use, _ in n.outputs[0].uses())
-    return "patches_first" if transposed else "per_sample"
+    def transposed(value: ir.Value) -> bool:  # read by a Transpose, through Reshapes
+        return any(use.op_type == "Transpose" or (use.op_type == "Reshape" and transposed(use.outputs[0]))
+                   for use, _ in value.uses())
+
+    return "patches_first" if any(transposed(n.outputs[0]) for n in sums) else "per_sample"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

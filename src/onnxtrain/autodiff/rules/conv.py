@@ -202,7 +202,13 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
         summed = op.MatMul(rows, op.Transpose(patch_rows, perm=[1, 0]))  # (O, C*K)
     elif product == _PATCHES_FIRST:
         per_sample = op.MatMul(patches, op.Transpose(flat_kern, perm=[0, 2, 1]))  # (N, C*K, O)
-        summed = op.Transpose(b.reduce_sum(per_sample, [0], keepdims=False), perm=[1, 0])
+        summed_t = b.reduce_sum(per_sample, [0], keepdims=False)  # (C*K, O)
+        # the layout change last, on the weight's shape: a graph's final Transpose stays where it
+        # is (onnxruntime moves a Transpose that a Reshape follows past it, as a node of its own
+        # that its default order then runs first, with every node the gradient depends on)
+        split = op.Reshape(summed_t, op.Concat(b.ints([-1, *kernel]), op.Slice(op.Shape(summed_t), b.ints([1]),
+                                                                                b.ints([2])), axis=0))
+        return op.Transpose(split, perm=[r + 1, *range(r + 1)])  # (O, C, *kernel)
     else:
         per_sample = op.MatMul(flat_kern, op.Transpose(patches, perm=[0, 2, 1]))  # (N, O, C*K)
         summed = b.reduce_sum(per_sample, [0], keepdims=False)

@@ -540,21 +540,18 @@ def _new_output(graph: ir.Graph, value: ir.Value, name: str, outputs: list[ir.Va
     return value
 
 
-def _check_gradient_paths(module: torch.nn.Module, graph: ir.Graph, num_user_inputs: int, state_names: list[str],
-                          outputs: Sequence[ir.Value], reached: set, cuts: int) -> None:
-    """``ExportError`` if a call tensor or parameter that a gradient reaches in autograd's own
-    graph of the traced call has no gradient path in the exported graph (a gradient cut the
-    capture placed wrong): training would silently leave it without gradient."""
-    keys = [*range(num_user_inputs), *state_names]
-    candidates = [value for value, key in zip(graph.inputs, keys) if key in reached]
-    found = set(inputs_with_gradient(list(graph), candidates, outputs))
-    missing = [f"input {key}" if isinstance(key, int) else key
-               for value, key in zip(graph.inputs, keys) if key in reached and value not in found]
+def check_gradient_paths(module: torch.nn.Module, graph: ir.Graph, reached: dict[str, ir.Value | None],
+                         outputs: Sequence[ir.Value], why: str) -> None:
+    """``ExportError`` if a value of ``reached`` (a label for the error -> the graph input or
+    initializer it became; None if it is not in the graph), each something PyTorch's autograd
+    reaches from the outputs, has no gradient path from ``outputs`` in the exported graph:
+    training would silently leave it without gradient. ``why`` says what cuts such paths."""
+    found = set(inputs_with_gradient(list(graph), [v for v in reached.values() if v is not None], outputs))
+    missing = [label for label, value in reached.items() if value is None or value not in found]
     if missing:
         raise ExportError(
             f"the exported graph of {type(module).__name__} gives no gradient to {', '.join(missing[:8])}"
-            f"{', ...' if len(missing) > 8 else ''}, which PyTorch's autograd reaches ({cuts} outputs of "
-            f"torch.no_grad() regions were cut)")
+            f"{', ...' if len(missing) > 8 else ''}, which PyTorch's autograd reaches ({why})")
 
 
 def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False,
@@ -644,8 +641,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     graph.outputs.clear()
     graph.outputs.extend(kept)
     pipeline.run(model, pipeline.before_autodiff())
-    _check_gradient_paths(module, graph, num_user_inputs, state_names, list(graph.outputs[:num_user_outputs]),
-                          set(wrapper.gradient_reaches), cuts)
+    # a gradient cut the capture placed wrong would leave a call tensor or parameter without one
+    keys = [*range(num_user_inputs), *state_names]
+    reaches = set(wrapper.gradient_reaches)
+    check_gradient_paths(module, graph, {f"input {key}" if isinstance(key, int) else key: value
+                                         for value, key in zip(graph.inputs, keys) if key in reaches},
+                         list(graph.outputs[:num_user_outputs]), f"{cuts} outputs of torch.no_grad() regions were cut")
     return ExportedGraph(
         model=model, num_user_inputs=num_user_inputs, state_names=state_names,
         num_user_outputs=num_user_outputs, buffer_updates=updates, input_updates=input_updates,

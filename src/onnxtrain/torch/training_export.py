@@ -18,13 +18,13 @@ from typing import Any
 import onnx
 import torch
 
-from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError
 from onnxtrain.ir import io
 from onnxtrain.torch._export import (
     _check_functions,
     _check_module_hooks,
     autograd_graph,
+    check_gradient_paths,
     export_failure,
     quiet_exporter,
 )
@@ -69,21 +69,13 @@ def _canonical_state_names(model: torch.nn.Module, proto: onnx.ModelProto) -> No
 
 def _check_gradient_paths(model: torch.nn.Module, proto: onnx.ModelProto, leaves) -> None:
     """``ExportError`` if a parameter that PyTorch's autograd reaches from the outputs has no
-    gradient path in the exported graph: its artifacts would train it with zeros. (An in-place
-    update of a parameter under ``torch.no_grad()``, as ``nn.Embedding(max_norm=...)`` makes,
-    is exported as a cut the gradient cannot cross.)"""
+    gradient path in the exported graph: its artifacts would train it with zeros."""
     reached = {id(t) for t in leaves}
-    names = [name for name, p in model.named_parameters() if id(p) in reached]
     graph = io.load_model(proto).graph
-    candidates = [graph.initializers[n] for n in names if n in graph.initializers]
-    found = {v.name for v in inputs_with_gradient(list(graph), candidates, graph.outputs)}
-    missing = [n for n in names if n not in found]
-    if missing:
-        raise ExportError(
-            f"the exported graph of {type(model).__name__} gives no gradient to {', '.join(missing[:8])}"
-            f"{', ...' if len(missing) > 8 else ''}, which PyTorch's autograd reaches (a forward that changes a "
-            f"parameter in place under torch.no_grad(), as nn.Embedding(max_norm=...) renormalizes its weight, "
-            f"exports as a cut no gradient crosses)")
+    check_gradient_paths(model, graph, {name: graph.initializers.get(name) for name, p in model.named_parameters()
+                                        if id(p) in reached}, graph.outputs,
+                         "a forward that changes a parameter in place under torch.no_grad(), as "
+                         "nn.Embedding(max_norm=...) renormalizes its weight, exports as a cut no gradient crosses")
 
 
 def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.PathLike | None = None, *,

@@ -1,4 +1,4 @@
-"""Gradient rules: control flow (If).
+"""Gradient rules: control flow (If, Scan).
 
 A branch of an ``If`` reads the values of the enclosing graph it needs without listing them as
 inputs: their gradients are what the rule computes. It runs a gradient ``If`` on the same
@@ -6,6 +6,9 @@ condition whose branches are copies of the forward branches, each differentiated
 autodiff (seeded with the gradients of the ``If``'s outputs, read from the enclosing graph), so
 the taken branch computes the gradient of the taken computation. A captured value a branch does
 not read gets zeros from that branch.
+
+A ``Scan``'s gradient is a Scan too, over the iterations in reverse, with the forward body
+differentiated by the same autodiff as its body (see :func:`_scan`).
 """
 
 from __future__ import annotations
@@ -49,3 +52,228 @@ def _if(ctx):
             g.type, g.shape = value.type, value.shape
             ctx.captured_grads[value] = g
     return (None,)  # the condition is boolean
+
+
+def _without_dead_nodes(graph: ir.Graph) -> None:
+    """Remove the nodes of ``graph`` whose outputs nothing reads (last first)."""
+    outputs = set(graph.outputs)
+    for node in reversed(list(graph)):
+        if not any(o.uses() or o in outputs for o in node.outputs):
+            graph.remove(node, safe=True)
+
+
+def _state_stacks(ctx: GradContext, body: ir.Graph, num_states: int) -> list[ir.Value]:
+    """Each loop state's value at the start of every iteration, stacked in iteration order:
+    the forward Scan run again with a body that returns its state inputs in place of its scan
+    outputs (the nodes only those needed are dropped)."""
+    node = ctx.node
+    copy = body.clone(allow_outer_scope_values=True)
+    copy.name = f"{body.name or 'body'}_states"
+    b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/states")
+    entering = [b.op.Identity(v) for v in copy.inputs[:num_states]]
+    for value, state in zip(entering, copy.inputs):
+        value.type, value.shape = state.type, state.shape
+    nexts = list(copy.outputs[:num_states])
+    copy.outputs.clear()
+    copy.outputs.extend(v if v not in nexts[:k] else b.op.Identity(v) for k, v in enumerate(nexts))
+    copy.outputs.extend(entering)
+    _without_dead_nodes(copy)
+    num_scan_inputs = len(node.inputs) - num_states
+    results = ctx.op.Scan(*node.inputs, body=copy, num_scan_inputs=num_scan_inputs,
+                          scan_input_axes=ctx.attr("scan_input_axes", [0] * num_scan_inputs),
+                          scan_input_directions=ctx.attr("scan_input_directions", [0] * num_scan_inputs),
+                          _outputs=2 * num_states)
+    for final, state in zip(results, node.inputs):  # the builder would type them as input 0
+        final.type = state.type
+    stacks = list(results[num_states:])
+    for stack, state in zip(stacks, node.inputs):
+        stack.type = state.type
+    return stacks
+
+
+@grad("Scan", versions=(9, None))
+def _scan(ctx):
+    """Reverse-mode through the loop: a Scan over the iterations last first, whose body is the
+    forward body differentiated (seeded with the gradients of its next states and of its scan
+    outputs' slices), carrying the states' gradients and summing those of the values the body
+    captures. The states each iteration started from come from running the forward Scan again
+    with a body that returns them."""
+    node = ctx.node
+    body: ir.Graph = node.attributes["body"].value
+    num_scan_inputs = ctx.attr("num_scan_inputs")
+    num_states = len(node.inputs) - num_scan_inputs
+    num_scan_outputs = len(node.outputs) - num_states
+    in_axes = ctx.attr("scan_input_axes", [0] * num_scan_inputs)
+    in_dirs = ctx.attr("scan_input_directions", [0] * num_scan_inputs)
+    out_axes = ctx.attr("scan_output_axes", [0] * num_scan_outputs)
+    out_dirs = ctx.attr("scan_output_directions", [0] * num_scan_outputs)
+
+    float_states = [i for i in range(num_states) if is_float(node.inputs[i])]
+    wanted_scans = [j for j in range(num_scan_inputs)
+                    if ctx.needs(num_states + j) and is_float(node.inputs[num_states + j])]
+    captured = ctx.captured_needing_grad
+    if not float_states and not wanted_scans and not captured:
+        return (None,) * len(node.inputs)
+    seeded_outputs = [j for j in range(num_scan_outputs)
+                      if ctx.grad_outputs[num_states + j] is not None and is_float(node.outputs[num_states + j])]
+
+    copy = body.clone(allow_outer_scope_values=True)
+    copy.name = f"{body.name or 'body'}_gradient"
+    b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/body")
+    state_in, scan_in = list(copy.inputs[:num_states]), list(copy.inputs[num_states:])
+
+    def body_input(label: str, like: ir.Value) -> ir.Value:
+        return ir.Value(name=b.fresh_name(label), type=like.type, shape=like.shape)
+
+    state_grad_in = [body_input("state_grad", state_in[i]) for i in float_states]
+    captured_sum_in = [body_input("captured_grad", v) for v in captured]
+    slice_grad_in = [body_input("slice_grad", copy.outputs[num_states + j]) for j in seeded_outputs]
+    seeds = [(copy.outputs[i], g) for i, g in zip(float_states, state_grad_in)]
+    seeds += [(copy.outputs[num_states + j], g) for j, g in zip(seeded_outputs, slice_grad_in)]
+    wrt = [state_in[i] for i in float_states] + [scan_in[j] for j in wanted_scans] + list(captured)
+    grads = build_gradients(copy, [v for v, _ in seeds], wrt, loss_grad=[g for _, g in seeds], builder=b)
+
+    body_outputs = []
+    for value in [*(grads[state_in[i]] for i in float_states),
+                  *(b.op.Add(total, grads[v]) for total, v in zip(captured_sum_in, captured)),
+                  *(grads[scan_in[j]] for j in wanted_scans)]:
+        value = b.op.Identity(value) if value in body_outputs else b.owned(value)
+        body_outputs.append(value)
+    for value, like in zip(body_outputs, [*(state_in[i] for i in float_states), *captured,
+                                          *(scan_in[j] for j in wanted_scans)]):
+        value.type, value.shape = like.type, like.shape
+    copy.inputs.clear()
+    copy.inputs.extend([*state_grad_in, *captured_sum_in, *state_in, *scan_in, *slice_grad_in])
+    copy.outputs.clear()
+    copy.outputs.extend(body_outputs)
+
+    stacks = _state_stacks(ctx, body, num_states) if num_states else []
+    results = ctx.op.Scan(
+        *(ctx.grad_output(i) for i in float_states), *(ctx.b.zeros_like(v) for v in captured),
+        *stacks, *node.inputs[num_states:], *(ctx.grad_outputs[num_states + j] for j in seeded_outputs),
+        body=copy, num_scan_inputs=num_states + num_scan_inputs + len(seeded_outputs),
+        scan_input_axes=[0] * num_states + list(in_axes) + [out_axes[j] for j in seeded_outputs],
+        scan_input_directions=[1] * num_states + [1 - d for d in in_dirs] + [1 - out_dirs[j] for j in seeded_outputs],
+        scan_output_axes=[in_axes[j] for j in wanted_scans],
+        scan_output_directions=[1 - in_dirs[j] for j in wanted_scans],
+        _outputs=len(body_outputs))
+    results = list(results) if isinstance(results, tuple) else [results]
+    for g, like in zip(results, body_outputs):
+        g.type = like.type
+    state_grads = dict(zip(float_states, results))
+    for value, g in zip(captured, results[len(float_states):]):
+        g.type, g.shape = value.type, value.shape
+        ctx.captured_grads[value] = g
+    scan_grads = dict(zip(wanted_scans, results[len(float_states) + len(captured):]))
+    input_grads = [state_grads.get(i) if ctx.needs(i) else None for i in range(num_states)]
+    input_grads += [scan_grads.get(j) for j in range(num_scan_inputs)]
+    for g, value in zip(input_grads, node.inputs):
+        if g is not None:
+            g.type, g.shape = value.type, value.shape
+    return tuple(input_grads)
+
+
+def _loop_history(ctx: GradContext, body: ir.Graph, num_states: int) -> tuple[list[ir.Value], ir.Value | None,
+                                                                                  ir.Value]:
+    """What every iteration of a Loop started from, stacked in iteration order: each state, the
+    condition the body read (None if it reads none), and the iteration number (whose count is
+    the number of iterations run). The forward Loop run again with a body that returns these
+    in place of its scan outputs (the nodes only those needed are dropped)."""
+    copy = body.clone(allow_outer_scope_values=True)
+    copy.name = f"{body.name or 'body'}_history"
+    b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/history")
+    iteration, condition, states = copy.inputs[0], copy.inputs[1], list(copy.inputs[2:])
+    recorded = [*states, *([condition] if condition.uses() else []), iteration]
+    entering = [b.op.Identity(v) for v in recorded]
+    for value, source in zip(entering, recorded):
+        value.type, value.shape = source.type, source.shape
+    kept = list(copy.outputs[:1 + num_states])
+    copy.outputs.clear()
+    copy.outputs.extend(v if v not in kept[:k] else b.op.Identity(v) for k, v in enumerate(kept))
+    copy.outputs.extend(entering)
+    _without_dead_nodes(copy)
+    results = ctx.op.Loop(*ctx.node.inputs, body=copy, _outputs=num_states + len(entering))
+    results = list(results) if isinstance(results, tuple) else [results]
+    for final, state in zip(results, ctx.node.inputs[2:]):  # the builder would type them as input 0
+        final.type = state.type
+    stacks = results[num_states:]
+    for stack, source in zip(stacks, recorded):
+        stack.type = source.type
+    return stacks[:num_states], (stacks[num_states] if condition.uses() else None), stacks[-1]
+
+
+@grad("Loop", versions=(11, None))
+def _loop(ctx):
+    """Reverse-mode through the loop: a Loop over as many iterations as the forward ran, last
+    first, whose body is the forward body differentiated at the states (and iteration number and
+    condition) that iteration started from, seeded with the gradients of its next states and of
+    its scan outputs' slices; it carries the states' gradients and sums those of the values the
+    body captures. The trip count and the condition carry no gradient."""
+    node = ctx.node
+    body: ir.Graph = node.attributes["body"].value
+    num_states = len(node.inputs) - 2
+    num_scan_outputs = len(node.outputs) - num_states
+    float_states = [i for i in range(num_states) if is_float(node.inputs[2 + i])]
+    captured = ctx.captured_needing_grad
+    if not float_states and not captured:
+        return (None,) * len(node.inputs)
+    seeded_outputs = [k for k in range(num_scan_outputs)
+                      if ctx.grad_outputs[num_states + k] is not None and is_float(node.outputs[num_states + k])]
+    op = ctx.op
+    stacks, conditions, iterations = _loop_history(ctx, body, num_states)
+    count = ctx.b.squeeze(op.Shape(iterations), [0])  # iterations run (a scalar)
+    last = op.Sub(count, ctx.b.scalar_int(1))
+
+    copy = body.clone(allow_outer_scope_values=True)
+    copy.name = f"{body.name or 'body'}_gradient"
+    b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/body")
+    iteration, condition, states = copy.inputs[0], copy.inputs[1], list(copy.inputs[2:])
+    step = ir.Value(name=b.fresh_name("step"), type=iteration.type, shape=ir.Shape([]))
+    keep_going = ir.Value(name=b.fresh_name("keep_going"), type=condition.type, shape=ir.Shape([]))
+    state_grad_in = [ir.Value(name=b.fresh_name("state_grad"), type=states[i].type, shape=states[i].shape)
+                     for i in float_states]
+    captured_sum_in = [ir.Value(name=b.fresh_name("captured_grad"), type=v.type, shape=v.shape) for v in captured]
+    # the forward body's inputs, as that iteration had them
+    at = b.op.Sub(last, step)
+    began = [b.op.Gather(stack, at, axis=0) for stack in stacks]
+    for value, started in zip([iteration, *states], [at, *began]):
+        started.type, started.shape = value.type, value.shape
+        value.replace_all_uses_with(started, replace_graph_outputs=True)  # a state passed through too
+    if conditions is not None:
+        read = b.op.Gather(conditions, at, axis=0)
+        read.type, read.shape = condition.type, condition.shape
+        condition.replace_all_uses_with(read, replace_graph_outputs=True)
+    seeds = [(copy.outputs[1 + i], g) for i, g in zip(float_states, state_grad_in)]
+    for k in seeded_outputs:
+        piece = b.op.Gather(ctx.grad_outputs[num_states + k], at, axis=0)
+        piece.type, piece.shape = copy.outputs[1 + num_states + k].type, copy.outputs[1 + num_states + k].shape
+        seeds.append((copy.outputs[1 + num_states + k], piece))
+    wrt = [began[i] for i in float_states] + list(captured)
+    grads = build_gradients(copy, [v for v, _ in seeds], wrt, loss_grad=[g for _, g in seeds], builder=b)
+
+    body_outputs = [b.owned(keep_going)]
+    for value in [*(grads[began[i]] for i in float_states),
+                  *(b.op.Add(total, grads[v]) for total, v in zip(captured_sum_in, captured))]:
+        body_outputs.append(b.op.Identity(value) if value in body_outputs else b.owned(value))
+    for value, like in zip(body_outputs, [condition, *(states[i] for i in float_states), *captured]):
+        value.type, value.shape = like.type, like.shape
+    copy.inputs.clear()
+    copy.inputs.extend([step, keep_going, *state_grad_in, *captured_sum_in])
+    copy.outputs.clear()
+    copy.outputs.extend(body_outputs)
+    copy.sort()  # the forward nodes now read the slices taken after them
+
+    results = op.Loop(count, None, *(ctx.grad_output(i) for i in float_states),
+                      *(ctx.b.zeros_like(v) for v in captured), body=copy, _outputs=len(body_outputs) - 1)
+    results = list(results) if isinstance(results, tuple) else [results]
+    for g, like in zip(results, body_outputs[1:]):
+        g.type = like.type
+    for value, g in zip(captured, results[len(float_states):]):
+        g.type, g.shape = value.type, value.shape
+        ctx.captured_grads[value] = g
+    state_grads = dict(zip(float_states, results))
+    input_grads = [None, None] + [state_grads.get(i) if ctx.needs(2 + i) else None for i in range(num_states)]
+    for g, value in zip(input_grads, node.inputs):
+        if g is not None:
+            g.type, g.shape = value.type, value.shape
+    return tuple(input_grads)

@@ -222,6 +222,13 @@ def _exact_torch_functions() -> frozenset[type]:
     return frozenset(exact)
 
 
+def _is_higher_order_op_function(cls: type) -> bool:
+    """Whether ``cls`` is the autograd Function of one of torch's higher-order ops (``torch.cond``,
+    ``torch._higher_order_ops.while_loop``, ...): its backward differentiates the op's subgraphs,
+    which is what the exported control flow (If, Loop, Scan) gets from onnxtrain's rules."""
+    return cls.__module__.startswith("torch._higher_order_ops.")
+
+
 @dataclass
 class AutogradGraph:
     """What the autograd graph of some tensors holds: the custom Functions with a backward
@@ -454,7 +461,7 @@ def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: fro
     if inline is True:
         return
     exact = _exact_torch_functions() | inline
-    custom = [cls for cls in found if cls not in exact]
+    custom = [cls for cls in found if cls not in exact and not _is_higher_order_op_function(cls)]
     if custom:
         names = ", ".join(_function_name(cls) for cls in custom)
         raise ExportError(

@@ -156,8 +156,9 @@ def scripting_deferred() -> Iterator[None]:
 def _infer_signature(meta) -> None:
     """What ``OnnxDecompMeta.__post_init__`` does for a torchlib function, deferred to its first
     dispatch: the function's ONNX signature, on the meta and on the function (where the graph
-    builder reads it)."""
-    if meta.signature is not None:
+    builder reads it). Not for those registered without one (``skip_signature_inference``: the
+    higher-order ops' translations, e.g. ``torch.cond``'s, whose arguments include subgraphs)."""
+    if meta.signature is not None or getattr(meta, "skip_signature_inference", False):
         return
     import onnxscript
     from torch.onnx._internal.exporter import _schemas

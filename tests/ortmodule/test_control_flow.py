@@ -1,0 +1,78 @@
+"""``torch.cond`` trains through both front doors: ORTModule and export_for_training's artifacts.
+
+Its export is an ONNX ``If`` whose branches read the enclosing graph's values; onnxtrain's If
+rule differentiates the branch taken. torch's own autograd Function for the op (its backward
+differentiates the branches too) is not refused as a custom Function.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from onnxtrain.torch import DebugOptions, ORTModule, export_for_training
+from tests.torch_models import training_gradients
+
+
+class Gated(torch.nn.Module):
+    """A residual branch taken when the batch's mean activation is positive, else a squared one;
+    both branches read a parameter of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 4)
+        self.scale = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.25]))
+        self.shift = torch.nn.Parameter(torch.tensor([0.1, 0.2, -0.3, 0.4]))
+
+    def forward(self, x):
+        h = self.inner(x)
+        return torch.cond(h.mean() > 0, lambda t: torch.tanh(t) * self.scale + t,
+                          lambda t: t * t + self.shift, (h,))
+
+
+def _input(positive: bool) -> torch.Tensor:
+    """A batch for which the model takes the first branch (``positive``) or the second."""
+    torch.manual_seed(0)
+    model = Gated()
+    for seed in range(100):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(seed))
+        if (model.inner(x).mean() > 0) == positive:
+            return x
+    raise AssertionError("no sample takes the branch")
+
+
+@pytest.mark.parametrize("positive", [True, False], ids=["then", "else"])
+def test_ortmodule_trains_torch_cond_like_eager(positive):
+    x = _input(positive)
+    torch.manual_seed(0)
+    reference = Gated()
+    torch.manual_seed(0)
+    model = Gated()
+    wrapped = ORTModule(model, DebugOptions(fallback=False))
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, got = reference(xr), wrapped(xo)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    (expected * weight).sum().backward()
+    (got * weight).sum().backward()
+    torch.testing.assert_close(got, expected)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    untaken = "shift" if positive else "scale"
+    assert torch.count_nonzero(getattr(model, untaken).grad) == 0  # the branch not taken
+
+
+@pytest.mark.parametrize("positive", [True, False], ids=["then", "else"])
+def test_artifacts_of_torch_cond_train_like_eager(positive):
+    x = _input(positive)
+    torch.manual_seed(0)
+    model = Gated()
+    onnx_model = export_for_training(model, (x,), input_names=["x"])
+    out = model(x)
+    weight = np.random.default_rng(1).standard_normal(tuple(out.shape)).astype(np.float32)
+    params = dict(model.named_parameters())
+    ours = training_gradients(onnx_model, list(params), {"x": x.numpy()}, weight)
+    (out * torch.from_numpy(weight)).sum().backward()
+    for name, p in params.items():
+        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)

@@ -73,6 +73,7 @@ def torchlib_functions(opset_version: int) -> Mapping[object, tuple]:
             # the signature is inferred when an export first dispatches to the function (see _lazy_registry_class)
             meta = _registration.OnnxDecompMeta(onnx_function=function, fx_target=target, signature=None,
                                                 is_custom=False, is_complex=is_complex, skip_signature_inference=True)
+            meta.signature_deferred = True
             table._register(target, meta)
     table._cleanup_registry_based_on_opset_version()
     return {target: tuple(metas) for target, metas in table.functions.items()}
@@ -156,9 +157,8 @@ def scripting_deferred() -> Iterator[None]:
 def _infer_signature(meta) -> None:
     """What ``OnnxDecompMeta.__post_init__`` does for a torchlib function, deferred to its first
     dispatch: the function's ONNX signature, on the meta and on the function (where the graph
-    builder reads it). Not for those registered without one (``skip_signature_inference``: the
-    higher-order ops' translations, e.g. ``torch.cond``'s, whose arguments include subgraphs)."""
-    if meta.signature is not None or getattr(meta, "skip_signature_inference", False):
+    builder reads it)."""
+    if meta.signature is not None:
         return
     import onnxscript
     from torch.onnx._internal.exporter import _schemas
@@ -183,7 +183,10 @@ def _lazy_registry_class():
         def get_decomps(self, target):
             decomps = super().get_decomps(target)
             for meta in decomps:
-                if not meta.is_custom:
+                # only torchlib's entries built above: torch's own may be registered without a
+                # signature on purpose (the higher-order ops', e.g. torch.cond's, whose arguments
+                # include subgraphs)
+                if getattr(meta, "signature_deferred", False):
                     _infer_signature(meta)
             return decomps
 

@@ -1,8 +1,10 @@
-"""``torch.cond`` trains through both front doors: ORTModule and export_for_training's artifacts.
+"""``torch.cond`` and torch's ``scan`` train through both front doors: ORTModule and
+export_for_training's artifacts.
 
-Its export is an ONNX ``If`` whose branches read the enclosing graph's values; onnxtrain's If
-rule differentiates the branch taken. torch's own autograd Function for the op (its backward
-differentiates the branches too) is not refused as a custom Function.
+``torch.cond`` exports as an ONNX ``If`` whose branches read the enclosing graph's values
+(onnxtrain's If rule differentiates the branch taken), ``scan`` as a ``Scan`` (its rule runs
+the differentiated body over the steps in reverse). torch's own autograd Functions for these ops
+(their backward differentiates the subgraphs too) are not refused as custom Functions.
 """
 
 from __future__ import annotations
@@ -69,6 +71,59 @@ def test_artifacts_of_torch_cond_train_like_eager(positive):
     torch.manual_seed(0)
     model = Gated()
     onnx_model = export_for_training(model, (x,), input_names=["x"])
+    out = model(x)
+    weight = np.random.default_rng(1).standard_normal(tuple(out.shape)).astype(np.float32)
+    params = dict(model.named_parameters())
+    ours = training_gradients(onnx_model, list(params), {"x": x.numpy()}, weight)
+    (out * torch.from_numpy(weight)).sum().backward()
+    for name, p in params.items():
+        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+class Recurrent(torch.nn.Module):
+    """A tanh recurrence written with ``torch._higher_order_ops.scan`` (exported as an ONNX
+    ``Scan`` whose body reads the layer's parameters from outside): the final state plus the
+    sum of the per-step outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = torch.nn.Linear(4, 4)
+
+    def forward(self, x):  # [steps, batch, 4]
+        from torch._higher_order_ops.scan import scan
+
+        def step(h, xt):
+            h = torch.tanh(self.cell(h) + xt)
+            return h, h * h
+
+        final, outputs = scan(step, torch.zeros_like(x[0]), x)
+        return outputs.sum(0) + final
+
+
+def test_ortmodule_trains_a_torch_scan_like_eager():
+    x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    reference = Recurrent()
+    torch.manual_seed(0)
+    model = Recurrent()
+    wrapped = ORTModule(model, DebugOptions(fallback=False))
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, got = reference(xr), wrapped(xo)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    (expected * weight).sum().backward()
+    (got * weight).sum().backward()
+    torch.testing.assert_close(got, expected)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_artifacts_of_a_torch_scan_train_like_eager():
+    x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = Recurrent()
+    onnx_model = export_for_training(model, (x,), input_names=["x"])
+    assert any(node.op_type == "Scan" for node in onnx_model.graph.node)
     out = model(x)
     weight = np.random.default_rng(1).standard_normal(tuple(out.shape)).astype(np.float32)
     params = dict(model.named_parameters())

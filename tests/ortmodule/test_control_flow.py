@@ -17,6 +17,42 @@ from onnxtrain.torch import DebugOptions, ORTModule, export_for_training
 from tests.torch_models import training_gradients
 
 
+def _assert_ortmodule_trains_like_eager(make, x: torch.Tensor):
+    """The outputs and every gradient (parameters and input) of a random-direction VJP through
+    ORTModule equal eager PyTorch's; returns the wrapped model."""
+    torch.manual_seed(0)
+    reference = make()
+    torch.manual_seed(0)
+    model = make()
+    wrapped = ORTModule(model, DebugOptions(fallback=False))
+    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected, got = reference(xr), wrapped(xo)
+    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
+    (expected * weight).sum().backward()
+    (got * weight).sum().backward()
+    torch.testing.assert_close(got, expected)
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6, msg=name)
+    torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    return model
+
+
+def _assert_artifacts_train_like_eager(make, x: torch.Tensor):
+    """The parameters' gradients of a random-direction VJP through the training graph of
+    export_for_training's model equal eager PyTorch's; returns the exported model."""
+    torch.manual_seed(0)
+    model = make()
+    onnx_model = export_for_training(model, (x,), input_names=["x"])
+    out = model(x)
+    weight = np.random.default_rng(1).standard_normal(tuple(out.shape)).astype(np.float32)
+    params = dict(model.named_parameters())
+    ours = training_gradients(onnx_model, list(params), {"x": x.numpy()}, weight)
+    (out * torch.from_numpy(weight)).sum().backward()
+    for name, p in params.items():
+        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
+    return onnx_model
+
+
 class Gated(torch.nn.Module):
     """A residual branch taken when the batch's mean activation is positive, else a squared one;
     both branches read a parameter of their own."""
@@ -46,39 +82,14 @@ def _input(positive: bool) -> torch.Tensor:
 
 @pytest.mark.parametrize("positive", [True, False], ids=["then", "else"])
 def test_ortmodule_trains_torch_cond_like_eager(positive):
-    x = _input(positive)
-    torch.manual_seed(0)
-    reference = Gated()
-    torch.manual_seed(0)
-    model = Gated()
-    wrapped = ORTModule(model, DebugOptions(fallback=False))
-    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
-    expected, got = reference(xr), wrapped(xo)
-    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
-    (expected * weight).sum().backward()
-    (got * weight).sum().backward()
-    torch.testing.assert_close(got, expected)
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6, msg=name)
-    torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    model = _assert_ortmodule_trains_like_eager(Gated, _input(positive))
     untaken = "shift" if positive else "scale"
     assert torch.count_nonzero(getattr(model, untaken).grad) == 0  # the branch not taken
 
 
 @pytest.mark.parametrize("positive", [True, False], ids=["then", "else"])
 def test_artifacts_of_torch_cond_train_like_eager(positive):
-    x = _input(positive)
-    torch.manual_seed(0)
-    model = Gated()
-    onnx_model = export_for_training(model, (x,), input_names=["x"])
-    out = model(x)
-    weight = np.random.default_rng(1).standard_normal(tuple(out.shape)).astype(np.float32)
-    params = dict(model.named_parameters())
-    ours = training_gradients(onnx_model, list(params), {"x": x.numpy()}, weight)
-    (out * torch.from_numpy(weight)).sum().backward()
-    for name, p in params.items():
-        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
-
+    _assert_artifacts_train_like_eager(Gated, _input(positive))
 
 class Recurrent(torch.nn.Module):
     """A tanh recurrence written with ``torch._higher_order_ops.scan`` (exported as an ONNX
@@ -100,34 +111,14 @@ class Recurrent(torch.nn.Module):
         return outputs.sum(0) + final
 
 
+def _steps() -> torch.Tensor:
+    return torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(0))
+
+
 def test_ortmodule_trains_a_torch_scan_like_eager():
-    x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    reference = Recurrent()
-    torch.manual_seed(0)
-    model = Recurrent()
-    wrapped = ORTModule(model, DebugOptions(fallback=False))
-    xr, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
-    expected, got = reference(xr), wrapped(xo)
-    weight = torch.randn(expected.shape, generator=torch.Generator().manual_seed(1))
-    (expected * weight).sum().backward()
-    (got * weight).sum().backward()
-    torch.testing.assert_close(got, expected)
-    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6, msg=name)
-    torch.testing.assert_close(xo.grad, xr.grad, rtol=1e-5, atol=1e-6)
+    _assert_ortmodule_trains_like_eager(Recurrent, _steps())
 
 
 def test_artifacts_of_a_torch_scan_train_like_eager():
-    x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    model = Recurrent()
-    onnx_model = export_for_training(model, (x,), input_names=["x"])
+    onnx_model = _assert_artifacts_train_like_eager(Recurrent, _steps())
     assert any(node.op_type == "Scan" for node in onnx_model.graph.node)
-    out = model(x)
-    weight = np.random.default_rng(1).standard_normal(tuple(out.shape)).astype(np.float32)
-    params = dict(model.named_parameters())
-    ours = training_gradients(onnx_model, list(params), {"x": x.numpy()}, weight)
-    (out * torch.from_numpy(weight)).sum().backward()
-    for name, p in params.items():
-        np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)

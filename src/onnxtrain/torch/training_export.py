@@ -24,6 +24,7 @@ from onnxtrain.torch._export import (
     _check_functions,
     _check_module_hooks,
     autograd_graph,
+    check_exportable_modules,
     check_gradient_paths,
     export_failure,
     quiet_exporter,
@@ -74,8 +75,9 @@ def _check_gradient_paths(model: torch.nn.Module, proto: onnx.ModelProto, leaves
     graph = io.load_model(proto).graph
     check_gradient_paths(model, graph, {name: graph.initializers.get(name) for name, p in model.named_parameters()
                                         if id(p) in reached}, graph.outputs,
-                         "a forward that changes a parameter in place under torch.no_grad(), as "
-                         "nn.Embedding(max_norm=...) renormalizes its weight, exports as a cut no gradient crosses")
+                         "the exported graph does not differentiate it: a forward that changes a parameter in "
+                         "place under torch.no_grad(), as nn.Embedding(max_norm=...) renormalizes its weight, "
+                         "exports as a cut no gradient crosses")
 
 
 def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.PathLike | None = None, *,
@@ -118,6 +120,7 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     if not isinstance(args, tuple):
         raise ExportError(f"args must be a tuple of example inputs, not {type(args).__name__}")
     _check_module_hooks(model)
+    check_exportable_modules(model)
     inline = True if inline_autograd_functions is True else frozenset(inline_autograd_functions or ())
     # the autograd graph of one run names the custom Functions it applied; the run must not
     # change the model (BatchNorm's running statistics) or the random stream (Dropout)

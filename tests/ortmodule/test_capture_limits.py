@@ -314,27 +314,3 @@ def test_clamp_with_tensor_bounds_and_integers():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
         assert_steps_match(eager, wrapped, torch.randn(5, 4) * 2)
-
-
-class ProjectedLSTM(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lstm = torch.nn.LSTM(4, 6, proj_size=3, batch_first=True)
-
-    def forward(self, x):
-        return self.lstm(x)[0]
-
-
-def test_an_lstm_with_a_projection_runs_in_pytorch():
-    """torch.onnx's exporter writes nn.LSTM(proj_size=...) without its projection: ORTModule runs
-    it in PyTorch (export_for_training refuses it) rather than train another function."""
-    from onnxtrain.errors import ExportError
-    from onnxtrain.torch import export_for_training
-
-    eager, wrapped = eager_and_wrapped(ProjectedLSTM)
-    x = torch.randn(2, 5, 4)
-    with pytest.warns(ORTModuleFallbackWarning, match=r"nn.LSTM with proj_size > 0 \(lstm\)"):
-        out = wrapped(x)
-    torch.testing.assert_close(out, eager(x))
-    with pytest.raises(ExportError, match="drops weight_hr"):
-        export_for_training(ProjectedLSTM(), (x,))

@@ -1,10 +1,12 @@
-"""``torch.cond`` and torch's ``scan`` train through both front doors: ORTModule and
-export_for_training's artifacts.
+"""Branches and step loops train through both front doors, ORTModule and export_for_training's
+artifacts, with eager PyTorch's gradients.
 
 ``torch.cond`` exports as an ONNX ``If`` whose branches read the enclosing graph's values
-(onnxtrain's If rule differentiates the branch taken), ``scan`` as a ``Scan`` (its rule runs
-the differentiated body over the steps in reverse). torch's own autograd Functions for these ops
-(their backward differentiates the subgraphs too) are not refused as custom Functions.
+(onnxtrain's If rule differentiates the branch taken), torch's ``scan`` as a ``Scan`` (its rule
+runs the differentiated body over the steps in reverse). torch's own autograd Functions for these
+ops (their backward differentiates the subgraphs too) are not refused as custom Functions.
+``nn.LSTM(proj_size=...)``, which ONNX's LSTM cannot express, is traced through torch's
+decomposition of the op (its steps unrolled).
 """
 
 from __future__ import annotations
@@ -122,3 +124,37 @@ def test_ortmodule_trains_a_torch_scan_like_eager():
 def test_artifacts_of_a_torch_scan_train_like_eager():
     onnx_model = _assert_artifacts_train_like_eager(Recurrent, _steps())
     assert any(node.op_type == "Scan" for node in onnx_model.graph.node)
+
+
+class ProjectedLstm(torch.nn.Module):
+    """nn.LSTM with an output projection (2 bidirectional layers): ONNX's LSTM has none, so the
+    capture traces torch's decomposition of the op instead (one cell per step)."""
+
+    def __init__(self, **options):
+        super().__init__()
+        self.lstm = torch.nn.LSTM(4, 6, proj_size=3, num_layers=2, **options)
+
+    def forward(self, x):
+        out, (h, c) = self.lstm(x)
+        return torch.cat([out.flatten(), h.flatten(), c.flatten()])
+
+
+@pytest.mark.parametrize("options", [{"bidirectional": True}, {"batch_first": True}], ids=["bidirectional",
+                                                                                          "batch-first"])
+def test_an_lstm_with_a_projection_trains_like_eager(options):
+    x = torch.randn(5, 2, 4, generator=torch.Generator().manual_seed(0))
+    _assert_ortmodule_trains_like_eager(lambda: ProjectedLstm(**options), x)
+    onnx_model = _assert_artifacts_train_like_eager(lambda: ProjectedLstm(**options), x)
+    assert not any(node.op_type == "LSTM" for node in onnx_model.graph.node)
+
+
+def test_an_lstm_with_a_projection_follows_the_sequence_length():
+    """The decomposition unrolls the steps: a call with another length gets a graph of its own."""
+    torch.manual_seed(0)
+    reference = ProjectedLstm()
+    torch.manual_seed(0)
+    model = ProjectedLstm()
+    wrapped = ORTModule(model, DebugOptions(fallback=False))
+    for steps in (5, 7):
+        x = torch.randn(steps, 2, 4, generator=torch.Generator().manual_seed(steps))
+        torch.testing.assert_close(wrapped(x), reference(x))

@@ -201,3 +201,24 @@ def test_a_deferred_function_compiles_once_when_two_threads_first_use_it_togethe
     assert results == ["ir", "ir"] and calls == [python_function]
     with pytest.raises(AttributeError, match="no attribute 'missing'"):
         deferred.missing  # noqa: B018
+
+
+def test_ops_torch_registers_later_are_in_the_registry():
+    """The torchlib table is built once; an op registered with torch afterwards (importing
+    torch.ao's quantization registers the quantized_decomposed ops) still gets its entries."""
+    import subprocess
+    import sys
+
+    script = (
+        "from onnxtrain.torch import _exporter\n"
+        "_exporter.torchlib_functions(20)\n"
+        "import torch.ao.quantization.fx._decomposed\n"
+        "from torch.onnx._internal.exporter import _registration\n"
+        "expected = _registration.ONNXRegistry.from_torchlib(20)\n"
+        "ours = _exporter.registry(20, {})\n"
+        "names = lambda functions: {str(t) for t in functions if 'quantized_decomposed' in str(t)}\n"
+        "assert names(expected.functions) and names(ours.functions) == names(expected.functions), "
+        "(names(ours.functions), names(expected.functions))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

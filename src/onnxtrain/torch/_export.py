@@ -505,18 +505,6 @@ def _check_module_hooks(module: torch.nn.Module) -> None:
                           f"call them")
 
 
-def check_exportable_modules(module: torch.nn.Module) -> None:
-    """``ExportError`` for submodules that torch.onnx's exporter writes wrongly, named with what
-    is wrong: ``nn.LSTM(proj_size=...)``, whose ONNX ``LSTM`` has no projection (the exporter
-    leaves ``weight_hr`` out, so the graph computes another function)."""
-    projected = [name or "the module itself" for name, sub in module.named_modules()
-                 if isinstance(sub, torch.nn.LSTM) and sub.proj_size > 0]
-    if projected:
-        raise ExportError(f"{type(module).__name__} has nn.LSTM with proj_size > 0 ({', '.join(projected[:8])}): "
-                          f"ONNX's LSTM has no output projection and torch.onnx's exporter drops weight_hr, so "
-                          f"the exported graph would compute another function")
-
-
 def _check_output_leaves(module: torch.nn.Module, output: TracedOutput) -> None:
     """``ExportError`` for outputs a graph cannot give: numbers computed from the traced tensors'
     shapes (a dynamic export) or values (``.item()``), or tensors inside other objects."""
@@ -582,7 +570,6 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     autograd Functions (True: all) whose backward is the gradient of their forward; any other
     that the forward runs on tensors requiring grad raises ``ExportError``."""
     _check_module_hooks(module)
-    check_exportable_modules(module)
     _warn_forward_hooks(module)
     hidden = [type(leaf).__name__ for leaf in call.leaves if _holds_tensors(leaf)]
     if hidden:

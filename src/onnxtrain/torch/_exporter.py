@@ -42,7 +42,55 @@ _LOG = logging.getLogger(__name__)
 _CORE_EXPORT_PARAMETERS = {"registry", "optimize", "verbose", "opset_version"}
 
 
+def _torchlib_entries(table, target, overloads) -> None:
+    """Register a torchlib op's overloads for ``target`` in ``table``, their signatures inferred
+    when an export first dispatches to them (see :func:`_lazy_registry_class`)."""
+    from torch.onnx._internal.exporter import _registration
+
+    for function, is_complex in [(f, False) for f in overloads.overloads] + [(f, True) for f in overloads.complex]:
+        meta = _registration.OnnxDecompMeta(onnx_function=function, fx_target=target, signature=None,
+                                            is_custom=False, is_complex=is_complex, skip_signature_inference=True)
+        meta.signature_deferred = True
+        table._register(target, meta)
+
+
+def _table(opset_version: int, entries, torch_metas=()) -> dict:
+    """``ONNXRegistry`` functions of ``torch_metas`` (torch's own torchlib entries) and of torchlib
+    ``entries`` (``(target, overloads)`` pairs), cleaned up for ``opset_version`` as torch does."""
+    from torch.onnx._internal.exporter import _registration
+
+    table = _registration.ONNXRegistry()
+    table._opset_version = opset_version
+    for meta in torch_metas:
+        table._register(meta.fx_target, meta)
+    for target, overloads in entries:
+        _torchlib_entries(table, target, overloads)
+    table._cleanup_registry_based_on_opset_version()
+    return {target: tuple(metas) for target, metas in table.functions.items()}
+
+
 @functools.lru_cache(maxsize=4)
+def _torchlib_table(opset_version: int) -> tuple[Mapping[object, tuple], tuple]:
+    """The torchlib functions whose ops torch has registered (see :func:`torchlib_functions`),
+    and the ``(qualified name, overloads)`` of those it has not (yet)."""
+    with scripting_deferred():
+        from onnxscript.function_libs.torch_lib import ops as _load_torchlib  # noqa: F401  (registers the ops)
+    from onnxscript.function_libs.torch_lib import registration as torchlib
+    from torch.onnx._internal.exporter import _registration
+    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
+
+    resolved, unresolved = [], []
+    for qualified_name, overloads in torchlib.default_registry.items():
+        if qualified_name.startswith("internal::"):
+            continue  # torchlib's own helpers, not ATen ops
+        target = _registration._get_overload(qualified_name)
+        if target is None:
+            unresolved.append((qualified_name, overloads))
+        else:
+            resolved.append((target, overloads))
+    return _table(opset_version, resolved, _torchlib_registry.get_torchlib_ops()), tuple(unresolved)
+
+
 def torchlib_functions(opset_version: int) -> Mapping[object, tuple]:
     """The torchlib registry's functions for ``opset_version``: a read-only mapping from an op
     (qualified name or Python callable) to its ``OnnxDecompMeta`` entries, as
@@ -50,33 +98,16 @@ def torchlib_functions(opset_version: int) -> Mapping[object, tuple]:
 
     Built once per opset and process (the sources are the installed torch and onnxscript);
     :func:`registry` copies it for each export. torchlib's scripted functions are compiled when
-    first used (:func:`scripting_deferred`).
+    first used (:func:`scripting_deferred`). Ops that torch registers after that (the
+    ``quantized_decomposed`` ones, when torch.ao's quantization is imported) are added once
+    they resolve, as torch.onnx's own registry, built per export, would have them.
     """
-    with scripting_deferred():
-        from onnxscript.function_libs.torch_lib import ops as _load_torchlib  # noqa: F401  (registers the ops)
-    from onnxscript.function_libs.torch_lib import registration as torchlib
     from torch.onnx._internal.exporter import _registration
-    from torch.onnx._internal.exporter._torchlib import _torchlib_registry
 
-    table = _registration.ONNXRegistry()
-    table._opset_version = opset_version
-    for meta in _torchlib_registry.get_torchlib_ops():
-        table._register(meta.fx_target, meta)
-    for qualified_name, overloads in torchlib.default_registry.items():
-        if qualified_name.startswith("internal::"):
-            continue  # torchlib's own helpers, not ATen ops
-        target = _registration._get_overload(qualified_name)
-        if target is None:
-            continue
-        for function, is_complex in [(f, False) for f in overloads.overloads] + \
-                                    [(f, True) for f in overloads.complex]:
-            # the signature is inferred when an export first dispatches to the function (see _lazy_registry_class)
-            meta = _registration.OnnxDecompMeta(onnx_function=function, fx_target=target, signature=None,
-                                                is_custom=False, is_complex=is_complex, skip_signature_inference=True)
-            meta.signature_deferred = True
-            table._register(target, meta)
-    table._cleanup_registry_based_on_opset_version()
-    return {target: tuple(metas) for target, metas in table.functions.items()}
+    functions, unresolved = _torchlib_table(opset_version)
+    late = [(target, overloads) for name, overloads in unresolved
+            if (target := _registration._get_overload(name)) is not None]
+    return {**functions, **_table(opset_version, late)} if late else functions
 
 
 TORCHLIB_OPS_MODULE = "onnxscript.function_libs.torch_lib.ops"
@@ -244,6 +275,53 @@ def _causal_masks_taken_as_given():
         transformer._detect_is_causal_mask = detect
 
 
+def _projected_lstm_forward(lstm: torch.nn.LSTM, input, hx=None):
+    """``nn.LSTM.forward`` for an LSTM with ``proj_size`` as torch's own decomposition of the op
+    computes it: per layer, the input product for all steps, then one cell per step (products
+    and pointwise ops; the steps unrolled, so the sequence length is the traced one)."""
+    from torch._decomp import decompositions
+    from torch.nn.utils.rnn import PackedSequence
+
+    if isinstance(input, PackedSequence):
+        raise NotImplementedError("nn.LSTM(proj_size=...) on a PackedSequence is not supported")
+    batched = input.dim() == 3
+    batch_dim = 0 if lstm.batch_first else 1
+    if not batched:
+        input = input.unsqueeze(batch_dim)
+        hx = None if hx is None else tuple(h.unsqueeze(1) for h in hx)
+    if hx is None:
+        layers = lstm.num_layers * (2 if lstm.bidirectional else 1)
+        batch = input.shape[batch_dim]
+        hx = (input.new_zeros(layers, batch, lstm.proj_size), input.new_zeros(layers, batch, lstm.hidden_size))
+    # by attribute, not the module's cached list of the same tensors: the capture sees parameters
+    # it reads through the module as such (the cached list would be traced as constants)
+    weights = [getattr(lstm, name) for name in lstm._flat_weights_names]
+    params = decompositions.gather_params(weights, lstm.bias, True)
+    out, finals = decompositions._rnn_helper(input, list(zip(hx[0], hx[1])), params, lstm.bias, lstm.num_layers,
+                                             lstm.dropout, lstm.training, lstm.bidirectional, lstm.batch_first,
+                                             decompositions.one_layer_lstm)
+    finals = list(zip(*finals))
+    h, c = torch.stack(finals[0], 0), torch.stack(finals[1], 0)
+    if not batched:
+        return out.squeeze(batch_dim), (h.squeeze(1), c.squeeze(1))
+    return out, (h, c)
+
+
+@contextlib.contextmanager
+def projected_lstms_decomposed(module: torch.nn.Module):
+    """While capturing: every ``nn.LSTM`` with ``proj_size`` in ``module`` computes with torch's
+    decomposition of the op (:func:`_projected_lstm_forward`). ONNX's LSTM has no output
+    projection, and torch.onnx's translation of the op drops ``weight_hr``."""
+    patched = [sub for sub in module.modules() if isinstance(sub, torch.nn.LSTM) and sub.proj_size > 0]
+    for lstm in patched:
+        lstm.forward = functools.partial(_projected_lstm_forward, lstm)
+    try:
+        yield
+    finally:
+        for lstm in patched:
+            del lstm.forward
+
+
 def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
     """``module(*args)`` as the exporter's first capture strategy captures it: non-strict
     ``torch.export.export`` with the exporter's flags, ``torch.onnx.is_in_onnx_export()`` true."""
@@ -256,7 +334,8 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
 
     def run() -> torch.export.ExportedProgram:
         with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
-              torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given()):
+              torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
+              projected_lstms_decomposed(module)):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -4,8 +4,10 @@
 gradients than PyTorch does. :func:`export_for_training` exports the way ORTModule does:
 training-mode BatchNorm with batch statistics and running-statistics updates, ``detach()`` and
 ``torch.no_grad()`` regions as stop-gradients, embeddings' padding rows without a gradient,
-``nn.EmbeddingBag`` without a ``Loop``, Hugging Face T5/Swin attention exportable, and custom
-``torch.autograd.Function``s refused unless declared exact.
+``nn.EmbeddingBag`` without a ``Loop``, ``nn.LSTM(proj_size=...)`` with its projection (which
+the plain export drops), Hugging Face T5/Swin attention exportable, ``torch.cond`` and torch's
+``scan`` as ONNX ``If`` and ``Scan``, and custom ``torch.autograd.Function``s refused unless
+declared exact.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from onnxtrain.torch._export import (
     _check_functions,
     _check_module_hooks,
     autograd_graph,
-    check_exportable_modules,
     check_gradient_paths,
     export_failure,
     quiet_exporter,
@@ -120,7 +121,6 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     if not isinstance(args, tuple):
         raise ExportError(f"args must be a tuple of example inputs, not {type(args).__name__}")
     _check_module_hooks(model)
-    check_exportable_modules(model)
     inline = True if inline_autograd_functions is True else frozenset(inline_autograd_functions or ())
     # the autograd graph of one run names the custom Functions it applied; the run must not
     # change the model (BatchNorm's running statistics) or the random stream (Dropout)

@@ -5,8 +5,10 @@ artifacts, with eager PyTorch's gradients.
 (onnxtrain's If rule differentiates the branch taken), torch's ``scan`` as a ``Scan`` (its rule
 runs the differentiated body over the steps in reverse). torch's own autograd Functions for these
 ops (their backward differentiates the subgraphs too) are not refused as custom Functions.
-``nn.LSTM(proj_size=...)``, which ONNX's LSTM cannot express, is traced through torch's
-decomposition of the op (its steps unrolled).
+torch's ``while_loop`` exports as a ``Loop`` (the capture's runtime asserts on the loop's
+counter concern values the graph computes, not the inputs' shapes). ``nn.LSTM(proj_size=...)``,
+which ONNX's LSTM cannot express, is traced through torch's decomposition of the op (its steps
+unrolled).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from onnxtrain.torch import DebugOptions, ORTModule, export_for_training
 from tests.torch_models import training_gradients
 
 
-def _assert_ortmodule_trains_like_eager(make, x: torch.Tensor):
+def _assert_ortmodule_trains_like_eager(make, x: torch.Tensor, reference=None):
     """The outputs and every gradient (parameters and input) of a random-direction VJP through
-    ORTModule equal eager PyTorch's; returns the wrapped model."""
+    ORTModule equal eager PyTorch's (of ``reference()``, the same weights, where given);
+    returns the wrapped model."""
     torch.manual_seed(0)
-    reference = make()
+    reference = (reference or make)()
     torch.manual_seed(0)
     model = make()
     wrapped = ORTModule(model, DebugOptions(fallback=False))
@@ -39,12 +42,14 @@ def _assert_ortmodule_trains_like_eager(make, x: torch.Tensor):
     return model
 
 
-def _assert_artifacts_train_like_eager(make, x: torch.Tensor):
+def _assert_artifacts_train_like_eager(make, x: torch.Tensor, reference=None):
     """The parameters' gradients of a random-direction VJP through the training graph of
-    export_for_training's model equal eager PyTorch's; returns the exported model."""
+    export_for_training's model equal eager PyTorch's (of ``reference()``, the same weights,
+    where given); returns the exported model."""
     torch.manual_seed(0)
-    model = make()
-    onnx_model = export_for_training(model, (x,), input_names=["x"])
+    onnx_model = export_for_training(make(), (x,), input_names=["x"])
+    torch.manual_seed(0)
+    model = (reference or make)()
     out = model(x)
     weight = np.random.default_rng(1).standard_normal(tuple(out.shape)).astype(np.float32)
     params = dict(model.named_parameters())
@@ -158,3 +163,37 @@ def test_an_lstm_with_a_projection_follows_the_sequence_length():
     for steps in (5, 7):
         x = torch.randn(steps, 2, 4, generator=torch.Generator().manual_seed(steps))
         torch.testing.assert_close(wrapped(x), reference(x))
+
+
+class Looped(torch.nn.Module):
+    """Three tanh layers sharing weights, written with torch's while_loop (exported as an ONNX
+    ``Loop`` whose body reads the layer's parameters from outside)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        _, h = while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, torch.tanh(self.layer(h))), (torch.tensor(0), x))
+        return h
+
+
+class Unrolled(Looped):
+    """The same three steps as a Python loop: the reference for Looped's gradients (in torch
+    2.13 eager autograd through while_loop gives the parameters the body closes over another
+    gradient than finite differences do; the unrolled loop's agrees with them)."""
+
+    def forward(self, x):
+        h = x
+        for _ in range(3):
+            h = torch.tanh(self.layer(h))
+        return h
+
+
+def test_a_torch_while_loop_trains_as_the_unrolled_loop():
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    _assert_ortmodule_trains_like_eager(Looped, x, reference=Unrolled)
+    onnx_model = _assert_artifacts_train_like_eager(Looped, x, reference=Unrolled)
+    assert any(node.op_type == "Loop" for node in onnx_model.graph.node)

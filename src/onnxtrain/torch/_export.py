@@ -390,6 +390,15 @@ def _guard_holds(guard, sizes: dict[str, int]) -> bool:
         return False
 
 
+def _only_unbacked(expr) -> bool:
+    """Whether ``expr`` is about values the graph computes only (unbacked symbols: a data-dependent
+    size, a loop's counter), a runtime assert no input shape decides."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    symbols = getattr(expr, "free_symbols", set())
+    return bool(symbols) and free_unbacked_symbols(expr) == symbols
+
+
 def _shape_guards(program, input_dims: set[str]) -> list:
     """The guards (and deferred runtime asserts) of the capture's shape environment that still
     depend on a symbolic dim, in the graph inputs' dim names; ``ExportError`` for one that
@@ -405,7 +414,7 @@ def _shape_guards(program, input_dims: set[str]) -> list:
     for expr in exprs:
         expr = env.replace(expr)
         symbols = {symbol.name for symbol in getattr(expr, "free_symbols", ())}
-        if not symbols:
+        if not symbols or _only_unbacked(expr):
             continue
         if not symbols <= input_dims:
             raise ExportError(f"the capture's shape guard {expr} depends on dims the graph's inputs do not show")

@@ -6,8 +6,8 @@ training-mode BatchNorm with batch statistics and running-statistics updates, ``
 ``torch.no_grad()`` regions as stop-gradients, embeddings' padding rows without a gradient,
 ``nn.EmbeddingBag`` without a ``Loop``, ``nn.LSTM(proj_size=...)`` with its projection (which
 the plain export drops), Hugging Face T5/Swin attention exportable, ``torch.cond`` and torch's
-``scan`` as ONNX ``If`` and ``Scan``, and custom ``torch.autograd.Function``s refused unless
-declared exact.
+``scan`` and ``while_loop`` as ONNX ``If``, ``Scan`` and ``Loop``, and custom
+``torch.autograd.Function``s refused unless declared exact.
 """
 
 from __future__ import annotations

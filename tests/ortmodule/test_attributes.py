@@ -208,3 +208,23 @@ def test_a_replaced_submodule_is_not_kept_alive_by_the_graphs():
     gc.collect()
     assert old() is None  # its parameters are not held either
     torch.testing.assert_close(wrapped(x), model(x))
+
+
+def test_a_changed_hugging_face_config_runs_a_graph_exported_for_it():
+    """A Hugging Face model reads its config in the forward (``output_hidden_states`` adds
+    outputs): a config field set after the first call runs a graph exported for it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    eager = transformers.BertModel(config)
+    wrapped = ORTModule(transformers.BertModel(config), DebugOptions(fallback=False))
+    wrapped.module.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    assert wrapped(input_ids=ids).hidden_states is None
+    config.output_hidden_states = True  # the config both models share
+    got, expected = wrapped(input_ids=ids), eager(input_ids=ids)
+    assert len(got.hidden_states) == len(expected.hidden_states) == 3
+    for ours, theirs in zip(got.hidden_states, expected.hidden_states):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert ("config", "output_hidden_states") in AttributeRecord(wrapped.module).names()

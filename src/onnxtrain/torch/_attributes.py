@@ -8,14 +8,17 @@ look changed on the next call); a call whose values differ from a graph's is ser
 graph, exported for them, as ``torch.compile`` recompiles when a guarded attribute changes.
 
 Only instance attributes holding ``bool``, ``int``, ``float``, ``str``, ``None``, enums or tuples
-of those are recorded: tensors that are neither parameters nor buffers, lists, dicts and other
-objects (a Hugging Face ``config``) are not, nor are attributes first set after the export.
+of those are recorded, and those of the Hugging Face configs the modules hold (a model reads
+``config.output_hidden_states``, ``config.use_cache``, ... in its forward): tensors that are
+neither parameters nor buffers, lists, dicts and other objects are not, nor are attributes first
+set after the export.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import sys
 import weakref
 from dataclasses import dataclass
 
@@ -31,6 +34,13 @@ def _recordable(value) -> bool:
     if isinstance(value, tuple):
         return all(isinstance(v, _SCALARS) for v in value)
     return isinstance(value, _SCALARS)
+
+
+def _is_config(value) -> bool:
+    """Whether ``value`` is a Hugging Face model configuration (only where transformers is loaded)."""
+    transformers = sys.modules.get("transformers")
+    config = getattr(transformers, "PretrainedConfig", None) if transformers is not None else None
+    return config is not None and isinstance(value, config)
 
 
 def _same(old, new) -> bool:
@@ -70,7 +80,8 @@ class AttributeChange:
 
 
 class AttributeRecord:
-    """The recordable attributes of ``module`` and its submodules, with their values now.
+    """The recordable attributes of ``module``, its submodules and the Hugging Face configs they
+    hold, with their values now.
 
     Submodules are held by weak reference, so a record does not keep a replaced submodule (and
     its parameters) alive; every attribute of one that is gone counts as deleted. Every
@@ -79,11 +90,18 @@ class AttributeRecord:
 
     def __init__(self, module: torch.nn.Module):
         self._modules = []  # (weak reference, qualified name, [(attribute, value), ...])
+        configs: set[int] = set()
         for prefix, sub in module.named_modules(remove_duplicate=False):
             values = [(name, value) for name, value in vars(sub).items()
                       if name not in _MODULE_BOOKKEEPING and _recordable(value)]
             if values:
                 self._modules.append((weakref.ref(sub), prefix, values))
+            for name, value in vars(sub).items():  # a config is shared by many submodules: once
+                if _is_config(value) and id(value) not in configs:
+                    configs.add(id(value))
+                    where = f"{prefix}.{name}" if prefix else name
+                    fields = [(field, v) for field, v in vars(value).items() if _recordable(v)]
+                    self._modules.append((weakref.ref(value), where, fields))
 
     def names(self) -> list[tuple[str, str]]:
         """The recorded (submodule name, attribute) pairs."""

@@ -208,7 +208,8 @@ class ORTModule(torch.nn.Module):
     Python attributes: an export bakes the plain values the forward reads (a dropout
     probability, a scale, a flag that picks a branch, a submodule's ``training`` flag) into the
     graph. The scalar attributes (bool, int, float, str, None, enums, tuples of those) of the
-    module and its submodules are recorded at each export and compared on every call; a call
+    module, its submodules and the Hugging Face configs they hold (``config.output_hidden_states``,
+    ``config.use_cache``, ...) are recorded at each export and compared on every call; a call
     whose values differ runs a graph exported for them (exported once per set of values, so
     switching back reuses the earlier graph). An attribute whose new value exports the same
     graph (one the forward does not read, such as a value a training loop stores on a module) is
@@ -216,9 +217,8 @@ class ORTModule(torch.nn.Module):
     ``ATTRIBUTE_EXPORT_LIMIT`` new values (a schedule stepped every call) makes the module run
     in PyTorch, as a fallback does (or raise ``ExportError`` without fallback): register it as
     a buffer or pass it as a tensor to make it a graph input instead. Other objects (tensors
-    that are neither parameters nor buffers, lists, a Hugging Face ``config``) and attributes
-    set after the export are not watched: changing what the forward reads there needs a new
-    ORTModule.
+    that are neither parameters nor buffers, lists, dicts) and attributes set after the export
+    are not watched: changing what the forward reads there needs a new ORTModule.
 
     Custom ``torch.autograd.Function``s: the export traces through their forward, and ONNX
     Runtime cannot call their own backward, so a module whose forward runs one on tensors that

@@ -85,6 +85,14 @@ class GraphBuilder:
             return value
         return self.op.Identity(value)
 
+    def distinct_outputs(self, values) -> list[ir.Value]:
+        """``values`` ready to be this builder's graph's outputs: each computed in the graph
+        (:meth:`owned`) and listed once (a repeat becomes an Identity of the first)."""
+        outputs: list[ir.Value] = []
+        for value in values:
+            outputs.append(self.op.Identity(value) if value in outputs else self.owned(value))
+        return outputs
+
     def fresh_name(self, base: str) -> str:
         """A name unique within this builder's graph, under this builder's scope."""
         prefix = f"{self.scope}/" if self.scope else ""

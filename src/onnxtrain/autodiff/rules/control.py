@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from onnxtrain.autodiff.builder import build_gradients, is_float
 from onnxtrain.autodiff.registry import GradContext, grad
+from onnxtrain.ir.builder import GraphBuilder
 
 
 def _branch_gradients(ctx: GradContext, branch: ir.Graph, label: str) -> ir.Graph:
@@ -62,33 +63,51 @@ def _without_dead_nodes(graph: ir.Graph) -> None:
             graph.remove(node, safe=True)
 
 
+def _body_input(b: GraphBuilder, label: str, like: ir.Value) -> ir.Value:
+    """A new input for the subgraph ``b`` builds, typed and shaped like ``like``."""
+    return ir.Value(name=b.fresh_name(label), type=like.type, shape=like.shape)
+
+
+def _typed_like(values, likes) -> None:
+    """Give each of ``values`` (a new node's outputs) the type of its counterpart in ``likes``:
+    the builder would type them all as the node's first input."""
+    for value, like in zip(values, likes):
+        value.type = like.type
+
+
+def _recording_body(ctx: GradContext, body: ir.Graph, label: str, carried: int,
+                    pick) -> tuple[ir.Graph, list[ir.Value]]:
+    """A copy of a loop's ``body`` that returns its first ``carried`` outputs (the values the loop
+    carries) and then, as scan outputs, the inputs ``pick(inputs)`` chooses, which every
+    iteration starts from; the nodes only its other outputs needed are dropped. Returns the
+    copy and the chosen inputs."""
+    copy = body.clone(allow_outer_scope_values=True)
+    copy.name = f"{body.name or 'body'}_{label}"
+    b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/{label}")
+    recorded = pick(list(copy.inputs))
+    entering = [b.op.Identity(v) for v in recorded]
+    for value, source in zip(entering, recorded):
+        value.type, value.shape = source.type, source.shape
+    kept = b.distinct_outputs(copy.outputs[:carried])
+    copy.outputs.clear()
+    copy.outputs.extend([*kept, *entering])
+    _without_dead_nodes(copy)
+    return copy, recorded
+
+
 def _state_stacks(ctx: GradContext, body: ir.Graph, num_states: int) -> list[ir.Value]:
     """Each loop state's value at the start of every iteration, stacked in iteration order:
     the forward Scan run again with a body that returns its state inputs in place of its scan
-    outputs (the nodes only those needed are dropped)."""
+    outputs."""
     node = ctx.node
-    copy = body.clone(allow_outer_scope_values=True)
-    copy.name = f"{body.name or 'body'}_states"
-    b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/states")
-    entering = [b.op.Identity(v) for v in copy.inputs[:num_states]]
-    for value, state in zip(entering, copy.inputs):
-        value.type, value.shape = state.type, state.shape
-    nexts = list(copy.outputs[:num_states])
-    copy.outputs.clear()
-    copy.outputs.extend(v if v not in nexts[:k] else b.op.Identity(v) for k, v in enumerate(nexts))
-    copy.outputs.extend(entering)
-    _without_dead_nodes(copy)
+    copy, recorded = _recording_body(ctx, body, "states", num_states, lambda inputs: inputs[:num_states])
     num_scan_inputs = len(node.inputs) - num_states
     results = ctx.op.Scan(*node.inputs, body=copy, num_scan_inputs=num_scan_inputs,
                           scan_input_axes=ctx.attr("scan_input_axes", [0] * num_scan_inputs),
                           scan_input_directions=ctx.attr("scan_input_directions", [0] * num_scan_inputs),
                           _outputs=2 * num_states)
-    for final, state in zip(results, node.inputs):  # the builder would type them as input 0
-        final.type = state.type
-    stacks = list(results[num_states:])
-    for stack, state in zip(stacks, node.inputs):
-        stack.type = state.type
-    return stacks
+    _typed_like(results, [*node.inputs[:num_states], *recorded])
+    return list(results[num_states:])
 
 
 @grad("Scan", versions=(9, None))
@@ -122,23 +141,17 @@ def _scan(ctx):
     b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/body")
     state_in, scan_in = list(copy.inputs[:num_states]), list(copy.inputs[num_states:])
 
-    def body_input(label: str, like: ir.Value) -> ir.Value:
-        return ir.Value(name=b.fresh_name(label), type=like.type, shape=like.shape)
-
-    state_grad_in = [body_input("state_grad", state_in[i]) for i in float_states]
-    captured_sum_in = [body_input("captured_grad", v) for v in captured]
-    slice_grad_in = [body_input("slice_grad", copy.outputs[num_states + j]) for j in seeded_outputs]
+    state_grad_in = [_body_input(b, "state_grad", state_in[i]) for i in float_states]
+    captured_sum_in = [_body_input(b, "captured_grad", v) for v in captured]
+    slice_grad_in = [_body_input(b, "slice_grad", copy.outputs[num_states + j]) for j in seeded_outputs]
     seeds = [(copy.outputs[i], g) for i, g in zip(float_states, state_grad_in)]
     seeds += [(copy.outputs[num_states + j], g) for j, g in zip(seeded_outputs, slice_grad_in)]
     wrt = [state_in[i] for i in float_states] + [scan_in[j] for j in wanted_scans] + list(captured)
     grads = build_gradients(copy, [v for v, _ in seeds], wrt, loss_grad=[g for _, g in seeds], builder=b)
 
-    body_outputs = []
-    for value in [*(grads[state_in[i]] for i in float_states),
-                  *(b.op.Add(total, grads[v]) for total, v in zip(captured_sum_in, captured)),
-                  *(grads[scan_in[j]] for j in wanted_scans)]:
-        value = b.op.Identity(value) if value in body_outputs else b.owned(value)
-        body_outputs.append(value)
+    body_outputs = b.distinct_outputs([*(grads[state_in[i]] for i in float_states),
+                                       *(b.op.Add(total, grads[v]) for total, v in zip(captured_sum_in, captured)),
+                                       *(grads[scan_in[j]] for j in wanted_scans)])
     for value, like in zip(body_outputs, [*(state_in[i] for i in float_states), *captured,
                                           *(scan_in[j] for j in wanted_scans)]):
         value.type, value.shape = like.type, like.shape
@@ -158,8 +171,7 @@ def _scan(ctx):
         scan_output_directions=[1 - in_dirs[j] for j in wanted_scans],
         _outputs=len(body_outputs))
     results = list(results) if isinstance(results, tuple) else [results]
-    for g, like in zip(results, body_outputs):
-        g.type = like.type
+    _typed_like(results, body_outputs)
     state_grads = dict(zip(float_states, results))
     for value, g in zip(captured, results[len(float_states):]):
         g.type, g.shape = value.type, value.shape
@@ -178,28 +190,18 @@ def _loop_history(ctx: GradContext, body: ir.Graph, num_states: int) -> tuple[li
     """What every iteration of a Loop started from, stacked in iteration order: each state, the
     condition the body read (None if it reads none), and the iteration number (whose count is
     the number of iterations run). The forward Loop run again with a body that returns these
-    in place of its scan outputs (the nodes only those needed are dropped)."""
-    copy = body.clone(allow_outer_scope_values=True)
-    copy.name = f"{body.name or 'body'}_history"
-    b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/history")
-    iteration, condition, states = copy.inputs[0], copy.inputs[1], list(copy.inputs[2:])
-    recorded = [*states, *([condition] if condition.uses() else []), iteration]
-    entering = [b.op.Identity(v) for v in recorded]
-    for value, source in zip(entering, recorded):
-        value.type, value.shape = source.type, source.shape
-    kept = list(copy.outputs[:1 + num_states])
-    copy.outputs.clear()
-    copy.outputs.extend(v if v not in kept[:k] else b.op.Identity(v) for k, v in enumerate(kept))
-    copy.outputs.extend(entering)
-    _without_dead_nodes(copy)
-    results = ctx.op.Loop(*ctx.node.inputs, body=copy, _outputs=num_states + len(entering))
+    in place of its scan outputs."""
+    def pick(inputs):
+        iteration, condition, states = inputs[0], inputs[1], inputs[2:]
+        return [*states, *([condition] if condition.uses() else []), iteration]
+
+    copy, recorded = _recording_body(ctx, body, "history", 1 + num_states, pick)
+    results = ctx.op.Loop(*ctx.node.inputs, body=copy, _outputs=num_states + len(recorded))
     results = list(results) if isinstance(results, tuple) else [results]
-    for final, state in zip(results, ctx.node.inputs[2:]):  # the builder would type them as input 0
-        final.type = state.type
+    _typed_like(results, [*ctx.node.inputs[2:], *recorded])
     stacks = results[num_states:]
-    for stack, source in zip(stacks, recorded):
-        stack.type = source.type
-    return stacks[:num_states], (stacks[num_states] if condition.uses() else None), stacks[-1]
+    reads_condition = len(recorded) > num_states + 1
+    return stacks[:num_states], (stacks[num_states] if reads_condition else None), stacks[-1]
 
 
 @grad("Loop", versions=(11, None))
@@ -230,9 +232,8 @@ def _loop(ctx):
     iteration, condition, states = copy.inputs[0], copy.inputs[1], list(copy.inputs[2:])
     step = ir.Value(name=b.fresh_name("step"), type=iteration.type, shape=ir.Shape([]))
     keep_going = ir.Value(name=b.fresh_name("keep_going"), type=condition.type, shape=ir.Shape([]))
-    state_grad_in = [ir.Value(name=b.fresh_name("state_grad"), type=states[i].type, shape=states[i].shape)
-                     for i in float_states]
-    captured_sum_in = [ir.Value(name=b.fresh_name("captured_grad"), type=v.type, shape=v.shape) for v in captured]
+    state_grad_in = [_body_input(b, "state_grad", states[i]) for i in float_states]
+    captured_sum_in = [_body_input(b, "captured_grad", v) for v in captured]
     # the forward body's inputs, as that iteration had them
     at = b.op.Sub(last, step)
     began = [b.op.Gather(stack, at, axis=0) for stack in stacks]
@@ -251,10 +252,8 @@ def _loop(ctx):
     wrt = [began[i] for i in float_states] + list(captured)
     grads = build_gradients(copy, [v for v, _ in seeds], wrt, loss_grad=[g for _, g in seeds], builder=b)
 
-    body_outputs = [b.owned(keep_going)]
-    for value in [*(grads[began[i]] for i in float_states),
-                  *(b.op.Add(total, grads[v]) for total, v in zip(captured_sum_in, captured))]:
-        body_outputs.append(b.op.Identity(value) if value in body_outputs else b.owned(value))
+    body_outputs = b.distinct_outputs([keep_going, *(grads[began[i]] for i in float_states),
+                                       *(b.op.Add(total, grads[v]) for total, v in zip(captured_sum_in, captured))])
     for value, like in zip(body_outputs, [condition, *(states[i] for i in float_states), *captured]):
         value.type, value.shape = like.type, like.shape
     copy.inputs.clear()
@@ -266,8 +265,7 @@ def _loop(ctx):
     results = op.Loop(count, None, *(ctx.grad_output(i) for i in float_states),
                       *(ctx.b.zeros_like(v) for v in captured), body=copy, _outputs=len(body_outputs) - 1)
     results = list(results) if isinstance(results, tuple) else [results]
-    for g, like in zip(results, body_outputs[1:]):
-        g.type = like.type
+    _typed_like(results, body_outputs[1:])
     for value, g in zip(captured, results[len(float_states):]):
         g.type, g.shape = value.type, value.shape
         ctx.captured_grads[value] = g

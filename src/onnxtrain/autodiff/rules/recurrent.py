@@ -208,14 +208,11 @@ def _scan(b: GraphBuilder, label: str, states: Sequence[ir.Value], carried: Sequ
     if len(next_states) != len(states):
         raise AssertionError(f"{label}: the step returned {len(next_states)} states for {len(states)}")
 
-    body_outputs: list[ir.Value] = []
+    body_outputs = sb.distinct_outputs([*next_states, *carried_in, *outputs.values()])
     ranks = [_STEP_RANK] * len(next_states) + [rank for _, rank in carried] + [_STEP_RANK] * len(outputs)
-    for value, rank in zip([*next_states, *carried_in, *outputs.values()], ranks):
-        # a body output must be computed in the body, and only once
-        value = sb.op.Identity(value) if value in body_outputs else sb.owned(value)
+    for value, rank in zip(body_outputs, ranks):
         if value.shape is None:
             value.shape = ir.Shape([None] * rank)
-        body_outputs.append(value)
     body.outputs.extend(body_outputs)
 
     direction = int(backwards)

@@ -160,9 +160,10 @@ def test_an_lstm_with_a_projection_follows_the_sequence_length():
     torch.manual_seed(0)
     model = ProjectedLstm()
     wrapped = ORTModule(model, DebugOptions(fallback=False))
-    for steps in (5, 7):
+    for count, steps in enumerate((5, 7), start=1):
         x = torch.randn(steps, 2, 4, generator=torch.Generator().manual_seed(steps))
         torch.testing.assert_close(wrapped(x), reference(x))
+        assert wrapped.export_count == count
 
 
 class Looped(torch.nn.Module):

@@ -73,7 +73,7 @@ def _session_bytes(model: ir.Model, providers: list, in_listed_order: bool = Fal
     nodes in the graph's order (:func:`onnxtrain.runtime.session.list_for_default_order`)."""
     if fusions.rewrites(model, providers):
         model = ir.from_proto(io.to_proto(model))
-        fusions.for_session(model, providers, gated_add=False)
+        fusions.for_session(model, providers, gated_add=False, runtime_fills=False)
     proto = io.to_proto(model)
     if in_listed_order:
         list_for_default_order(proto.graph)

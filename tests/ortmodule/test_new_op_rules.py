@@ -1,6 +1,7 @@
 """ORTModule runs modules whose exports need the recurrent, resampling and selection rules, or
 our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist, hypot,
-searchsorted and cumprod (which the exporter lacks), or nn.Transformer's causal-mask check,
+searchsorted and cumprod (which the exporter lacks) and multilabel_margin_loss (which it
+translates wrongly), or nn.Transformer's causal-mask check,
 in ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
 from __future__ import annotations
@@ -128,6 +129,24 @@ class _Transmittance(nn.Module):
         return torch.cumprod(passed, dim=1) * alpha + torch.cumprod(x[..., :3], dim=-1).sum(-1)
 
 
+class _MultiLabelMargin(nn.Module):
+    """F.multilabel_margin_loss (whose exporter translation returns other numbers): targets ending
+    at a -1 (entries after it ignored), a class listed twice, every reduction, one unbatched sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = nn.Linear(6, 6)
+
+    def forward(self, x):
+        scores = self.score(x)
+        order = torch.argsort(x.detach(), dim=-1)  # [N, 6] class indices
+        stop = torch.full_like(order[:, :1], -1)
+        target = torch.cat([order[:, :2], order[:, :1], stop, order[:, 2:4]], dim=1)
+        loss = nn.functional.multilabel_margin_loss
+        return (loss(scores, target, reduction="none") + loss(scores, order, reduction="sum")
+                + loss(scores[0], target[0]) + loss(scores, target))
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -145,9 +164,11 @@ class _Seq2Seq(nn.Module):
 @pytest.mark.parametrize(("factory", "shape"), [(_Recurrent, (3, 6, 4)), (_Vision, (2, 2, 4, 4)),
                                                (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6)),
                                                (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6)),
-                                               (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8))],
+                                               (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8)),
+                                               (_MultiLabelMargin, (4, 6))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
-                              "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask"])
+                              "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
+                              "multilabel-margin-loss"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)

@@ -19,7 +19,8 @@ gradient flows through it: the exporter would otherwise decompose it to an alias
 gradient graph differentiate through it.
 
 ``aten.cross_entropy_loss`` keeps the exporter's ``SoftmaxCrossEntropyLoss`` and adds the
-label-smoothing term the exporter drops. Where the exporter's translation computes something
+label-smoothing term the exporter drops. ``aten.multilabel_margin_loss`` is ours: the exporter's
+ignores the ``-1`` that ends each sample's targets and computes other numbers. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -425,6 +426,42 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     return op.Add(op.Mul(nll, keep), op.Mul(term, scale))
 
 
+def multilabel_margin_loss(input, target, reduction: int = 1):
+    """``aten.multilabel_margin_loss`` (the exporter's translation ignores the ``-1`` that ends
+    each sample's targets, and returns other numbers): for each target entry ``j`` before the
+    first ``-1`` and each class ``i`` that is not among those targets,
+    ``max(0, 1 - (x[target[j]] - x[i]))``, summed and divided by the number of classes (a class
+    listed twice counts twice, as in PyTorch)."""
+    unbatched = len(input.shape) == 1
+    if unbatched:
+        first = op.Constant(value_ints=[0])
+        input, target = op.Unsqueeze(input, first), op.Unsqueeze(target, first)
+    last = op.Constant(value_ints=[-1])
+    zero_int = op.Constant(value_int=0)
+    # entry p is a target while no -1 came at or before it
+    ends = op.Cast(op.Equal(target, op.Constant(value_int=-1)), to=7)
+    listed = op.Equal(op.CumSum(ends, op.Constant(value_int=-1)), zero_int)  # [N, C] bool
+    safe_target = op.Where(listed, target, zero_int)
+    target_score = op.GatherElements(input, safe_target, axis=-1)  # [N, C]: x[target[p]]
+    classes = op.Range(zero_int, op.Squeeze(op.Shape(input, start=-1)), op.Constant(value_int=1))
+    # class d is a target when a listed entry names it
+    names_class = op.And(op.Equal(op.Unsqueeze(safe_target, last), classes), op.Unsqueeze(listed, last))
+    is_target = op.Cast(op.ReduceMax(op.Cast(names_class, to=7), op.Constant(value_ints=[-2]), keepdims=0), to=9)
+    one = op.CastLike(op.Constant(value_float=1.0), input)
+    zero = op.CastLike(op.Constant(value_float=0.0), input)
+    # [N, C (entries), C (classes)]: 1 - x[target[p]] + x[d]
+    margin = op.Add(op.Sub(one, op.Unsqueeze(target_score, last)), op.Unsqueeze(input, op.Constant(value_ints=[-2])))
+    counted = op.And(op.Unsqueeze(listed, last), op.Not(op.Unsqueeze(is_target, op.Constant(value_ints=[-2]))))
+    hinge = op.Where(counted, op.Relu(margin), zero)
+    count = op.CastLike(op.Shape(input, start=-1), input)
+    loss = op.Div(op.ReduceSum(hinge, op.Constant(value_ints=[-2, -1]), keepdims=0), count)
+    if _REDUCTIONS[reduction] == "mean":
+        return op.ReduceMean(loss, keepdims=0)
+    if _REDUCTIONS[reduction] == "sum":
+        return op.ReduceSum(loss, keepdims=0)
+    return op.Squeeze(loss, op.Constant(value_ints=[0])) if unbatched else loss
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -456,6 +493,7 @@ def translation_table() -> dict:
         torch.ops.aten.hypot.default: hypot,
         torch.ops.aten.searchsorted.Tensor: searchsorted,
         torch.ops.aten.cumprod.default: cumprod,
+        torch.ops.aten.multilabel_margin_loss.default: multilabel_margin_loss,
     }
 
 

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain.torch import ORTModuleFallbackWarning  # noqa: E402
+from onnxtrain.torch import ORTModule, ORTModuleFallbackWarning  # noqa: E402
 
 from ._parity import assert_steps_match, eager_and_wrapped  # noqa: E402
 
@@ -178,3 +178,29 @@ def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
         for size in (shape, shape, other):
             assert_steps_match(eager, wrapped, torch.randn(*size))
     assert wrapped.fallback_reason is None and wrapped.export_count == 2
+
+
+def test_rrelu_draws_its_slopes_in_training_and_uses_their_mean_in_eval():
+    """nn.RReLU (the exporter has no translation): in training each input at or below 0 is
+    scaled by a slope drawn from U(lower, upper) in every run, and the gradient is that slope;
+    in eval the slope is the mean, as in PyTorch."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 256), nn.RReLU(0.1, 0.3))
+    wrapped = ORTModule(model)
+    x = torch.randn(32, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        out = wrapped(x)
+        pre = model[0](x).detach()
+        negative = pre <= 0
+        slopes = torch.where(negative, out.detach() / pre, torch.ones_like(pre))
+        assert torch.equal(out[~negative], pre[~negative])
+        drawn = slopes[negative]
+        assert drawn.min() >= 0.1 - 1e-6 and drawn.max() <= 0.3 + 1e-6 and drawn.std() > 0.03
+        weight = torch.randn(out.shape)
+        (out * weight).sum().backward()
+        assert torch.allclose(model[0].bias.grad, (weight * slopes).sum(0), rtol=1e-4, atol=1e-5)
+        again = wrapped(x).detach()
+        assert not torch.equal(again, out.detach())  # fresh slopes every run
+        wrapped.eval()
+        torch.testing.assert_close(wrapped(x), nn.functional.leaky_relu(pre, 0.2))

@@ -20,7 +20,8 @@ gradient graph differentiate through it.
 
 ``aten.cross_entropy_loss`` keeps the exporter's ``SoftmaxCrossEntropyLoss`` and adds the
 label-smoothing term the exporter drops. ``aten.multilabel_margin_loss`` is ours: the exporter's
-ignores the ``-1`` that ends each sample's targets and computes other numbers. Where the exporter's translation computes something
+ignores the ``-1`` that ends each sample's targets and computes other numbers. ``nn.RReLU``
+(``aten.rrelu_with_noise_functional``, which the exporter lacks) draws its slopes in the graph. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -462,6 +463,25 @@ def multilabel_margin_loss(input, target, reduction: int = 1):
     return op.Squeeze(loss, op.Constant(value_ints=[0])) if unbatched else loss
 
 
+def rrelu_with_noise_functional(input, noise, lower: float = 0.125, upper: float = 1.0 / 3.0,
+                                training: bool = False, generator=None):
+    """``aten.rrelu_with_noise_functional`` (``nn.RReLU``, ``F.rrelu``; the exporter has no
+    translation): in training each element at or below 0 is scaled by its own slope drawn from
+    ``U(lower, upper)`` (a fresh draw every run, as Dropout's mask: another stream than
+    PyTorch's), the others kept, and the slopes returned as the noise (1 where kept); in eval
+    the slope is the mean ``(lower + upper) / 2`` and the noise comes back as it was."""
+    if generator is not None:
+        raise NotImplementedError("F.rrelu with a generator is not supported")
+    zero = op.CastLike(op.Constant(value_float=0.0), input)
+    negative = op.LessOrEqual(input, zero)
+    if not training:
+        slope = op.CastLike(op.Constant(value_float=(lower + upper) / 2.0), input)
+        return op.Where(negative, op.Mul(input, slope), input), noise
+    drawn = op.CastLike(op.RandomUniformLike(input, low=float(lower), high=float(upper)), input)
+    slopes = op.Where(negative, drawn, op.CastLike(op.Constant(value_float=1.0), input))
+    return op.Mul(input, slopes), slopes
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -494,6 +514,7 @@ def translation_table() -> dict:
         torch.ops.aten.searchsorted.Tensor: searchsorted,
         torch.ops.aten.cumprod.default: cumprod,
         torch.ops.aten.multilabel_margin_loss.default: multilabel_margin_loss,
+        torch.ops.aten.rrelu_with_noise_functional.default: rrelu_with_noise_functional,
     }
 
 

@@ -71,10 +71,11 @@ def pos(*shape, **kw) -> In:
 
 def _all_rows() -> list[Case]:
     from tests.autodiff.rows import (conv, control, elementwise, index, loss, matmul, nn, recurrent, reduce,
-                                     sampling, shape)
+                                     sampling, shape, spectral)
 
     rows: list[Case] = []
-    for family in (elementwise, matmul, reduce, shape, index, conv, nn, loss, sampling, recurrent, control):
+    for family in (elementwise, matmul, reduce, shape, index, conv, nn, loss, sampling, recurrent, control,
+                   spectral):
         rows.extend(family.ROWS)
     return rows
 

@@ -1,4 +1,4 @@
-"""ORTModule runs modules whose exports need the recurrent, resampling and selection rules, or
+"""ORTModule runs modules whose exports need the recurrent, resampling, selection and DFT rules, or
 our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist, hypot,
 searchsorted and cumprod (which the exporter lacks) and multilabel_margin_loss (which it
 translates wrongly), or nn.Transformer's causal-mask check,
@@ -147,6 +147,21 @@ class _MultiLabelMargin(nn.Module):
                 + loss(scores[0], target[0]) + loss(scores, target))
 
 
+class _Spectral(nn.Module):
+    """torch.fft: FNet's token mixing (the real part of a 2-D transform) and an rfft magnitude
+    spectrum with orthonormal scaling, as spectral losses use (the DFT rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x):  # [N, T, 6]
+        h = self.proj(x)
+        mixed = torch.fft.fft(torch.fft.fft(h.to(torch.complex64), dim=-1), dim=-2).real
+        spectrum = torch.fft.rfft(h, dim=1, norm="ortho").abs()
+        return mixed.mean(1) * 0.2 + spectrum.mean(1)
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -165,10 +180,10 @@ class _Seq2Seq(nn.Module):
                                                (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6)),
                                                (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6)),
                                                (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8)),
-                                               (_MultiLabelMargin, (4, 6))],
+                                               (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
                               "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
-                              "multilabel-margin-loss"])
+                              "multilabel-margin-loss", "fft"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)

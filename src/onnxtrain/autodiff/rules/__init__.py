@@ -13,4 +13,5 @@ from onnxtrain.autodiff.rules import (  # noqa: F401
     reduce,
     sampling,
     shape,
+    spectral,
 )

@@ -1,0 +1,74 @@
+"""Spectral ops: DFT (torch.fft.fft / rfft / ifft and their n-dimensional forms).
+
+A DFT is linear, and as a map between real vectors (a complex value being its real and
+imaginary parts) its adjoint is the conjugate-transposed matrix: the gradient of a forward
+transform of length ``N`` is ``N`` times the inverse transform of the output gradient (ONNX's
+inverse divides by ``N``), and that of an inverse transform is the forward transform over ``N``.
+Around it: a real input (last dim 1) keeps the real part; a one-sided output (the first
+``N // 2 + 1`` bins of a real signal's transform) is the full output with the other bins
+dropped, so its gradient is the full one with zeros in their place; a ``dft_length`` that padded
+the signal with zeros (or cut it) is undone by cutting (or padding) the gradient.
+"""
+
+from __future__ import annotations
+
+from onnxtrain.autodiff.registry import GradContext, grad
+from onnxtrain.ir.shapes import normalize_axis, rank_of
+
+_AXIS_AS_INPUT = 20  # DFT-20 takes the axis as its third input (default -2); DFT-17 as an attribute (default 1)
+
+
+def _axis(ctx: GradContext, rank: int) -> int:
+    if ctx.opset >= _AXIS_AS_INPUT:
+        if len(ctx.node.inputs) > 2 and ctx.node.inputs[2] is not None:
+            value = ctx.const_input(2)
+            if value is None:
+                raise NotImplementedError("DFT gradient needs a constant axis")
+            return normalize_axis(int(value.reshape(-1)[0]), rank)
+        return rank - 2
+    return normalize_axis(int(ctx.attr("axis", 1)), rank)
+
+
+def _along(ctx: GradContext, rank: int, axis: int, amount) -> object:
+    """Pads ``[0] * 2 * rank`` with ``amount`` (a [1] int64 value) as the end pad of ``axis``."""
+    b = ctx.b
+    pieces = [piece for piece in (b.ints([0] * (rank + axis)) if rank + axis else None, amount,
+                                  b.ints([0] * (rank - axis - 1)) if rank - axis - 1 else None) if piece is not None]
+    return ctx.op.Concat(*pieces, axis=0)
+
+
+def _transform(ctx: GradContext, signal, axis: int, inverse: bool):
+    op = ctx.op
+    if ctx.opset >= _AXIS_AS_INPUT:
+        return op.DFT(signal, None, ctx.b.scalar_int(axis), inverse=int(inverse))
+    return op.DFT(signal, axis=axis, inverse=int(inverse))
+
+
+@grad("DFT", versions=(17, None))
+def _dft(ctx: GradContext):
+    op, b, x = ctx.op, ctx.b, ctx.x
+    rank = rank_of(x)
+    parts = x.shape[-1] if rank else None
+    if rank is None or parts not in (1, 2):
+        raise NotImplementedError("DFT gradient needs the input's rank and its last dim (1: real, 2: complex)")
+    inverse, onesided = bool(ctx.attr("inverse", 0)), bool(ctx.attr("onesided", 0))
+    if onesided and (inverse or parts == 2):
+        raise NotImplementedError("a one-sided DFT of a complex signal, or an inverse one")
+    axis = _axis(ctx, rank)
+    axes = b.ints([axis])
+    signal_length = op.Gather(op.Shape(x), axes, axis=0)  # [1]
+    has_length = len(ctx.node.inputs) > 1 and ctx.node.inputs[1] is not None
+    length = op.Reshape(op.Cast(ctx.node.inputs[1], to=7), b.ints([1])) if has_length else signal_length
+    dy = ctx.dy
+    if onesided:  # the dropped bins get no gradient
+        bins = op.Gather(op.Shape(dy), axes, axis=0)
+        dy = op.Pad(dy, _along(ctx, rank, axis, op.Sub(length, bins)))
+    full = _transform(ctx, dy, axis, inverse=not inverse)
+    count = op.CastLike(length, full)
+    dx = op.Div(full, count) if inverse else op.Mul(full, count)
+    if parts == 1:
+        dx = op.Slice(dx, b.ints([0]), b.ints([1]), b.ints([rank - 1]))
+    if has_length:  # back from the transform's length to the signal's: cut, then pad what was cut off
+        dx = op.Slice(dx, b.ints([0]), signal_length, axes)
+        dx = op.Pad(dx, _along(ctx, rank, axis, op.Max(op.Sub(signal_length, length), b.ints([0]))))
+    return (dx,)

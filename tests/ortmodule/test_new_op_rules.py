@@ -1,4 +1,4 @@
-"""ORTModule runs modules whose exports need the recurrent, resampling, selection and DFT rules, or
+"""ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT rules, or
 our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist, hypot,
 searchsorted and cumprod (which the exporter lacks) and multilabel_margin_loss (which it
 translates wrongly), or nn.Transformer's causal-mask check,
@@ -162,6 +162,23 @@ class _Spectral(nn.Module):
         return mixed.mean(1) * 0.2 + spectrum.mean(1)
 
 
+class _StftLoss(nn.Module):
+    """torch.stft as a multi-resolution spectral loss on a filtered waveform (centered, reflect
+    padded), one resolution with a learned window (the STFT rule's window gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        self.filter = nn.Conv1d(1, 1, 5, padding=2)
+        self.window = nn.Parameter(torch.hann_window(8))
+
+    def forward(self, x):  # [N, T]
+        wave = self.filter(x.unsqueeze(1)).squeeze(1)
+        fine = torch.stft(wave, 8, hop_length=2, window=self.window, return_complex=True).abs()
+        coarse = torch.stft(wave, 16, hop_length=4, window=torch.hann_window(16), center=False,
+                            return_complex=True)
+        return fine.mean((1, 2)) + torch.view_as_real(coarse).square().mean((1, 2, 3)) * 0.1
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -180,10 +197,11 @@ class _Seq2Seq(nn.Module):
                                                (_SingleHeadAttention, (3, 5, 6)), (_MedianDistance, (3, 5, 6)),
                                                (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6)),
                                                (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8)),
-                                               (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6))],
+                                               (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6)),
+                                               (_StftLoss, (3, 40))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
                               "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
-                              "multilabel-margin-loss", "fft"])
+                              "multilabel-margin-loss", "fft", "stft"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)

@@ -1,8 +1,10 @@
-"""Gradient-table rows for rules/spectral.py (DFT).
+"""Gradient-table rows for rules/spectral.py (DFT, STFT).
 
-Real signals (last dim 1) and complex ones (last dim 2), forward and inverse, one-sided
+DFT: real signals (last dim 1) and complex ones (last dim 2), forward and inverse, one-sided
 outputs of even and odd lengths, a ``dft_length`` that pads and one that cuts, and an axis
-other than the default (an attribute up to opset 19, an input from 20 on).
+other than the default (an attribute up to opset 19, an input from 20 on). STFT: overlapping
+and gapped frames, a constant (Hann) or differentiated window, a frame length without a
+window, one-sided or full spectra of real and complex signals.
 """
 
 from __future__ import annotations
@@ -34,4 +36,19 @@ ROWS: list[Case] = [
     _row([I(2, 5, 3, 2)], "axis-attribute-negative", opsets=(17, 19), axis=-3),
     _row([I(2, 3, 5, 1), None, C(np.array(2, np.int64))], "axis-input", opsets=(20, 23), onesided=1),
     _row([I(2, 5, 3, 2), _length(6), C(np.array(-3, np.int64))], "axis-input-negative-padded", opsets=(20, 23)),
+]
+
+
+def _stft(inputs, id, **attrs):
+    return Case("STFT", inputs, attrs=attrs, opsets=(17, 23), id=f"STFT-{id}")
+
+
+_HANN = C(np.hanning(10)[1:-1].astype(np.float32))  # 8 taps
+
+
+ROWS += [
+    _stft([I("N", 20, 1), _length(2), _HANN], "hann-overlapping"),
+    _stft([I(2, 16, 1), _length(3), I(6)], "window-gradient-full", onesided=0),
+    _stft([I(2, 15, 2), _length(4), I(5)], "complex", onesided=0),
+    _stft([I(2, 17, 1), _length(6), None, _length(4)], "gapped-frames-no-window"),
 ]

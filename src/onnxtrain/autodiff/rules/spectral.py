@@ -1,4 +1,4 @@
-"""Spectral ops: DFT (torch.fft.fft / rfft / ifft and their n-dimensional forms).
+"""Spectral ops: DFT (torch.fft.fft / rfft / ifft and their n-dimensional forms) and STFT (torch.stft).
 
 A DFT is linear, and as a map between real vectors (a complex value being its real and
 imaginary parts) its adjoint is the conjugate-transposed matrix: the gradient of a forward
@@ -8,9 +8,17 @@ Around it: a real input (last dim 1) keeps the real part; a one-sided output (th
 ``N // 2 + 1`` bins of a real signal's transform) is the full output with the other bins
 dropped, so its gradient is the full one with zeros in their place; a ``dft_length`` that padded
 the signal with zeros (or cut it) is undone by cutting (or padding) the gradient.
+
+An STFT is a DFT of each windowed frame: its signal gradient is each frame's adjoint
+transform (as above, one-sided bins padded back), times the window, added back where the frame
+was read from (overlap-add: a ``ScatterElements`` that adds); its window gradient sums,
+over batches and frames, each frame's adjoint transform times the frame's samples.
 """
 
 from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.ir.shapes import normalize_axis, rank_of
@@ -72,3 +80,54 @@ def _dft(ctx: GradContext):
         dx = op.Slice(dx, b.ints([0]), signal_length, axes)
         dx = op.Pad(dx, _along(ctx, rank, axis, op.Max(op.Sub(signal_length, length), b.ints([0]))))
     return (dx,)
+
+
+def _frame_transforms(ctx: GradContext, frame_length) -> object:
+    """``[batch, frames, frame_length, 2]``: each frame's adjoint transform of the output gradient
+    (one-sided bins padded back with zeros)."""
+    op = ctx.op
+    dy = ctx.dy  # [batch, frames, bins, 2]
+    if ctx.attr("onesided", 1):
+        bins = op.Gather(op.Shape(dy), ctx.b.ints([2]), axis=0)
+        dy = op.Pad(dy, _along(ctx, 4, 2, op.Sub(frame_length, bins)))
+    full = _transform(ctx, dy, 2, inverse=True)
+    return op.Mul(full, op.CastLike(frame_length, full))
+
+
+@grad("STFT", versions=(17, None))
+def _stft(ctx: GradContext):
+    op, b, x = ctx.op, ctx.b, ctx.x
+    parts = x.shape[-1] if x.shape is not None and len(x.shape) == 3 else None
+    if parts not in (1, 2):
+        raise NotImplementedError("STFT gradient needs a [batch, length, 1 or 2] signal of known last dim")
+    step = ctx.const_input(1)
+    if step is None:
+        raise NotImplementedError("STFT gradient needs a constant frame_step")
+    step = int(step.reshape(-1)[0])
+    window = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+    if window is not None:
+        frame_length = op.Shape(window)
+    elif len(ctx.inputs) > 3 and ctx.inputs[3] is not None:
+        frame_length = op.Reshape(op.Cast(ctx.inputs[3], to=7), b.ints([1]))
+    else:
+        raise NotImplementedError("an STFT without a window or a frame_length")
+    u = _frame_transforms(ctx, frame_length)  # [batch, frames, frame_length, 2]
+    # where each frame's taps were read from: signal[:, f * step + n] for frame f, tap n
+    frames = op.Gather(op.Shape(u), b.ints([1]), axis=0)
+    starts = op.Mul(op.Range(b.scalar_int(0), op.Squeeze(frames, b.ints([0])), b.scalar_int(1)), b.scalar_int(step))
+    taps = op.Range(b.scalar_int(0), op.Squeeze(frame_length, b.ints([0])), b.scalar_int(1))
+    positions = op.Add(op.Unsqueeze(starts, b.ints([1])), taps)  # [frames, taps]
+    if parts == 1:
+        u = op.Slice(u, b.ints([0]), b.ints([1]), b.ints([3]))
+    grads = [None, None, None, None]
+    if ctx.needs(0):
+        z = op.Mul(u, op.Reshape(window, b.ints([1, 1, -1, 1]))) if window is not None else u
+        # overlap-add: every frame's taps added back where they were read
+        updates = op.Reshape(z, b.ints([0, -1, parts]))  # [batch, frames * taps, parts]
+        where = op.Expand(op.Reshape(positions, b.ints([1, -1, 1])), op.Shape(updates))
+        zeros = op.ConstantOfShape(op.Shape(x), value=ir.tensor(np.zeros([1], x.dtype.numpy())))
+        grads[0] = op.ScatterElements(zeros, where, updates, axis=1, reduction="add")
+    if window is not None and ctx.needs(2):
+        read = op.Gather(x, positions, axis=1)  # [batch, frames, taps, parts]
+        grads[2] = op.ReduceSum(op.Mul(u, read), b.ints([0, 1, 3]), keepdims=0)
+    return tuple(grads[:len(ctx.inputs)])

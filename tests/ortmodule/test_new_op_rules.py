@@ -1,8 +1,8 @@
-"""ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT rules, or
-our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist, hypot,
-searchsorted and cumprod (which the exporter lacks) and multilabel_margin_loss (which it
-translates wrongly), or nn.Transformer's causal-mask check,
-in ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
+"""ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT
+rules, or our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist,
+hypot, searchsorted, cumprod, lgamma, digamma and polygamma (which the exporter lacks) and
+multilabel_margin_loss (which it translates wrongly), or nn.Transformer's causal-mask check, in
+ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
 from __future__ import annotations
 
@@ -179,6 +179,23 @@ class _StftLoss(nn.Module):
         return fine.mean((1, 2)) + torch.view_as_real(coarse).square().mean((1, 2, 3)) * 0.1
 
 
+class _GammaFunctions(nn.Module):
+    """torch.lgamma, digamma and polygamma(1, .) (the exporter has no translations) on positive
+    arguments from 1e-2 to 1e3 and on negative ones between poles, and a Beta log-probability."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        t = self.lin(x)
+        wide = torch.exp(t * 2.0)  # ~1e-2 .. 1e3
+        between = -1.5 + 0.3 * torch.tanh(t)  # between the poles at -2 and -1
+        beta = torch.distributions.Beta(nn.functional.softplus(t) + 0.5, 1.2, validate_args=False)
+        return (torch.lgamma(wide) * 0.01 + torch.lgamma(between) + torch.digamma(wide) + torch.digamma(between)
+                + 0.1 * (torch.polygamma(1, wide + 0.3) + torch.polygamma(1, between)) + beta.log_prob(torch.tensor(0.3)))
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -198,10 +215,10 @@ class _Seq2Seq(nn.Module):
                                                (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6)),
                                                (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8)),
                                                (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6)),
-                                               (_StftLoss, (3, 40))],
+                                               (_StftLoss, (3, 40)), (_GammaFunctions, (5, 4))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
                               "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
-                              "multilabel-margin-loss", "fft", "stft"])
+                              "multilabel-margin-loss", "fft", "stft", "gamma-functions"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)
@@ -237,3 +254,31 @@ def test_rrelu_draws_its_slopes_in_training_and_uses_their_mean_in_eval():
         assert not torch.equal(again, out.detach())  # fresh slopes every run
         wrapped.eval()
         torch.testing.assert_close(wrapped(x), nn.functional.leaky_relu(pre, 0.2))
+
+
+@pytest.mark.parametrize(("name", "function", "tolerance"), [
+    ("lgamma", torch.lgamma, 1e-5), ("digamma", torch.digamma, 2e-6),
+    ("trigamma", lambda t: torch.polygamma(1, t), 5e-6)])
+def test_gamma_function_translations_are_accurate_over_their_domain(name, function, tolerance):
+    """Against float64 PyTorch, from -8 (between the poles) to 1e6, values and gradients, as
+    ``|ours - exact| / (|exact| + 1)``."""
+
+    class _Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, t):
+            return function(t * self.scale)
+
+    x = torch.cat([torch.linspace(-7.95, -0.05, 400), torch.linspace(0.01, 30, 400), torch.logspace(-3, 6, 200)])
+    x = x[((x - x.round()).abs() > 0.05) | (x > 0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        ours = x.clone().requires_grad_(True)
+        ORTModule(_Scaled())(ours).sum().backward()
+        values = ORTModule(_Scaled())(x).detach()
+    exact = x.double().requires_grad_(True)
+    function(exact).sum().backward()
+    for got, want in ((values, function(x.double())), (ours.grad, exact.grad)):
+        assert ((got.double() - want).abs() / (want.abs() + 1)).max() < tolerance, name

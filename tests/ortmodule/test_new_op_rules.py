@@ -1,6 +1,7 @@
 """ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT
 rules, or our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist,
-hypot, searchsorted, cumprod, lgamma, digamma and polygamma (which the exporter lacks) and
+hypot, searchsorted, cumprod, lgamma, digamma, polygamma, adaptive max pooling and 3-D adaptive
+average pooling (which the exporter lacks) and
 multilabel_margin_loss (which it translates wrongly), or nn.Transformer's causal-mask check, in
 ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
@@ -196,6 +197,26 @@ class _GammaFunctions(nn.Module):
                 + 0.1 * (torch.polygamma(1, wide + 0.3) + torch.polygamma(1, between)) + beta.log_prob(torch.tensor(0.3)))
 
 
+class _AdaptivePools(nn.Module):
+    """F.adaptive_max_pool2d (windows that tile the input and windows that overlap, the indices
+    used, ties after a ReLU: the first maximum takes the gradient), F.adaptive_max_pool1d and
+    F.adaptive_avg_pool3d (the exporter translates none of them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+
+    def forward(self, x):  # [N, 2, 7, 6]
+        y = torch.relu(self.conv(x) - 0.3)
+        tiled = nn.functional.adaptive_max_pool2d(y[:, :, :6], (3, 2))
+        overlapping, where = nn.functional.adaptive_max_pool2d(y, (3, 4), return_indices=True)
+        picked = y.flatten(2).gather(2, where.flatten(2))
+        line = nn.functional.adaptive_max_pool1d(y.flatten(2), 5)
+        volume = nn.functional.adaptive_avg_pool3d(y.unsqueeze(1), (2, 3, 4))
+        return tiled.flatten(1).sum(1) + picked.sum((1, 2)) + overlapping.flatten(1).mean(1) + line.sum((1, 2)) \
+            + volume.flatten(1).sum(1)
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -215,10 +236,12 @@ class _Seq2Seq(nn.Module):
                                                (_ScatterExtrema, (5, 6)), (_Bucketed, (4, 5, 6)),
                                                (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8)),
                                                (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6)),
-                                               (_StftLoss, (3, 40)), (_GammaFunctions, (5, 4))],
+                                               (_StftLoss, (3, 40)), (_GammaFunctions, (5, 4)),
+                                               (_AdaptivePools, (2, 2, 7, 6))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
                               "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
-                              "multilabel-margin-loss", "fft", "stft", "gamma-functions"])
+                              "multilabel-margin-loss", "fft", "stft", "gamma-functions",
+                              "adaptive-pooling"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)

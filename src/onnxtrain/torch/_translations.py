@@ -24,7 +24,9 @@ ignores the ``-1`` that ends each sample's targets and computes other numbers. `
 (``aten.rrelu_with_noise_functional``, which the exporter lacks) draws its slopes in the graph.
 ``lgamma``, ``digamma`` and ``polygamma`` (orders 0 and 1; ``torch.distributions`` log-probabilities
 use them) are asymptotic series with shifts and reflection, in float32 within ~3e-6 of the exact
-values (lgamma, absolute) and ~1e-6 relative (digamma, trigamma). Where the exporter's translation computes something
+values (lgamma, absolute) and ~1e-6 relative (digamma, trigamma). Adaptive max pooling (2-D, and
+1-D through it) and 3-D adaptive average pooling are pools where the windows tile the input,
+and window-by-window otherwise. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -587,6 +589,66 @@ def polygamma(n: int, x):
     raise NotImplementedError(f"torch.polygamma({n}, x): only orders 0 and 1 are translated")
 
 
+def _adaptive_windows(size: int, out: int) -> list[tuple[int, int]]:
+    """PyTorch's adaptive pooling windows along one axis: ``[floor(i n / m), ceil((i + 1) n / m))``."""
+    return [((i * size) // out, -((-(i + 1) * size) // out)) for i in range(out)]
+
+
+def _spatial_sizes(x, output_size, what: str) -> tuple[list[int], list[int]]:
+    sizes = list(x.shape[2:]) if x.shape is not None else []
+    if len(sizes) != len(output_size) or not all(isinstance(d, int) for d in sizes):
+        raise NotImplementedError(f"{what} needs static spatial sizes")
+    return sizes, [int(o) for o in output_size]
+
+
+def adaptive_max_pool2d(x, output_size):
+    """``aten.adaptive_max_pool2d`` (the exporter has no translation): the values and the flat
+    index (``h * W + w``) of each window's first maximum, as PyTorch. Windows that tile the input
+    are a ``MaxPool`` (the indices from a second one that reports them, dropped when unused);
+    others are taken one by one (an ``ArgMax`` over each, its value gathered: the gradient goes
+    to that element, as in PyTorch)."""
+    (height, width), (out_h, out_w) = _spatial_sizes(x, output_size, "adaptive_max_pool2d")
+    if height % out_h == 0 and width % out_w == 0:
+        kernel = [height // out_h, width // out_w]
+        values, _ = op.MaxPool(x, kernel_shape=kernel, strides=kernel)
+        _, flat = op.MaxPool(x, kernel_shape=kernel, strides=kernel)
+        return values, op.Mod(flat, op.Constant(value_int=height * width))
+    values, indices = [], []
+    for h0, h1 in _adaptive_windows(height, out_h):
+        row_values, row_indices = [], []
+        for w0, w1 in _adaptive_windows(width, out_w):
+            window = op.Slice(x, op.Constant(value_ints=[h0, w0]), op.Constant(value_ints=[h1, w1]),
+                              op.Constant(value_ints=[2, 3]))
+            flat_window = op.Reshape(window, op.Constant(value_ints=[0, 0, -1]))
+            first = op.ArgMax(flat_window, axis=-1, keepdims=1)  # [N, C, 1]
+            row_values.append(op.GatherElements(flat_window, first, axis=-1))
+            span = op.Constant(value_int=w1 - w0)
+            row = op.Add(op.Div(first, span), op.Constant(value_int=h0))
+            column = op.Add(op.Mod(first, span), op.Constant(value_int=w0))
+            row_indices.append(op.Add(op.Mul(row, op.Constant(value_int=width)), column))
+        values.append(op.Concat(*row_values, axis=-1))
+        indices.append(op.Concat(*row_indices, axis=-1))
+    shape = op.Constant(value_ints=[0, 0, out_h, out_w])
+    return (op.Reshape(op.Concat(*values, axis=-1), shape), op.Reshape(op.Concat(*indices, axis=-1), shape))
+
+
+def adaptive_avg_pool3d(x, output_size):
+    """``aten._adaptive_avg_pool3d`` (the exporter has no translation): an ``AveragePool`` when the
+    windows tile the input, else the mean of each window, axis by axis (a box mean is separable)."""
+    sizes, outs = _spatial_sizes(x, output_size, "adaptive_avg_pool3d")
+    if all(size % out == 0 for size, out in zip(sizes, outs)):
+        kernel = [size // out for size, out in zip(sizes, outs)]
+        return op.AveragePool(x, kernel_shape=kernel, strides=kernel)
+    for axis, (size, out) in enumerate(zip(sizes, outs), start=2):
+        if size == out:
+            continue
+        axes = op.Constant(value_ints=[axis])
+        x = op.Concat(*[op.ReduceMean(op.Slice(x, op.Constant(value_ints=[start]), op.Constant(value_ints=[stop]),
+                                               axes), axes, keepdims=1)
+                        for start, stop in _adaptive_windows(size, out)], axis=axis)
+    return x
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -623,6 +685,8 @@ def translation_table() -> dict:
         torch.ops.aten.lgamma.default: lgamma,
         torch.ops.aten.digamma.default: digamma,
         torch.ops.aten.polygamma.default: polygamma,
+        torch.ops.aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
+        torch.ops.aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
     }
 
 

@@ -1,7 +1,7 @@
 """ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT
 rules, or our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist,
 hypot, searchsorted, cumprod, lgamma, digamma, polygamma, adaptive max pooling and 3-D adaptive
-average pooling (which the exporter lacks) and
+average pooling, cummax and cummin (which the exporter lacks) and
 multilabel_margin_loss (which it translates wrongly), or nn.Transformer's causal-mask check, in
 ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
@@ -217,6 +217,22 @@ class _AdaptivePools(nn.Module):
             + volume.flatten(1).sum(1)
 
 
+class _RunningExtremes(nn.Module):
+    """torch.cummax and cummin (the exporter has none): values (their gradient to the element
+    each index names) and indices, with ties (the latest index wins, as in PyTorch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 5)
+
+    def forward(self, x):  # [N, T, 5]
+        y = self.lin(x)
+        tied = torch.round(y * 2) / 2 + y * 1e-3 * (y > 0)  # equal values where y <= 0
+        high, where_high = torch.cummax(tied, dim=1)
+        low, where_low = torch.cummin(y, dim=-1)
+        return high * 2 + low + (where_high.float() - where_low.float()) * 0.1
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -237,11 +253,11 @@ class _Seq2Seq(nn.Module):
                                                (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8)),
                                                (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6)),
                                                (_StftLoss, (3, 40)), (_GammaFunctions, (5, 4)),
-                                               (_AdaptivePools, (2, 2, 7, 6))],
+                                               (_AdaptivePools, (2, 2, 7, 6)), (_RunningExtremes, (3, 9, 5))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
                               "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
                               "multilabel-margin-loss", "fft", "stft", "gamma-functions",
-                              "adaptive-pooling"])
+                              "adaptive-pooling", "cummax-cummin"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)
@@ -305,3 +321,18 @@ def test_gamma_function_translations_are_accurate_over_their_domain(name, functi
     function(exact).sum().backward()
     for got, want in ((values, function(x.double())), (ours.grad, exact.grad)):
         assert ((got.double() - want).abs() / (want.abs() + 1)).max() < tolerance, name
+
+
+def test_cummax_and_cummin_pick_pytorch_indices_with_ties_and_nans():
+    class _Both(nn.Module):
+        def forward(self, t):
+            high, i = torch.cummax(t, 0)
+            low, j = torch.cummin(t, 0)
+            return torch.stack([high, i.float(), low, j.float()])
+
+    nan = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for t in (torch.tensor([1.0, 1, 0, 2, 2, 0, 0, 5]), torch.tensor([1.0, nan, 0, 2, nan, 3, 1, 1])):
+            ours, theirs = ORTModule(_Both())(t), _Both()(t)
+            assert torch.equal(ours.nan_to_num(-7.0), theirs.nan_to_num(-7.0))

@@ -26,7 +26,8 @@ ignores the ``-1`` that ends each sample's targets and computes other numbers. `
 use them) are asymptotic series with shifts and reflection, in float32 within ~3e-6 of the exact
 values (lgamma, absolute) and ~1e-6 relative (digamma, trigamma). Adaptive max pooling (2-D, and
 1-D through it) and 3-D adaptive average pooling are pools where the windows tile the input,
-and window-by-window otherwise. Where the exporter's translation computes something
+and window-by-window otherwise. ``cummax`` and ``cummin`` are scans by doubling that pick
+PyTorch's indices (ties and NaNs included). Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -649,6 +650,45 @@ def adaptive_avg_pool3d(x, output_size):
     return x
 
 
+def _running_extreme(x, dim: int, larger: bool):
+    """``aten.cummax`` / ``aten.cummin``: each prefix's extreme and its index, the latest among
+    equal ones and the latest NaN once one is seen, as PyTorch. A scan by doubling over
+    ``(value, index)`` pairs (the earlier pair wins only if strictly beyond, or a NaN against a
+    number); the values are then gathered at the indices, so the gradient goes to those
+    elements, as PyTorch's. The length along ``dim`` must be static."""
+    rank = len(x.shape)
+    axis = dim % rank
+    length = x.shape[axis]
+    if not isinstance(length, int):
+        raise NotImplementedError("torch.cummax / cummin need a static length along their dim")
+    axes = op.Constant(value_ints=[axis])
+    positions = op.Range(op.Constant(value_int=0), op.Constant(value_int=length), op.Constant(value_int=1))
+    index = op.Expand(op.Reshape(positions, op.Constant(value_ints=[length] + [1] * (rank - 1 - axis))), op.Shape(x))
+    value = x
+    shift = 1
+    while shift < length:
+        def earlier(t):  # t moved ``shift`` places on along the axis; the first places compare with themselves
+            head = op.Slice(t, op.Constant(value_ints=[0]), op.Constant(value_ints=[shift]), axes)
+            return op.Concat(head, op.Slice(t, op.Constant(value_ints=[0]), op.Constant(value_ints=[length - shift]),
+                                            axes), axis=axis)
+        before, before_index = earlier(value), earlier(index)
+        beyond = op.Greater(before, value) if larger else op.Less(before, value)
+        take = op.And(op.Or(beyond, op.IsNaN(before)), op.Not(op.IsNaN(value)))
+        value, index = op.Where(take, before, value), op.Where(take, before_index, index)
+        shift *= 2
+    return op.GatherElements(x, index, axis=axis), index
+
+
+def cummax(x, dim: int):
+    """``aten.cummax`` (the exporter has no translation): see :func:`_running_extreme`."""
+    return _running_extreme(x, dim, larger=True)
+
+
+def cummin(x, dim: int):
+    """``aten.cummin`` (the exporter has no translation): see :func:`_running_extreme`."""
+    return _running_extreme(x, dim, larger=False)
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -687,6 +727,8 @@ def translation_table() -> dict:
         torch.ops.aten.polygamma.default: polygamma,
         torch.ops.aten.adaptive_max_pool2d.default: adaptive_max_pool2d,
         torch.ops.aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
+        torch.ops.aten.cummax.default: cummax,
+        torch.ops.aten.cummin.default: cummin,
     }
 
 

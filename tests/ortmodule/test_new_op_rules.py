@@ -1,7 +1,7 @@
 """ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT
 rules, or our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist,
 hypot, searchsorted, cumprod, lgamma, digamma, polygamma, adaptive max pooling and 3-D adaptive
-average pooling, cummax and cummin (which the exporter lacks) and
+average pooling, cummax, cummin and erfinv (which the exporter lacks) and
 multilabel_margin_loss (which it translates wrongly), or nn.Transformer's causal-mask check, in
 ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 
@@ -336,3 +336,31 @@ def test_cummax_and_cummin_pick_pytorch_indices_with_ties_and_nans():
         for t in (torch.tensor([1.0, 1, 0, 2, 2, 0, 0, 5]), torch.tensor([1.0, nan, 0, 2, nan, 3, 1, 1])):
             ours, theirs = ORTModule(_Both())(t), _Both()(t)
             assert torch.equal(ours.nan_to_num(-7.0), theirs.nan_to_num(-7.0))
+
+
+def test_erfinv_translation_is_accurate_and_infinite_at_the_ends():
+    """torch.erfinv (the exporter has none): within 1e-6 (relative) of float64 PyTorch over
+    (-1, 1), values and gradients; ±inf at ±1 and NaN beyond, with finite gradients inside."""
+
+    class _Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.tensor(1.0))
+
+        def forward(self, t):
+            return torch.erfinv(t * self.scale)
+
+    x = torch.cat([torch.linspace(-0.999999, 0.999999, 2001), torch.tensor([0.0, 1e-7, -1e-30, 1.0, -1.0, 1.5])])
+    inside = x.abs() < 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        ours = x.clone().requires_grad_(True)
+        values = ORTModule(_Scaled())(ours)
+        values[inside].sum().backward()
+    exact = x[inside].double().requires_grad_(True)
+    torch.erfinv(exact).sum().backward()
+    want = torch.erfinv(exact.detach())
+    assert ((values[inside].detach().double() - want).abs() / (want.abs() + 1e-30)).max() < 1e-6
+    assert ((ours.grad[inside].double() - exact.grad).abs() / exact.grad).max() < 1e-6
+    assert torch.equal(values[-3:].detach()[:2], torch.tensor([float("inf"), -float("inf")]))
+    assert torch.isnan(values[-1])

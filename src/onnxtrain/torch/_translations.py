@@ -27,7 +27,8 @@ use them) are asymptotic series with shifts and reflection, in float32 within ~3
 values (lgamma, absolute) and ~1e-6 relative (digamma, trigamma). Adaptive max pooling (2-D, and
 1-D through it) and 3-D adaptive average pooling are pools where the windows tile the input,
 and window-by-window otherwise. ``cummax`` and ``cummin`` are scans by doubling that pick
-PyTorch's indices (ties and NaNs included). Where the exporter's translation computes something
+PyTorch's indices (ties and NaNs included); ``erfinv`` is Giles' approximation refined by Newton
+steps. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -689,6 +690,41 @@ def cummin(x, dim: int):
     return _running_extreme(x, dim, larger=False)
 
 
+# erfinv's starting point: M. Giles' single-precision polynomials in w = -log(1 - x²)
+_ERFINV_CENTRAL = (2.81022636e-08, 3.43273939e-07, -3.5233877e-06, -4.39150654e-06, 0.00021858087,
+                   -0.00125372503, -0.00417768164, 0.246640727, 1.50140941)
+_ERFINV_TAIL = (-0.000200214257, 0.000100950558, 0.00134934322, -0.00367342844, 0.00573950773,
+                -0.0076224613, 0.00943887047, 1.00167406, 2.83297682)
+
+
+def _horner(t, coefficients):
+    result = _like(t, coefficients[0])
+    for c in coefficients[1:]:
+        result = op.Add(op.Mul(result, t), _like(t, c))
+    return result
+
+
+def erfinv(x):
+    """``aten.erfinv`` (the exporter has no translation): Giles' polynomial approximation (two
+    ranges of ``w = -log(1 - x²)``), refined by two Newton steps on ``erf(y) = x``; ``±inf`` at
+    ``±1`` and NaN beyond, as PyTorch. Its gradient, through the same ops, is
+    ``√π / 2 · exp(erfinv(x)²)`` to the approximation's accuracy."""
+    one = _like(x, 1.0)
+    inside = op.Less(op.Abs(x), one)
+    safe = op.Where(inside, x, _like(x, 0.0))  # every branch finite: no 0 * inf in unused gradients
+    w = op.Neg(op.Log(op.Mul(op.Sub(one, safe), op.Add(one, safe))))
+    central = op.Less(w, _like(x, 5.0))
+    near = _horner(op.Sub(op.Where(central, w, _like(x, 2.5)), _like(x, 2.5)), _ERFINV_CENTRAL)
+    far = _horner(op.Sub(op.Sqrt(op.Where(central, _like(x, 5.0), w)), _like(x, 3.0)), _ERFINV_TAIL)
+    y = op.Mul(op.Where(central, near, far), safe)
+    half_sqrt_pi = _like(x, float(np.sqrt(np.pi) / 2))
+    for _ in range(2):
+        y = op.Sub(y, op.Mul(op.Mul(op.Sub(op.Erf(y), safe), half_sqrt_pi), op.Exp(op.Mul(y, y))))
+    # Sign: no gradient path (a product with x would send 0 * inf = NaN back where x is inside)
+    edge = op.Where(op.Equal(op.Abs(x), one), op.Mul(op.Sign(x), _like(x, float("inf"))), _like(x, float("nan")))
+    return op.Where(inside, y, edge)
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -729,6 +765,7 @@ def translation_table() -> dict:
         torch.ops.aten._adaptive_avg_pool3d.default: adaptive_avg_pool3d,
         torch.ops.aten.cummax.default: cummax,
         torch.ops.aten.cummin.default: cummin,
+        torch.ops.aten.erfinv.default: erfinv,
     }
 
 

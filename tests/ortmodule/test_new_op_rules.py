@@ -1,7 +1,7 @@
 """ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT
 rules, or our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist,
-hypot, searchsorted, cumprod, lgamma, digamma, polygamma, adaptive max pooling and 3-D adaptive
-average pooling, cummax, cummin and erfinv (which the exporter lacks) and
+hypot, searchsorted, cumprod, lgamma, digamma, polygamma, adaptive max pooling, 3-D adaptive
+average pooling, cummax, cummin, erfinv and RReLU (which the exporter lacks) and
 multilabel_margin_loss (which it translates wrongly), or nn.Transformer's causal-mask check, in
 ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
 

@@ -233,6 +233,26 @@ class _RunningExtremes(nn.Module):
         return high * 2 + low + (where_high.float() - where_low.float()) * 0.1
 
 
+class _Distributions(nn.Module):
+    """torch.distributions with their default argument validation (which branches on the data:
+    skipped while capturing): log-probabilities, a KL divergence, entropies."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 6)
+
+    def forward(self, x):
+        mean, raw_scale, logits = self.head(x).split([2, 2, 2], dim=-1)
+        normal = torch.distributions.Normal(mean, nn.functional.softplus(raw_scale) + 0.1)
+        prior = torch.distributions.Normal(torch.zeros_like(mean), torch.ones_like(mean))
+        choice = torch.distributions.Categorical(logits=logits)
+        beta = torch.distributions.Beta(nn.functional.softplus(logits) + 0.5, 1.5)
+        terms = (normal.log_prob(x[:, :2]).sum(-1), torch.distributions.kl_divergence(normal, prior).sum(-1),
+                 choice.entropy(), choice.log_prob(torch.zeros(x.shape[0], dtype=torch.long)),
+                 beta.log_prob(torch.full_like(logits, 0.4)).sum(-1))
+        return torch.stack(terms, dim=-1) * 0.2  # each term its own output (no cancellation between them)
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -253,11 +273,12 @@ class _Seq2Seq(nn.Module):
                                                (_Transmittance, (4, 9, 6)), (_Seq2Seq, (3, 5, 8)),
                                                (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6)),
                                                (_StftLoss, (3, 40)), (_GammaFunctions, (5, 4)),
-                                               (_AdaptivePools, (2, 2, 7, 6)), (_RunningExtremes, (3, 9, 5))],
+                                               (_AdaptivePools, (2, 2, 7, 6)), (_RunningExtremes, (3, 9, 5)),
+                                               (_Distributions, (5, 4))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
                               "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
                               "multilabel-margin-loss", "fft", "stft", "gamma-functions",
-                              "adaptive-pooling", "cummax-cummin"])
+                              "adaptive-pooling", "cummax-cummin", "distributions"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)
@@ -364,3 +385,19 @@ def test_erfinv_translation_is_accurate_and_infinite_at_the_ends():
     assert ((ours.grad[inside].double() - exact.grad).abs() / exact.grad).max() < 1e-6
     assert torch.equal(values[-3:].detach()[:2], torch.tensor([float("inf"), -float("inf")]))
     assert torch.isnan(values[-1])
+
+
+def test_a_distribution_that_asks_for_validation_runs_in_pytorch():
+    """Only the default validation is skipped while capturing: ``validate_args=True`` is kept,
+    and its data-dependent check makes the module run in PyTorch (with the check)."""
+
+    class _Validated(nn.Module):
+        def forward(self, x):
+            return torch.distributions.Normal(x, x.abs() + 0.1, validate_args=True).log_prob(x)
+
+    wrapped = ORTModule(_Validated())
+    with pytest.warns(ORTModuleFallbackWarning):
+        wrapped(torch.randn(3, 2))
+    with pytest.raises(ValueError):
+        wrapped(torch.tensor([[0.0, float("nan")]]))
+    assert torch.distributions.Distribution._validate_args == __debug__

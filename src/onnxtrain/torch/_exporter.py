@@ -275,6 +275,24 @@ def _causal_masks_taken_as_given():
         transformer._detect_is_causal_mask = detect
 
 
+@contextlib.contextmanager
+def _distributions_unvalidated():
+    """``torch.distributions`` check their arguments (by default, as ``__debug__`` is) with
+    data-dependent branches (``if not valid.all(): raise ValueError``), which the capture cannot
+    trace, so any module using a distribution would run in PyTorch. While capturing, the default
+    is off: a distribution built with ``validate_args=None`` computes as PyTorch does for valid
+    arguments, and gives NaN instead of an error for invalid ones (as upstream ORTModule's traced
+    export did); one built with ``validate_args=True`` still checks, so its module runs in PyTorch."""
+    from torch.distributions import Distribution as distribution
+
+    default = distribution._validate_args
+    distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        distribution.set_default_validate_args(default)
+
+
 def _projected_lstm_forward(lstm: torch.nn.LSTM, input, hx=None):
     """``nn.LSTM.forward`` for an LSTM with ``proj_size`` as torch's own decomposition of the op
     computes it: per layer, the input product for all steps, then one cell per step (products
@@ -335,7 +353,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
     def run() -> torch.export.ExportedProgram:
         with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
-              projected_lstms_decomposed(module)):
+              _distributions_unvalidated(), projected_lstms_decomposed(module)):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

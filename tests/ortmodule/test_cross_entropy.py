@@ -1,6 +1,7 @@
-"""Cross entropy as PyTorch computes it, label smoothing included (the exporter's translation
+"""Cross entropy as PyTorch computes it: label smoothing included (the exporter's translation
 drops it: a silently different loss and gradient), with class weights, an ignored index,
-every reduction, and a sequence dim."""
+every reduction, and a sequence dim; and against class probabilities (which the exporter's
+translation takes for class indices)."""
 
 import itertools
 import warnings
@@ -51,3 +52,25 @@ def test_cross_entropy_matches_pytorch(smoothing, weighted, reduction, sequence)
     expected.sum().backward()
     torch.testing.assert_close(wrapped.module.linear.weight.grad, eager.linear.weight.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(wrapped.module.linear.bias.grad, eager.linear.bias.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(("smoothing", "weighted", "reduction", "sequence"), [
+    (0.0, False, "mean", False), (0.1, True, "mean", True), (0.2, False, "sum", False), (0.0, True, "none", True)])
+def test_cross_entropy_against_class_probabilities_matches_pytorch(smoothing, weighted, reduction, sequence):
+    """Probability targets (mixup, distillation): the exporter's translation takes them for class
+    indices (the graph did not load, so the module ran in PyTorch); ours follows PyTorch's
+    formula, the mean over samples, smoothing and class weights included."""
+    options = dict(label_smoothing=smoothing, reduction=reduction, weight=CLASS_WEIGHTS if weighted else None)
+    eager, wrapped = eager_and_wrapped(lambda: Classifier(**options))
+    generator = torch.Generator().manual_seed(2)
+    shape = (4, 3) if sequence else (4,)
+    x = torch.randn(*shape, 5, generator=generator)
+    target = torch.softmax(torch.randn(4, 6, *shape[1:], generator=generator) * 2, dim=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        loss = wrapped(x, target)
+    expected = eager(x, target)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    loss.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(wrapped.module.linear.weight.grad, eager.linear.weight.grad, rtol=1e-5, atol=1e-6)

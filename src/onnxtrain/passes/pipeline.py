@@ -13,6 +13,7 @@ from onnx_ir.passes.common import (
 
 from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.batch_norm import TrainingBatchNormPass
+from onnxtrain.passes.column_product import ColumnVectorProductPass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
@@ -32,19 +33,22 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     exporters emit (SplitToSequence + SequenceAt with constant indices) into plain Split
     outputs, which autodiff handles. The exporter's NaN guard after a masked attention Softmax
     becomes a per-row factor (passes/softmax_guard.py). A ReLU before a MaxPool runs after it,
-    on the smaller tensor (passes/pool_first.py).
+    on the smaller tensor (passes/pool_first.py). A transposed matrix times a vector becomes a
+    product with a column, which onnxruntime's fused kernel gets right (passes/column_product.py).
     """
     return [InlinePass(), DecomposePass(), FoldConstantsPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(),
-            RemoveUnusedNodesPass(), TopologicalSortPass()]
+            ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 
 def after_autodiff() -> list[ir.passes.PassBase]:
     """Clean a training/eval graph: fold what turned out static, merge duplicates, drop dead nodes;
     then write ops as stock onnxruntime runs them fastest (after autodiff: their gradient rules
     are the better ones; a sum of squares as a sum of products; a sum over leading axes as a
-    product with ones)."""
+    product with ones; a transposed matrix times a vector as a product with a column, which
+    onnxruntime's fused kernel gets right)."""
     return [
         SplitCrossEntropyPass(),
+        ColumnVectorProductPass(),
         SumOfSquaresPass(),
         LeadingAxesSumPass(),
         RemoveUnusedNodesPass(),

@@ -404,7 +404,10 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     exporter's), plus PyTorch's label-smoothing term, which the exporter's translation drops:
     ``(1 - e) * nll + e / C * smooth``, ``smooth`` being minus the (class-weighted) sum of the
     log-probabilities over classes, 0 at ignored targets, reduced as ``nll`` (the mean divides
-    by the same total weight of the targets not ignored)."""
+    by the same total weight of the targets not ignored). Class-probability targets (a float
+    ``target`` shaped like ``input``): :func:`_soft_cross_entropy`."""
+    if target.dtype is not None and target.dtype.is_floating_point():
+        return _soft_cross_entropy(input, target, weight, reduction, label_smoothing)
     nll, _ = op.SoftmaxCrossEntropyLoss(input, target, weight, reduction=_REDUCTIONS[reduction],
                                         ignore_index=ignore_index)
     if not label_smoothing:
@@ -723,6 +726,29 @@ def erfinv(x):
     # Sign: no gradient path (a product with x would send 0 * inf = NaN back where x is inside)
     edge = op.Where(op.Equal(op.Abs(x), one), op.Mul(op.Sign(x), _like(x, float("inf"))), _like(x, float("nan")))
     return op.Where(inside, y, edge)
+
+
+def _soft_cross_entropy(input, target, weight, reduction: int, label_smoothing: float):
+    """Cross entropy against class probabilities (mixup, distillation; the exporter's translation
+    takes them for class indices): ``-sum_c w_c t_c log_softmax(x)_c`` per sample, with
+    ``t = (1 - e) t + e / C`` under label smoothing; the mean divides by the number of samples
+    (not by the weights), as PyTorch."""
+    axis = 0 if len(input.shape) == 1 else 1
+    log_prob = op.LogSoftmax(input, axis=axis)
+    if label_smoothing:
+        classes = op.CastLike(op.Shape(input, start=axis, end=axis + 1), input)
+        keep = op.CastLike(op.Constant(value_float=1.0 - label_smoothing), input)
+        spread = op.Div(op.CastLike(op.Constant(value_float=label_smoothing), input), classes)
+        target = op.Add(op.Mul(target, keep), spread)
+    if weight is not None:
+        shape = [-1] + [1] * (len(input.shape) - axis - 1)
+        log_prob = op.Mul(log_prob, op.Reshape(weight, op.Constant(value_ints=shape)))
+    per_sample = op.Neg(op.ReduceSum(op.Mul(log_prob, target), op.Constant(value_ints=[axis]), keepdims=0))
+    if _REDUCTIONS[reduction] == "mean":
+        return op.ReduceMean(per_sample, keepdims=0)
+    if _REDUCTIONS[reduction] == "sum":
+        return op.ReduceSum(per_sample, keepdims=0)
+    return per_sample
 
 
 def translation_table() -> dict:

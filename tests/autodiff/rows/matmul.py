@@ -13,6 +13,7 @@ ROWS: list[Case] = [
     Case("MatMul", [I("N", 2, 3, 4), I(2, 4, 5)], id="MatMul-batch-broadcast-symbolic"),
     Case("MatMul", [I(4), I(2, 4, 5)], id="MatMul-vector-left"),
     Case("MatMul", [I(2, 3, 4), I(4)], id="MatMul-vector-right"),
+    Case("MatMul", [I(5), I(5)], id="MatMul-dot"),  # torch.dot, spectral norm's sigma
 ]
 ROWS += [
     Case("Gemm", [I(3, 4), I(4, 5)], id="Gemm-no-C"),

@@ -27,6 +27,8 @@ def _matmul(ctx):
     ra, rb = rank_of(a), rank_of(bm)
     dy = ctx.dy
     da = db = None
+    if ra == 1 and rb == 1:  # a dot product: y = sum_k a[k] b[k], a scalar
+        return (op.Mul(dy, bm) if ctx.needs(0) else None), (op.Mul(dy, a) if ctx.needs(1) else None)
     if ctx.needs(0):
         if rb == 1:  # y[..., i] = sum_k a[..., i, k] b[k]
             da = op.Mul(b.unsqueeze(dy, [-1]), bm)

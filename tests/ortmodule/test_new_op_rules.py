@@ -1,9 +1,10 @@
 """ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT
 rules, or our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist,
 hypot, searchsorted, cumprod, lgamma, digamma, polygamma, adaptive max pooling, 3-D adaptive
-average pooling, cummax, cummin, erfinv and RReLU (which the exporter lacks) and
-multilabel_margin_loss (which it translates wrongly), or nn.Transformer's causal-mask check, in
-ONNX Runtime (they fell back to PyTorch before), with eager's outputs and gradients."""
+average pooling, cummax, cummin, erfinv, RReLU and masked_select (which the exporter lacks) and
+multilabel_margin_loss (which it translates wrongly), or nn.Transformer's causal-mask check, or
+torch.distributions (whose argument checks branch on the data), in ONNX Runtime (they fell back
+to PyTorch before), with eager's outputs and gradients."""
 
 from __future__ import annotations
 
@@ -253,6 +254,21 @@ class _Distributions(nn.Module):
         return torch.stack(terms, dim=-1) * 0.2  # each term its own output (no cancellation between them)
 
 
+class _MaskedSelect(nn.Module):
+    """torch.masked_select (the exporter's translation fails): a data-dependent number of
+    elements (another count each call), with a mask broadcast against the values."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        picked = torch.masked_select(y, x > 0)
+        row_picked = torch.masked_select(y[:, :1], x > 0.5)  # [N, 1] values, [N, 4] mask
+        return y * (picked.square().sum() + row_picked.sum())
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -274,11 +290,11 @@ class _Seq2Seq(nn.Module):
                                                (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6)),
                                                (_StftLoss, (3, 40)), (_GammaFunctions, (5, 4)),
                                                (_AdaptivePools, (2, 2, 7, 6)), (_RunningExtremes, (3, 9, 5)),
-                                               (_Distributions, (5, 4))],
+                                               (_Distributions, (5, 4)), (_MaskedSelect, (3, 4))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
                               "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
                               "multilabel-margin-loss", "fft", "stft", "gamma-functions",
-                              "adaptive-pooling", "cummax-cummin", "distributions"])
+                              "adaptive-pooling", "cummax-cummin", "distributions", "masked-select"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)

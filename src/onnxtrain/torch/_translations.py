@@ -751,6 +751,15 @@ def _soft_cross_entropy(input, target, weight, reduction: int, label_smoothing: 
     return per_sample
 
 
+def masked_select(x, mask):
+    """``aten.masked_select`` (the exporter's translation fails): the elements of ``x`` where
+    ``mask`` is true (both broadcast to one shape), in order, as a 1-D tensor: a ``Compress`` of
+    the flattened tensors, whose gradient scatters back to those elements."""
+    shape = op.Shape(op.Add(op.CastLike(op.Cast(mask, to=1), x), x))  # the broadcast shape
+    flat = op.Constant(value_ints=[-1])
+    return op.Compress(op.Reshape(op.Expand(x, shape), flat), op.Reshape(op.Expand(mask, shape), flat), axis=0)
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -792,6 +801,7 @@ def translation_table() -> dict:
         torch.ops.aten.cummax.default: cummax,
         torch.ops.aten.cummin.default: cummin,
         torch.ops.aten.erfinv.default: erfinv,
+        torch.ops.aten.masked_select.default: masked_select,
     }
 
 

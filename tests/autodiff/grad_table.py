@@ -70,12 +70,12 @@ def pos(*shape, **kw) -> In:
 
 
 def _all_rows() -> list[Case]:
-    from tests.autodiff.rows import (conv, control, elementwise, index, loss, matmul, nn, recurrent, reduce,
-                                     sampling, shape, spectral)
+    from tests.autodiff.rows import (conv, control, elementwise, index, linalg, loss, matmul, nn, recurrent,
+                                     reduce, sampling, shape, spectral)
 
     rows: list[Case] = []
     for family in (elementwise, matmul, reduce, shape, index, conv, nn, loss, sampling, recurrent, control,
-                   spectral):
+                   spectral, linalg):
         rows.extend(family.ROWS)
     return rows
 

@@ -1,10 +1,11 @@
-"""ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT and STFT
-rules, or our translations of 3-D scaled dot product attention, median, kthvalue, cdist, pdist,
-hypot, searchsorted, cumprod, lgamma, digamma, polygamma, adaptive max pooling, 3-D adaptive
-average pooling, cummax, cummin, erfinv, RReLU and masked_select (which the exporter lacks) and
-multilabel_margin_loss (which it translates wrongly), or nn.Transformer's causal-mask check, or
-torch.distributions (whose argument checks branch on the data), in ONNX Runtime (they fell back
-to PyTorch before), with eager's outputs and gradients."""
+"""ORTModule runs modules whose exports need the recurrent, resampling, selection, DFT, STFT and
+Det rules, or our translations of 3-D scaled dot product attention, median, kthvalue, cdist,
+pdist, hypot, searchsorted, cumprod, lgamma, digamma, polygamma, adaptive max pooling, 3-D
+adaptive average pooling, cummax, cummin, erfinv, RReLU, masked_select, linalg.inv and
+linalg.solve (which the exporter lacks) and multilabel_margin_loss (which it translates wrongly),
+or nn.Transformer's causal-mask check, or torch.distributions (whose argument checks branch on
+the data), in ONNX Runtime (they fell back to PyTorch before), with eager's outputs and
+gradients."""
 
 from __future__ import annotations
 
@@ -269,6 +270,23 @@ class _MaskedSelect(nn.Module):
         return y * (picked.square().sum() + row_picked.sum())
 
 
+class _LinearAlgebra(nn.Module):
+    """torch.linalg.inv / torch.inverse, torch.linalg.solve (matrices, vectors, left=False) and
+    torch.linalg.det, batched (the exporter has no translation of the first two; Det had no rule)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):  # [N, 4, 4]
+        a = self.lin(x) * 0.3 + 2 * torch.eye(4)
+        inverse = torch.linalg.inv(a)
+        solved = torch.linalg.solve(a, x[..., :2]) + torch.linalg.solve(a, x[..., 0:1, :], left=False).mT[..., :2]
+        vector = torch.linalg.solve(a, x[..., 0])
+        return (inverse.sum(-1) + a.inverse().mean(-2) + solved.sum(-1) + vector
+                + torch.linalg.det(a).unsqueeze(-1) * 0.1)
+
+
 class _Seq2Seq(nn.Module):
     """nn.Transformer with a causal target mask: its forward compares the mask with a causal one
     (data-dependent, which the capture cannot trace) to choose a kernel; the mask is applied."""
@@ -290,11 +308,13 @@ class _Seq2Seq(nn.Module):
                                                (_MultiLabelMargin, (4, 6)), (_Spectral, (3, 7, 6)),
                                                (_StftLoss, (3, 40)), (_GammaFunctions, (5, 4)),
                                                (_AdaptivePools, (2, 2, 7, 6)), (_RunningExtremes, (3, 9, 5)),
-                                               (_Distributions, (5, 4)), (_MaskedSelect, (3, 4))],
+                                               (_Distributions, (5, 4)), (_MaskedSelect, (3, 4)),
+                                               (_LinearAlgebra, (3, 4, 4))],
                          ids=["lstm-gru", "interpolate-grid-sample-topk", "attention-3d", "median-cdist",
                               "scatter-amax-amin", "searchsorted", "cumprod", "transformer-causal-mask",
                               "multilabel-margin-loss", "fft", "stft", "gamma-functions",
-                              "adaptive-pooling", "cummax-cummin", "distributions", "masked-select"])
+                              "adaptive-pooling", "cummax-cummin", "distributions", "masked-select",
+                              "linalg"])
 def test_runs_in_onnxruntime_with_eager_gradients(factory, shape):
     """Twice at the first shape (a static export), then at another batch size (a dynamic one)."""
     eager, wrapped = eager_and_wrapped(factory)

@@ -293,6 +293,32 @@ def _distributions_unvalidated():
         distribution.set_default_validate_args(default)
 
 
+@contextlib.contextmanager
+def _linalg_without_error_checks():
+    """``torch.linalg.inv``, ``torch.inverse`` (and ``Tensor.inverse``) and ``torch.linalg.solve``
+    raise on a singular matrix through an effectful check (``aten._linalg_check_errors``) that
+    the exporter cannot translate. While capturing they compute as their ``_ex`` forms (the same
+    values, no check): the graph cannot raise, and a singular matrix gives non-finite values."""
+    linalg = torch.linalg
+    originals = (linalg.inv, torch.inverse, torch.Tensor.inverse, linalg.solve)
+
+    def inv(matrix, *, out=None):
+        if out is not None:
+            return originals[0](matrix, out=out)
+        return linalg.inv_ex(matrix).inverse
+
+    def solve(matrix, other, *, left=True, out=None):
+        if out is not None:
+            return originals[3](matrix, other, left=left, out=out)
+        return linalg.solve_ex(matrix, other, left=left).result
+
+    linalg.inv, torch.inverse, torch.Tensor.inverse, linalg.solve = inv, inv, inv, solve
+    try:
+        yield
+    finally:
+        linalg.inv, torch.inverse, torch.Tensor.inverse, linalg.solve = originals
+
+
 def _projected_lstm_forward(lstm: torch.nn.LSTM, input, hx=None):
     """``nn.LSTM.forward`` for an LSTM with ``proj_size`` as torch's own decomposition of the op
     computes it: per layer, the input product for all steps, then one cell per step (products
@@ -353,7 +379,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
     def run() -> torch.export.ExportedProgram:
         with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
-              _distributions_unvalidated(), projected_lstms_decomposed(module)):
+              _distributions_unvalidated(), _linalg_without_error_checks(), projected_lstms_decomposed(module)):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -28,7 +28,8 @@ values (lgamma, absolute) and ~1e-6 relative (digamma, trigamma). Adaptive max p
 1-D through it) and 3-D adaptive average pooling are pools where the windows tile the input,
 and window-by-window otherwise. ``cummax`` and ``cummin`` are scans by doubling that pick
 PyTorch's indices (ties and NaNs included); ``erfinv`` is Giles' approximation refined by Newton
-steps. Where the exporter's translation computes something
+steps; ``torch.linalg.inv`` and ``solve`` invert with onnxruntime's ``com.microsoft.Inverse``,
+``det`` is ONNX ``Det``. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -37,7 +38,9 @@ statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
+import onnxscript
 import torch
 from onnxscript import opset18 as op
 
@@ -760,6 +763,58 @@ def masked_select(x, mask):
     return op.Compress(op.Reshape(op.Expand(x, shape), flat), op.Reshape(op.Expand(mask, shape), flat), axis=0)
 
 
+# onnxruntime's com.microsoft.Inverse (stock onnxruntime ships its CPU kernel; onnx has no schema
+# for it, so the exporter's tracer gets this one)
+_INVERSE = onnxscript.values.Op(
+    onnxscript.values.Opset(domain="com.microsoft", version=1), "Inverse",
+    onnx.defs.OpSchema("Inverse", "com.microsoft", 1, inputs=[onnx.defs.OpSchema.FormalParameter("X", "T")],
+                       outputs=[onnx.defs.OpSchema.FormalParameter("Y", "T")],
+                       type_constraints=[("T", ["tensor(float)", "tensor(double)", "tensor(float16)"],
+                                          "matrices of floats")]))
+
+
+def _info(matrix):
+    """LAPACK's status per matrix of a ``[..., M, M]`` batch: 0 (int32; nothing checks it in the graph)."""
+    return op.Cast(op.ReduceMax(op.Mul(matrix, op.CastLike(op.Constant(value_float=0.0), matrix)),
+                                op.Constant(value_ints=[-2, -1]), keepdims=0), to=6)
+
+
+def _inverse(matrix):
+    """``com.microsoft.Inverse(matrix)``, typed and shaped as ``matrix`` (onnx's shape inference
+    does not know the op; the gradient rules of its readers need their inputs' ranks)."""
+    inverse = _INVERSE(matrix)
+    inverse.dtype, inverse.shape = matrix.dtype, matrix.shape
+    return inverse
+
+
+def linalg_inv_ex(matrix, check_errors: bool = False):
+    """``aten.linalg_inv_ex`` (``torch.linalg.inv``, ``torch.inverse``; the exporter has none):
+    onnxruntime's ``com.microsoft.Inverse`` (standard ONNX has no inverse), and a zero status."""
+    return _inverse(matrix), _info(matrix)
+
+
+def linalg_det(matrix):
+    """``aten._linalg_det`` (``torch.linalg.det``): ONNX ``Det``; the LU factors and pivots it
+    also returns (for PyTorch's backward) are stand-ins nothing in the graph reads."""
+    pivots = op.Cast(op.Shape(matrix, start=-1), to=6)
+    return op.Det(matrix), matrix, pivots
+
+
+def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False):
+    """``aten._linalg_solve_ex`` (``torch.linalg.solve``): ``A^-1 B`` (``B A^-1`` with
+    ``left=False``) through ``com.microsoft.Inverse``: less accurate than an LU solve for
+    ill-conditioned ``A``. ``B`` is a batch of vectors when it has one axis less than ``A``."""
+    inverse = _inverse(matrix)
+    if len(other.shape) == len(matrix.shape) - 1:  # vectors
+        axis = op.Constant(value_ints=[-1 if left else -2])
+        result = op.Squeeze(op.MatMul(inverse, op.Unsqueeze(other, axis)) if left
+                            else op.MatMul(op.Unsqueeze(other, axis), inverse), axis)
+    else:
+        result = op.MatMul(inverse, other) if left else op.MatMul(other, inverse)
+    pivots = op.Cast(op.Shape(matrix, start=-1), to=6)
+    return result, matrix, pivots, _info(matrix)
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -802,6 +857,9 @@ def translation_table() -> dict:
         torch.ops.aten.cummin.default: cummin,
         torch.ops.aten.erfinv.default: erfinv,
         torch.ops.aten.masked_select.default: masked_select,
+        torch.ops.aten.linalg_inv_ex.default: linalg_inv_ex,
+        torch.ops.aten._linalg_det.default: linalg_det,
+        torch.ops.aten._linalg_solve_ex.default: linalg_solve_ex,
     }
 
 

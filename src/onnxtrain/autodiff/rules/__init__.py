@@ -5,6 +5,7 @@ from onnxtrain.autodiff.rules import (  # noqa: F401
     conv,
     elementwise,
     index,
+    linalg,
     loss,
     matmul,
     nn,

@@ -64,9 +64,9 @@ def test_group_norm_gradient_matches_torch():
 
 
 def test_op_without_rule_or_body_is_still_unsupported():
-    model = _model("Det", {}, 18, [(3, 3)])
-    with pytest.raises(UnsupportedOpError, match="Det"):
-        check_gradients(model, {"in0": np.eye(3, dtype=np.float32) * 2})
+    model = _model("Unique", {"sorted": 1}, 18, [(3, 3)])  # its values are a float output
+    with pytest.raises(UnsupportedOpError, match="Unique"):
+        check_gradients(model, {"in0": np.arange(9, dtype=np.float32).reshape(3, 3)})
 
 
 def test_op_whose_body_cannot_be_read_is_unsupported_not_a_crash():

@@ -438,3 +438,39 @@ def test_a_distribution_that_asks_for_validation_runs_in_pytorch():
     with pytest.raises(ValueError):
         wrapped(torch.tensor([[0.0, float("nan")]]))
     assert torch.distributions.Distribution._validate_args == default  # restored after the capture
+
+
+@pytest.mark.parametrize("kind", ["per-tensor", "tensor-qparams", "per-channel"])
+def test_fake_quantization_trains_with_pytorchs_straight_through_gradient(kind):
+    """torch.fake_quantize_per_tensor_affine / _per_channel_affine (quantization-aware training):
+    the exporter's QuantizeLinear/DequantizeLinear pair has no gradient (the module's output did
+    not require grad). Ours gives PyTorch's values bit for bit, and its straight-through gradient
+    (zero where the value was clipped)."""
+    quantize = {
+        "per-tensor": lambda y: torch.fake_quantize_per_tensor_affine(y, 0.1, 3, -8, 7),
+        "tensor-qparams": lambda y: torch.fake_quantize_per_tensor_affine(
+            y, torch.tensor([0.07]), torch.tensor([2], dtype=torch.int32), -8, 7),
+        "per-channel": lambda y: torch.fake_quantize_per_channel_affine(
+            y, torch.tensor([0.1, 0.05, 0.2, 0.3]), torch.tensor([0, 1, -2, 3], dtype=torch.int32), 1, -8, 7),
+    }[kind]
+
+    class _Quantized(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return quantize(self.lin(x))
+
+    eager, wrapped = eager_and_wrapped(_Quantized)
+    x = torch.randn(64, 4) * 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        ours = wrapped(x)
+    theirs = eager(x)
+    assert torch.equal(ours, theirs)
+    weight = torch.randn(ours.shape)
+    (ours * weight).sum().backward()
+    (theirs * weight).sum().backward()
+    torch.testing.assert_close(wrapped.module.lin.weight.grad, eager.lin.weight.grad, rtol=1e-5, atol=1e-5)
+    assert (eager.lin.weight.grad != 0).any()

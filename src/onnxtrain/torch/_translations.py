@@ -29,7 +29,8 @@ values (lgamma, absolute) and ~1e-6 relative (digamma, trigamma). Adaptive max p
 and window-by-window otherwise. ``cummax`` and ``cummin`` are scans by doubling that pick
 PyTorch's indices (ties and NaNs included); ``erfinv`` is Giles' approximation refined by Newton
 steps; ``torch.linalg.inv`` and ``solve`` invert with onnxruntime's ``com.microsoft.Inverse``,
-``det`` is ONNX ``Det``. Where the exporter's translation computes something
+``det`` is ONNX ``Det``. Fake quantization (quantization-aware training) keeps PyTorch's
+straight-through gradient, which the exporter's QuantizeLinear/DequantizeLinear pair drops. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -657,6 +658,15 @@ def adaptive_avg_pool3d(x, output_size):
     return x
 
 
+def _moved_on(t, shift: int, length: int, axis: int):
+    """``t`` moved ``shift`` places on along ``axis`` (of static ``length``); its first ``shift``
+    places keep their own values (a scan step then compares them with themselves)."""
+    axes = op.Constant(value_ints=[axis])
+    head = op.Slice(t, op.Constant(value_ints=[0]), op.Constant(value_ints=[shift]), axes)
+    tail = op.Slice(t, op.Constant(value_ints=[0]), op.Constant(value_ints=[length - shift]), axes)
+    return op.Concat(head, tail, axis=axis)
+
+
 def _running_extreme(x, dim: int, larger: bool):
     """``aten.cummax`` / ``aten.cummin``: each prefix's extreme and its index, the latest among
     equal ones and the latest NaN once one is seen, as PyTorch. A scan by doubling over
@@ -668,17 +678,12 @@ def _running_extreme(x, dim: int, larger: bool):
     length = x.shape[axis]
     if not isinstance(length, int):
         raise NotImplementedError("torch.cummax / cummin need a static length along their dim")
-    axes = op.Constant(value_ints=[axis])
     positions = op.Range(op.Constant(value_int=0), op.Constant(value_int=length), op.Constant(value_int=1))
     index = op.Expand(op.Reshape(positions, op.Constant(value_ints=[length] + [1] * (rank - 1 - axis))), op.Shape(x))
     value = x
     shift = 1
     while shift < length:
-        def earlier(t):  # t moved ``shift`` places on along the axis; the first places compare with themselves
-            head = op.Slice(t, op.Constant(value_ints=[0]), op.Constant(value_ints=[shift]), axes)
-            return op.Concat(head, op.Slice(t, op.Constant(value_ints=[0]), op.Constant(value_ints=[length - shift]),
-                                            axes), axis=axis)
-        before, before_index = earlier(value), earlier(index)
+        before, before_index = (_moved_on(t, shift, length, axis) for t in (value, index))
         beyond = op.Greater(before, value) if larger else op.Less(before, value)
         take = op.And(op.Or(beyond, op.IsNaN(before)), op.Not(op.IsNaN(value)))
         value, index = op.Where(take, before, value), op.Where(take, before_index, index)
@@ -815,6 +820,71 @@ def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False
     return result, matrix, pivots, _info(matrix)
 
 
+def _fake_quantized(x, inverse_scale, scale, zero_point, quant_min: int, quant_max: int):
+    """``(values, in range)``: ``(clamp(round(x / scale) + zero_point) - zero_point) * scale`` (round
+    half to even, as PyTorch's ``nearbyint``), and where the rounded value was inside the range.
+    The values carry the straight-through gradient PyTorch's fake quantization has: ``dy`` where
+    in range, 0 elsewhere, as ``detach(values) + (x - detach(x)) * in_range`` (exactly the
+    quantized values: ``x - x`` is 0)."""
+    rounded = op.Add(op.Round(op.Mul(x, inverse_scale)), zero_point)
+    low, high = op.CastLike(op.Constant(value_float=float(quant_min)), x), op.CastLike(
+        op.Constant(value_float=float(quant_max)), x)
+    in_range = op.And(op.GreaterOrEqual(rounded, low), op.LessOrEqual(rounded, high))
+    values = op.Mul(op.Sub(op.Clip(rounded, low, high), zero_point), scale)
+    through = op.Mul(op.Sub(x, detach(x)), op.CastLike(in_range, x))
+    return op.Add(detach(values), through), in_range
+
+
+def _float_like(x, value: float):
+    return op.CastLike(op.Constant(value_float=float(value)), x)
+
+
+def fake_quantize_per_tensor_affine_cachemask(x, scale: float, zero_point: int, quant_min: int, quant_max: int):
+    """``aten.fake_quantize_per_tensor_affine_cachemask`` (``torch.fake_quantize_per_tensor_affine``,
+    quantization-aware training): the exporter's QuantizeLinear/DequantizeLinear pair has no
+    gradient, so the module's output would not require grad; this one has PyTorch's."""
+    inverse = _float_like(x, float(np.float32(1.0) / np.float32(scale)))
+    return _fake_quantized(x, inverse, _float_like(x, scale), _float_like(x, zero_point), quant_min, quant_max)
+
+
+def fake_quantize_per_tensor_tensor_qparams(x, scale, zero_point, fake_quant_enabled, quant_min: int,
+                                            quant_max: int):
+    """``aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams`` (the per-tensor op with
+    tensor scale and zero point, as ``torch.ao.quantization.FakeQuantize`` calls it): as
+    :func:`fake_quantize_per_tensor_affine_cachemask`; ``x`` itself (and all in range) while
+    ``fake_quant_enabled`` is 0."""
+    scale_x, zero_x = op.CastLike(scale, x), op.CastLike(zero_point, x)
+    values, in_range = _fake_quantized(x, op.Reciprocal(scale_x), scale_x, zero_x, quant_min, quant_max)
+    enabled = op.Not(op.Equal(op.Cast(fake_quant_enabled, to=7), op.Constant(value_int=0)))
+    return op.Where(enabled, values, x), op.Or(in_range, op.Not(enabled))
+
+
+def fake_quantize_per_channel_affine_cachemask(x, scale, zero_point, axis: int, quant_min: int, quant_max: int):
+    """``aten.fake_quantize_per_channel_affine_cachemask`` (``torch.fake_quantize_per_channel_affine``):
+    as the per-tensor one with one scale and zero point per index along ``axis``."""
+    rank = len(x.shape)
+    shape = op.Constant(value_ints=[-1 if k == axis % rank else 1 for k in range(rank)])
+    scale_x = op.Reshape(op.CastLike(scale, x), shape)
+    zero_x = op.Reshape(op.CastLike(zero_point, x), shape)
+    return _fake_quantized(x, op.Reciprocal(scale_x), scale_x, zero_x, quant_min, quant_max)
+
+
+def fake_quantize_per_tensor_affine(x, scale: float, zero_point: int, quant_min: int, quant_max: int):
+    """``aten.fake_quantize_per_tensor_affine`` (translated before any decomposition): its values."""
+    return fake_quantize_per_tensor_affine_cachemask(x, scale, zero_point, quant_min, quant_max)[0]
+
+
+def fake_quantize_per_tensor_affine_tensor_qparams(x, scale, zero_point, quant_min: int, quant_max: int):
+    """``aten.fake_quantize_per_tensor_affine.tensor_qparams``: its values."""
+    return fake_quantize_per_tensor_tensor_qparams(x, scale, zero_point, op.Constant(value_int=1), quant_min,
+                                                   quant_max)[0]
+
+
+def fake_quantize_per_channel_affine(x, scale, zero_point, axis: int, quant_min: int, quant_max: int):
+    """``aten.fake_quantize_per_channel_affine``: its values."""
+    return fake_quantize_per_channel_affine_cachemask(x, scale, zero_point, axis, quant_min, quant_max)[0]
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -860,6 +930,13 @@ def translation_table() -> dict:
         torch.ops.aten.linalg_inv_ex.default: linalg_inv_ex,
         torch.ops.aten._linalg_det.default: linalg_det,
         torch.ops.aten._linalg_solve_ex.default: linalg_solve_ex,
+        torch.ops.aten.fake_quantize_per_tensor_affine_cachemask.default: fake_quantize_per_tensor_affine_cachemask,
+        torch.ops.aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams.default:
+            fake_quantize_per_tensor_tensor_qparams,
+        torch.ops.aten.fake_quantize_per_channel_affine_cachemask.default: fake_quantize_per_channel_affine_cachemask,
+        torch.ops.aten.fake_quantize_per_tensor_affine.default: fake_quantize_per_tensor_affine,
+        torch.ops.aten.fake_quantize_per_tensor_affine.tensor_qparams: fake_quantize_per_tensor_affine_tensor_qparams,
+        torch.ops.aten.fake_quantize_per_channel_affine.default: fake_quantize_per_channel_affine,
     }
 
 

@@ -474,3 +474,37 @@ def test_fake_quantization_trains_with_pytorchs_straight_through_gradient(kind):
     (theirs * weight).sum().backward()
     torch.testing.assert_close(wrapped.module.lin.weight.grad, eager.lin.weight.grad, rtol=1e-5, atol=1e-5)
     assert (eager.lin.weight.grad != 0).any()
+
+
+@pytest.mark.parametrize(("var_shape", "full", "reduction"), [
+    ("same", False, "mean"), ("one-less", True, "sum"), ("last-1", False, "none")])
+def test_gaussian_nll_loss_trains_without_its_data_dependent_check(var_shape, full, reduction):
+    """F.gaussian_nll_loss / nn.GaussianNLLLoss check ``var`` for negative entries with a branch
+    on the data (the capture cannot trace it): captured without it, the same loss and gradients,
+    a variance below ``eps`` clamped in value but not in gradient, as PyTorch."""
+
+    class _Heteroscedastic(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mean = nn.Linear(4, 3)
+            self.spread = nn.Linear(4, 3)
+            self.loss = nn.GaussianNLLLoss(full=full, eps=1e-3, reduction=reduction)
+
+        def forward(self, x):
+            var = nn.functional.softplus(self.spread(x)) * (x[:, :1] > -1.0)  # some exactly 0: clamped
+            var = {"same": var, "one-less": var[:, 0], "last-1": var[:, :1]}[var_shape]
+            return self.loss(self.mean(x), x[:, 1:], var)
+
+    eager, wrapped = eager_and_wrapped(_Heteroscedastic)
+    x = torch.randn(8, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        ours = wrapped(x)
+    theirs = eager(x)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    weight = torch.randn(ours.shape)
+    (ours * weight).sum().backward()
+    (theirs * weight).sum().backward()
+    for name in ("mean.weight", "spread.weight", "spread.bias"):
+        torch.testing.assert_close(wrapped.module.get_parameter(name).grad, eager.get_parameter(name).grad,
+                                   rtol=1e-4, atol=1e-5, msg=name)

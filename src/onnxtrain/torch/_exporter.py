@@ -30,6 +30,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import operator
 import sys
 import threading
@@ -319,6 +320,39 @@ def _linalg_without_error_checks():
         linalg.inv, torch.inverse, torch.Tensor.inverse, linalg.solve = originals
 
 
+def _gaussian_nll_loss(input, target, var, full: bool = False, eps: float = 1e-6, reduction: str = "mean"):
+    """``F.gaussian_nll_loss`` as the capture traces it: ``(log v + (input - target)² / v) / 2``
+    (``+ log(2π) / 2`` with ``full``) with ``v = max(var, eps)`` in value and the gradient of
+    ``var`` itself (PyTorch clamps a copy under ``no_grad``), ``var`` shaped like ``input``, or
+    with one axis less, or its last axis 1. PyTorch's check for a negative ``var`` (a branch on
+    the data, which the capture cannot trace) is left out: the graph cannot raise."""
+    if var.shape != input.shape:
+        if input.shape[:-1] == var.shape:
+            var = var.unsqueeze(-1)
+        elif not (input.shape[:-1] == var.shape[:-1] and var.shape[-1] == 1):
+            raise ValueError("var is of incorrect size")
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"{reduction} is not a valid value for reduction")
+    clamped = var.clamp(min=eps).detach() + (var - var.detach())  # the clamped value, var's gradient
+    loss = 0.5 * (torch.log(clamped) + (input - target) ** 2 / clamped)
+    if full:
+        loss = loss + 0.5 * math.log(2 * math.pi)
+    return loss.mean() if reduction == "mean" else loss.sum() if reduction == "sum" else loss
+
+
+@contextlib.contextmanager
+def _gaussian_nll_unchecked():
+    """While capturing, ``F.gaussian_nll_loss`` (and ``nn.GaussianNLLLoss``, which calls it) is
+    :func:`_gaussian_nll_loss`: the same loss and gradients without the data-dependent check."""
+    functional = torch.nn.functional
+    original = functional.gaussian_nll_loss
+    functional.gaussian_nll_loss = _gaussian_nll_loss
+    try:
+        yield
+    finally:
+        functional.gaussian_nll_loss = original
+
+
 def _projected_lstm_forward(lstm: torch.nn.LSTM, input, hx=None):
     """``nn.LSTM.forward`` for an LSTM with ``proj_size`` as torch's own decomposition of the op
     computes it: per layer, the input product for all steps, then one cell per step (products
@@ -379,7 +413,8 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
     def run() -> torch.export.ExportedProgram:
         with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
-              _distributions_unvalidated(), _linalg_without_error_checks(), projected_lstms_decomposed(module)):
+              _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
+              projected_lstms_decomposed(module)):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -249,9 +249,10 @@ class _Distributions(nn.Module):
         prior = torch.distributions.Normal(torch.zeros_like(mean), torch.ones_like(mean))
         choice = torch.distributions.Categorical(logits=logits)
         beta = torch.distributions.Beta(nn.functional.softplus(logits) + 0.5, 1.5)
+        student = torch.distributions.StudentT(3.0, mean, 1.5)  # builds a Chi2 inside: validated too
         terms = (normal.log_prob(x[:, :2]).sum(-1), torch.distributions.kl_divergence(normal, prior).sum(-1),
                  choice.entropy(), choice.log_prob(torch.zeros(x.shape[0], dtype=torch.long)),
-                 beta.log_prob(torch.full_like(logits, 0.4)).sum(-1))
+                 beta.log_prob(torch.full_like(logits, 0.4)).sum(-1), student.log_prob(x[:, 2:]).sum(-1))
         return torch.stack(terms, dim=-1) * 0.2  # each term its own output (no cancellation between them)
 
 

@@ -253,6 +253,26 @@ def _internal_export():
     return (_core.export, _constants.ONNX_DEFAULT_OPSET) if needed else None
 
 
+_INHERITED = object()  # _replaced: the attribute was not the owner's own
+
+
+@contextlib.contextmanager
+def _replaced(*replacements: tuple[object, str, object]):
+    """Each ``(owner, name, value)``: ``owner.name`` is ``value`` inside the block, and as it was
+    after it (an attribute ``owner`` only inherited is inherited again)."""
+    saved = [(owner, name, vars(owner).get(name, _INHERITED)) for owner, name, _ in replacements]
+    for owner, name, value in replacements:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, before in reversed(saved):
+            if before is _INHERITED:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, before)
+
+
 @contextlib.contextmanager
 def _causal_masks_taken_as_given():
     """nn.Transformer and its decoder compare a given target mask with a causal one (a
@@ -269,11 +289,8 @@ def _causal_masks_taken_as_given():
     def as_given(mask, is_causal=None, size=None):
         return bool(is_causal) if is_causal is not None else False
 
-    transformer._detect_is_causal_mask = as_given
-    try:
+    with _replaced((transformer, "_detect_is_causal_mask", as_given)):
         yield
-    finally:
-        transformer._detect_is_causal_mask = detect
 
 
 @contextlib.contextmanager
@@ -301,23 +318,21 @@ def _linalg_without_error_checks():
     the exporter cannot translate. While capturing they compute as their ``_ex`` forms (the same
     values, no check): the graph cannot raise, and a singular matrix gives non-finite values."""
     linalg = torch.linalg
-    originals = (linalg.inv, torch.inverse, torch.Tensor.inverse, linalg.solve)
+    checked_inv, checked_solve = linalg.inv, linalg.solve
 
     def inv(matrix, *, out=None):
         if out is not None:
-            return originals[0](matrix, out=out)
+            return checked_inv(matrix, out=out)
         return linalg.inv_ex(matrix).inverse
 
     def solve(matrix, other, *, left=True, out=None):
         if out is not None:
-            return originals[3](matrix, other, left=left, out=out)
+            return checked_solve(matrix, other, left=left, out=out)
         return linalg.solve_ex(matrix, other, left=left).result
 
-    linalg.inv, torch.inverse, torch.Tensor.inverse, linalg.solve = inv, inv, inv, solve
-    try:
+    with _replaced((linalg, "inv", inv), (torch, "inverse", inv), (torch.Tensor, "inverse", inv),
+                   (linalg, "solve", solve)):
         yield
-    finally:
-        linalg.inv, torch.inverse, torch.Tensor.inverse, linalg.solve = originals
 
 
 def _gaussian_nll_loss(input, target, var, full: bool = False, eps: float = 1e-6, reduction: str = "mean"):
@@ -344,13 +359,8 @@ def _gaussian_nll_loss(input, target, var, full: bool = False, eps: float = 1e-6
 def _gaussian_nll_unchecked():
     """While capturing, ``F.gaussian_nll_loss`` (and ``nn.GaussianNLLLoss``, which calls it) is
     :func:`_gaussian_nll_loss`: the same loss and gradients without the data-dependent check."""
-    functional = torch.nn.functional
-    original = functional.gaussian_nll_loss
-    functional.gaussian_nll_loss = _gaussian_nll_loss
-    try:
+    with _replaced((torch.nn.functional, "gaussian_nll_loss", _gaussian_nll_loss)):
         yield
-    finally:
-        functional.gaussian_nll_loss = original
 
 
 def _projected_lstm_forward(lstm: torch.nn.LSTM, input, hx=None):

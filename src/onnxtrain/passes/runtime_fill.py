@@ -77,10 +77,5 @@ class RuntimeFillPass(ir.passes.InPlacePass):
         for n, name in ((draw, "draw"), (above, "above"), (zero, "zero")):
             n.outputs[0].name = f"runtime_fill/{name}"
         graph.register_initializer(above.inputs[1])
-        first = graph.node(0) if len(graph) else None
-        for n in (draw, above, zero):
-            if first is None:
-                graph.append(n)
-            else:
-                graph.insert_before(first, n)
+        graph.insert_before(graph.node(0), [draw, above, zero])  # the graph has a fill: never empty
         return zero.outputs[0]

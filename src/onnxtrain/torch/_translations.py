@@ -780,8 +780,13 @@ _INVERSE = onnxscript.values.Op(
 
 def _info(matrix):
     """LAPACK's status per matrix of a ``[..., M, M]`` batch: 0 (int32; nothing checks it in the graph)."""
-    return op.Cast(op.ReduceMax(op.Mul(matrix, op.CastLike(op.Constant(value_float=0.0), matrix)),
-                                op.Constant(value_ints=[-2, -1]), keepdims=0), to=6)
+    return op.ConstantOfShape(op.Shape(matrix, end=-2), value=ir.tensor(np.zeros([1], np.int32)))
+
+
+def _lu_stand_ins(matrix):
+    """``(LU, pivots)`` for ops that also return an LU factorization (for PyTorch's backward):
+    stand-ins of the right types, which nothing in the graph reads."""
+    return matrix, op.Cast(op.Shape(matrix, start=-1), to=6)
 
 
 def _inverse(matrix):
@@ -801,8 +806,7 @@ def linalg_inv_ex(matrix, check_errors: bool = False):
 def linalg_det(matrix):
     """``aten._linalg_det`` (``torch.linalg.det``): ONNX ``Det``; the LU factors and pivots it
     also returns (for PyTorch's backward) are stand-ins nothing in the graph reads."""
-    pivots = op.Cast(op.Shape(matrix, start=-1), to=6)
-    return op.Det(matrix), matrix, pivots
+    return op.Det(matrix), *_lu_stand_ins(matrix)
 
 
 def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False):
@@ -816,8 +820,7 @@ def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False
                             else op.MatMul(op.Unsqueeze(other, axis), inverse), axis)
     else:
         result = op.MatMul(inverse, other) if left else op.MatMul(other, inverse)
-    pivots = op.Cast(op.Shape(matrix, start=-1), to=6)
-    return result, matrix, pivots, _info(matrix)
+    return result, *_lu_stand_ins(matrix), _info(matrix)
 
 
 def _fake_quantized(x, inverse_scale, scale, zero_point, quant_min: int, quant_max: int):
@@ -827,24 +830,25 @@ def _fake_quantized(x, inverse_scale, scale, zero_point, quant_min: int, quant_m
     in range, 0 elsewhere, as ``detach(values) + (x - detach(x)) * in_range`` (exactly the
     quantized values: ``x - x`` is 0)."""
     rounded = op.Add(op.Round(op.Mul(x, inverse_scale)), zero_point)
-    low, high = op.CastLike(op.Constant(value_float=float(quant_min)), x), op.CastLike(
-        op.Constant(value_float=float(quant_max)), x)
+    low, high = _like(x, float(quant_min)), _like(x, float(quant_max))
     in_range = op.And(op.GreaterOrEqual(rounded, low), op.LessOrEqual(rounded, high))
     values = op.Mul(op.Sub(op.Clip(rounded, low, high), zero_point), scale)
     through = op.Mul(op.Sub(x, detach(x)), op.CastLike(in_range, x))
     return op.Add(detach(values), through), in_range
 
 
-def _float_like(x, value: float):
-    return op.CastLike(op.Constant(value_float=float(value)), x)
-
-
 def fake_quantize_per_tensor_affine_cachemask(x, scale: float, zero_point: int, quant_min: int, quant_max: int):
     """``aten.fake_quantize_per_tensor_affine_cachemask`` (``torch.fake_quantize_per_tensor_affine``,
     quantization-aware training): the exporter's QuantizeLinear/DequantizeLinear pair has no
     gradient, so the module's output would not require grad; this one has PyTorch's."""
-    inverse = _float_like(x, float(np.float32(1.0) / np.float32(scale)))
-    return _fake_quantized(x, inverse, _float_like(x, scale), _float_like(x, zero_point), quant_min, quant_max)
+    inverse = _like(x, float(np.float32(1.0) / np.float32(scale)))
+    return _fake_quantized(x, inverse, _like(x, scale), _like(x, zero_point), quant_min, quant_max)
+
+
+def _quantized_by_tensors(x, scale, zero_point, quant_min: int, quant_max: int):
+    """:func:`_fake_quantized` with the scale and zero point as tensors (broadcasting against ``x``)."""
+    scale_x, zero_x = op.CastLike(scale, x), op.CastLike(zero_point, x)
+    return _fake_quantized(x, op.Reciprocal(scale_x), scale_x, zero_x, quant_min, quant_max)
 
 
 def fake_quantize_per_tensor_tensor_qparams(x, scale, zero_point, fake_quant_enabled, quant_min: int,
@@ -853,8 +857,7 @@ def fake_quantize_per_tensor_tensor_qparams(x, scale, zero_point, fake_quant_ena
     tensor scale and zero point, as ``torch.ao.quantization.FakeQuantize`` calls it): as
     :func:`fake_quantize_per_tensor_affine_cachemask`; ``x`` itself (and all in range) while
     ``fake_quant_enabled`` is 0."""
-    scale_x, zero_x = op.CastLike(scale, x), op.CastLike(zero_point, x)
-    values, in_range = _fake_quantized(x, op.Reciprocal(scale_x), scale_x, zero_x, quant_min, quant_max)
+    values, in_range = _quantized_by_tensors(x, scale, zero_point, quant_min, quant_max)
     enabled = op.Not(op.Equal(op.Cast(fake_quant_enabled, to=7), op.Constant(value_int=0)))
     return op.Where(enabled, values, x), op.Or(in_range, op.Not(enabled))
 
@@ -864,9 +867,7 @@ def fake_quantize_per_channel_affine_cachemask(x, scale, zero_point, axis: int, 
     as the per-tensor one with one scale and zero point per index along ``axis``."""
     rank = len(x.shape)
     shape = op.Constant(value_ints=[-1 if k == axis % rank else 1 for k in range(rank)])
-    scale_x = op.Reshape(op.CastLike(scale, x), shape)
-    zero_x = op.Reshape(op.CastLike(zero_point, x), shape)
-    return _fake_quantized(x, op.Reciprocal(scale_x), scale_x, zero_x, quant_min, quant_max)
+    return _quantized_by_tensors(x, op.Reshape(scale, shape), op.Reshape(zero_point, shape), quant_min, quant_max)
 
 
 def fake_quantize_per_tensor_affine(x, scale: float, zero_point: int, quant_min: int, quant_max: int):
@@ -876,8 +877,7 @@ def fake_quantize_per_tensor_affine(x, scale: float, zero_point: int, quant_min:
 
 def fake_quantize_per_tensor_affine_tensor_qparams(x, scale, zero_point, quant_min: int, quant_max: int):
     """``aten.fake_quantize_per_tensor_affine.tensor_qparams``: its values."""
-    return fake_quantize_per_tensor_tensor_qparams(x, scale, zero_point, op.Constant(value_int=1), quant_min,
-                                                   quant_max)[0]
+    return _quantized_by_tensors(x, scale, zero_point, quant_min, quant_max)[0]
 
 
 def fake_quantize_per_channel_affine(x, scale, zero_point, axis: int, quant_min: int, quant_max: int):

@@ -10,13 +10,10 @@ at a singular ``A`` it is not finite, where PyTorch's (through an SVD) is.
 from __future__ import annotations
 
 from onnxtrain.autodiff.registry import GradContext, grad
+from onnxtrain.autodiff.rules.matmul import transpose_last2
 from onnxtrain.ir.shapes import rank_of
 
 MS_DOMAIN = "com.microsoft"
-
-
-def _transposed(ctx: GradContext, x, rank: int):
-    return ctx.op.Transpose(x, perm=[*range(rank - 2), rank - 1, rank - 2])
 
 
 def _rank(ctx: GradContext) -> int:
@@ -29,7 +26,7 @@ def _rank(ctx: GradContext) -> int:
 @grad("Inverse", domain=MS_DOMAIN)
 def _inverse(ctx: GradContext):
     op, y, rank = ctx.op, ctx.y, _rank(ctx)
-    y_t = _transposed(ctx, y, rank)
+    y_t = transpose_last2(op, y, rank)
     return (op.Neg(op.MatMul(op.MatMul(y_t, ctx.dy), y_t)),)
 
 
@@ -37,6 +34,6 @@ def _inverse(ctx: GradContext):
 def _det(ctx: GradContext):
     op, b, rank = ctx.op, ctx.b, _rank(ctx)
     b.graph.opset_imports.setdefault(MS_DOMAIN, 1)
-    inverse_t = _transposed(ctx, op.Inverse(ctx.x, _domain=MS_DOMAIN), rank)
+    inverse_t = transpose_last2(op, op.Inverse(ctx.x, _domain=MS_DOMAIN), rank)
     scale = op.Unsqueeze(op.Mul(ctx.dy, ctx.y), b.ints([-1, -2]))
     return (op.Mul(scale, inverse_t),)

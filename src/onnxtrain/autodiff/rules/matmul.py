@@ -15,7 +15,8 @@ def _batched_shape(y: ir.Value, x: ir.Value) -> ir.Shape | None:
     return ir.Shape(list(y.shape)[:-2] + list(x.shape)[-2:])
 
 
-def _transpose_last2(op, b, x, rank: int):
+def transpose_last2(op, x, rank: int):
+    """``x`` with its last two axes swapped (``rank`` its rank)."""
     perm = list(range(rank - 2)) + [rank - 1, rank - 2]
     return op.Transpose(x, perm=perm)
 
@@ -33,23 +34,23 @@ def _matmul(ctx):
         if rb == 1:  # y[..., i] = sum_k a[..., i, k] b[k]
             da = op.Mul(b.unsqueeze(dy, [-1]), bm)
         elif ra == 1:  # y[..., j] = sum_k a[k] b[..., k, j]
-            da = op.MatMul(b.unsqueeze(dy, [-2]), _transpose_last2(op, b, bm, rb))
+            da = op.MatMul(b.unsqueeze(dy, [-2]), transpose_last2(op, bm, rb))
             da = b.squeeze(da, [-2])
         else:
-            da = op.MatMul(dy, _transpose_last2(op, b, bm, rb))
+            da = op.MatMul(dy, transpose_last2(op, bm, rb))
         da = sum_to_shape(b, da, a, _batched_shape(ctx.y, a) if ra and rb and ra >= 2 and rb >= 2 else None)
     if ctx.needs(1):
         if ra == 1:
             db = op.Mul(b.unsqueeze(a, [-1]), b.unsqueeze(dy, [-2]))
         elif rb == 1:
-            db = op.MatMul(_transpose_last2(op, b, a, ra), b.unsqueeze(dy, [-1]))
+            db = op.MatMul(transpose_last2(op, a, ra), b.unsqueeze(dy, [-1]))
             db = b.squeeze(db, [-1])
         elif rb == 2 and ra is not None and ra > 2:
             # a [..., M, K] @ b [K, N] (a Linear layer): fold the batch dims into M, one
             # [K, M'] @ [M', N] product rather than a batched product summed over the batch
             db = op.MatMul(op.Transpose(op.Flatten(a, axis=ra - 1), perm=[1, 0]), op.Flatten(dy, axis=ra - 1))
         else:
-            db = op.MatMul(_transpose_last2(op, b, a, ra), dy)
+            db = op.MatMul(transpose_last2(op, a, ra), dy)
         if not (rb == 2 and ra is not None and ra > 2):
             db = sum_to_shape(b, db, bm, _batched_shape(ctx.y, bm) if ra and rb and ra >= 2 and rb >= 2 else None)
     return da, db

@@ -39,10 +39,15 @@ def _axis(ctx: GradContext, rank: int) -> int:
 
 def _along(ctx: GradContext, rank: int, axis: int, amount) -> object:
     """Pads ``[0] * 2 * rank`` with ``amount`` (a [1] int64 value) as the end pad of ``axis``."""
-    b = ctx.b
-    pieces = [piece for piece in (b.ints([0] * (rank + axis)) if rank + axis else None, amount,
-                                  b.ints([0] * (rank - axis - 1)) if rank - axis - 1 else None) if piece is not None]
+    before, after = rank + axis, rank - axis - 1  # zeros before and after the end pad of axis
+    pieces = [*([ctx.b.ints([0] * before)] if before else []), amount,
+              *([ctx.b.ints([0] * after)] if after else [])]
     return ctx.op.Concat(*pieces, axis=0)
+
+
+def _length(ctx: GradContext, scalar) -> object:
+    """A length input (an integer scalar or [1]) as a [1] int64 value."""
+    return ctx.op.Reshape(ctx.op.Cast(scalar, to=7), ctx.b.ints([1]))
 
 
 def _transform(ctx: GradContext, signal, axis: int, inverse: bool):
@@ -66,7 +71,7 @@ def _dft(ctx: GradContext):
     axes = b.ints([axis])
     signal_length = op.Gather(op.Shape(x), axes, axis=0)  # [1]
     has_length = len(ctx.node.inputs) > 1 and ctx.node.inputs[1] is not None
-    length = op.Reshape(op.Cast(ctx.node.inputs[1], to=7), b.ints([1])) if has_length else signal_length
+    length = _length(ctx, ctx.node.inputs[1]) if has_length else signal_length
     dy = ctx.dy
     if onesided:  # the dropped bins get no gradient
         bins = op.Gather(op.Shape(dy), axes, axis=0)
@@ -108,7 +113,7 @@ def _stft(ctx: GradContext):
     if window is not None:
         frame_length = op.Shape(window)
     elif len(ctx.inputs) > 3 and ctx.inputs[3] is not None:
-        frame_length = op.Reshape(op.Cast(ctx.inputs[3], to=7), b.ints([1]))
+        frame_length = _length(ctx, ctx.inputs[3])
     else:
         raise NotImplementedError("an STFT without a window or a frame_length")
     u = _frame_transforms(ctx, frame_length)  # [batch, frames, frame_length, 2]

@@ -17,6 +17,7 @@ from onnxtrain.passes.column_product import ColumnVectorProductPass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
+from onnxtrain.passes.log_sigmoid import LogSigmoidPass
 from onnxtrain.passes.pool_first import PoolBeforeReluPass
 from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
 from onnxtrain.passes.softmax_guard import SoftmaxNaNGuardPass
@@ -35,8 +36,11 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     becomes a per-row factor (passes/softmax_guard.py). A ReLU before a MaxPool runs after it,
     on the smaller tensor (passes/pool_first.py). A transposed matrix times a vector becomes a
     product with a column, which onnxruntime's fused kernel gets right (passes/column_product.py).
+    The logarithm of a sigmoid becomes a softplus, which onnxruntime computes without underflow
+    (passes/log_sigmoid.py).
     """
-    return [InlinePass(), DecomposePass(), FoldConstantsPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(),
+    return [InlinePass(), DecomposePass(), FoldConstantsPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(),
+            PoolBeforeReluPass(),
             ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 

@@ -30,7 +30,9 @@ and window-by-window otherwise. ``cummax`` and ``cummin`` are scans by doubling 
 PyTorch's indices (ties and NaNs included); ``erfinv`` is Giles' approximation refined by Newton
 steps; ``torch.linalg.inv`` and ``solve`` invert with onnxruntime's ``com.microsoft.Inverse``,
 ``det`` is ONNX ``Det``. Fake quantization (quantization-aware training) keeps PyTorch's
-straight-through gradient, which the exporter's QuantizeLinear/DequantizeLinear pair drops. Where the exporter's translation computes something
+straight-through gradient, which the exporter's QuantizeLinear/DequantizeLinear pair drops.
+``logaddexp``, ``logaddexp2``, ``logcumsumexp``, ``erfc``, ``erfcx``, ``log_ndtr`` and ``sinc``, which
+the exporter writes in forms that overflow, are in ``onnxtrain.torch._log_space``. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -46,6 +48,8 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain import names
+from onnxtrain.torch import _log_space
+from onnxtrain.torch._log_space import constant_like as _like
 
 
 def batch_norm_functional(input, weight, bias, running_mean, running_var,
@@ -497,12 +501,6 @@ def rrelu_with_noise_functional(input, noise, lower: float = 0.125, upper: float
     return op.Mul(input, slopes), slopes
 
 
-def _like(x, value: float):
-    """A scalar constant of ``x``'s float type, exact in that type (not rounded to float32 first)."""
-    dtype = x.dtype.numpy() if x.dtype is not None else np.float32
-    return op.Constant(value=ir.tensor(np.array(value, dtype=dtype)))
-
-
 # Asymptotic series at z >= _SHIFT (the first omitted term is below 1e-10 there); smaller
 # arguments are shifted up by the recurrences Γ(z + 1) = z Γ(z), ψ(z + 1) = ψ(z) + 1 / z,
 # ψ'(z + 1) = ψ'(z) - 1 / z², and arguments below 1/2 reflected (Γ(z) Γ(1 - z) = π / sin(πz)).
@@ -937,6 +935,13 @@ def translation_table() -> dict:
         torch.ops.aten.fake_quantize_per_tensor_affine.default: fake_quantize_per_tensor_affine,
         torch.ops.aten.fake_quantize_per_tensor_affine.tensor_qparams: fake_quantize_per_tensor_affine_tensor_qparams,
         torch.ops.aten.fake_quantize_per_channel_affine.default: fake_quantize_per_channel_affine,
+        torch.ops.aten.logaddexp.default: _log_space.logaddexp,
+        torch.ops.aten.logaddexp2.default: _log_space.logaddexp2,
+        torch.ops.aten.logcumsumexp.default: _log_space.logcumsumexp,
+        torch.ops.aten.erfc.default: _log_space.erfc,
+        torch.ops.aten.special_erfcx.default: _log_space.erfcx,
+        torch.ops.aten.sinc.default: _log_space.sinc,
+        torch.ops.aten.special_log_ndtr.default: _log_space.log_ndtr,
     }
 
 

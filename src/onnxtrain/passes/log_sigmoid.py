@@ -1,0 +1,69 @@
+"""The logarithm of a sigmoid, as a softplus.
+
+onnxruntime's CPU Sigmoid is accurate to ~6e-8 absolute, not relative: below x ~ -8 its result
+drifts from the true value, and from x ~ -18 on it is exactly 0, where the true value is 1.5e-8
+and below. Its logarithm is then -inf, and the gradient through it NaN. PyTorch's exporter writes
+``F.logsigmoid`` as ``Log(Sigmoid(x))``, and binary cross entropy with logits
+(``F.binary_cross_entropy_with_logits``, ``nn.BCEWithLogitsLoss``, ``multilabel_soft_margin_loss``)
+decomposes into it: a confidently wrong logit of -20 gave an infinite loss where PyTorch gives 20,
+and a NaN gradient for every parameter.
+
+This pass writes ``Log(Sigmoid(x))`` as ``-Softplus(-x)`` and ``Log(1 - Sigmoid(x))`` as
+``-Softplus(x)``, which onnxruntime computes without overflow or underflow over the whole range
+(and whose gradients, sigmoids again, are within that absolute accuracy). Float32 only: that is
+where the Sigmoid kernel falls short (its double one is exact), and onnxruntime's CPU provider
+has a float32 Softplus only. Standard ops, so artifacts keep running on any onnxruntime.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
+
+from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.passes.rewrite import NodeRewritePass
+
+
+def _is_broadcast_one(value: ir.Value, x: ir.Value) -> bool:
+    """``value`` is a constant 1 whose broadcast against ``x`` leaves ``x``'s shape: one element,
+    of no more axes than ``x`` (a scalar where ``x``'s rank is unknown)."""
+    tensor = get_const_tensor(value)
+    if tensor is None or tensor.size != 1:
+        return False
+    rank = len(x.shape) if x.shape is not None else 0
+    return len(tensor.shape) <= rank and float(tensor.numpy().reshape(-1)[0]) == 1.0
+
+
+def _sigmoid_input(value: ir.Value | None) -> ir.Value | None:
+    producer = value.producer() if value is not None else None
+    return producer.inputs[0] if is_onnx_op(producer, "Sigmoid") else None
+
+
+class LogSigmoidPass(NodeRewritePass):
+    """Rewrite ``Log(Sigmoid(x))`` as ``Neg(Softplus(Neg(x)))`` and ``Log(Sub(1, Sigmoid(x)))`` as
+    ``Neg(Softplus(x))``."""
+
+    def match(self, node: ir.Node, opset: int) -> tuple[ir.Value, bool] | None:
+        if not is_onnx_op(node, "Log"):
+            return None
+        argument = node.inputs[0]
+        if node.outputs[0].dtype != ir.DataType.FLOAT:
+            return None
+        x = _sigmoid_input(argument)
+        if x is not None:
+            return x, True
+        difference = argument.producer() if argument is not None else None
+        if is_onnx_op(difference, "Sub"):
+            x = _sigmoid_input(difference.inputs[1])
+            if x is not None and _is_broadcast_one(difference.inputs[0], x):
+                return x, False
+        return None
+
+    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: tuple[ir.Value, bool]) -> None:
+        x, of_sigmoid = plan
+        new = NewNodes(node, "softplus")
+        softplus = new.add("Softplus", [new.add("Neg", [x]) if of_sigmoid else x])
+        out = new.add("Neg", [softplus])
+        old = node.outputs[0]
+        out.dtype, out.shape = old.dtype, old.shape
+        replace_nodes_and_values(graph, node, [node], new.nodes, [old], [out])

@@ -363,6 +363,17 @@ def _gaussian_nll_unchecked():
         yield
 
 
+@contextlib.contextmanager
+def _ctc_loss_scanned():
+    """While capturing, ``F.ctc_loss`` (and ``nn.CTCLoss``, which calls it) is
+    :func:`onnxtrain.torch._ctc.ctc_loss`: the same loss and gradients as a ``scan`` over the
+    frames, where PyTorch's op has an output shape the capture cannot know."""
+    from onnxtrain.torch._ctc import ctc_loss
+
+    with _replaced((torch.nn.functional, "ctc_loss", ctc_loss)):
+        yield
+
+
 def _projected_lstm_forward(lstm: torch.nn.LSTM, input, hx=None):
     """``nn.LSTM.forward`` for an LSTM with ``proj_size`` as torch's own decomposition of the op
     computes it: per layer, the input product for all steps, then one cell per step (products
@@ -424,7 +435,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
         with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
-              projected_lstms_decomposed(module)):
+              _ctc_loss_scanned(), projected_lstms_decomposed(module)):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

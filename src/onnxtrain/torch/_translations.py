@@ -32,13 +32,18 @@ steps; ``torch.linalg.inv`` and ``solve`` invert with onnxruntime's ``com.micros
 ``det`` is ONNX ``Det``. Fake quantization (quantization-aware training) keeps PyTorch's
 straight-through gradient, which the exporter's QuantizeLinear/DequantizeLinear pair drops.
 ``logaddexp``, ``logaddexp2``, ``logcumsumexp``, ``erfc``, ``erfcx``, ``log_ndtr`` and ``sinc``, which
-the exporter writes in forms that overflow, are in ``onnxtrain.torch._log_space``. Where the exporter's translation computes something
+the exporter writes in forms that overflow, are in ``onnxtrain.torch._log_space``; ``max``/``min`` over a dim (the gradient to the returned
+index), ``amax``/``amin`` over every axis, ``std`` and p-norms (PyTorch's 0 gradient where the
+value is 0) are in ``onnxtrain.torch._reductions``. ``atan2`` keeps PyTorch's signed zeros and a
+finite gradient on the axes. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import onnx
@@ -48,7 +53,7 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain import names
-from onnxtrain.torch import _log_space
+from onnxtrain.torch import _log_space, _reductions
 from onnxtrain.torch._log_space import constant_like as _like
 
 
@@ -361,6 +366,32 @@ def pdist(x, p: float = 2.0):
 def hypot(a, b):
     """``aten.hypot`` (its decomposition reaches ``prims.hypot``, which the exporter lacks)."""
     return op.Sqrt(op.Add(op.Mul(a, a), op.Mul(b, b)))
+
+
+def _upper_half(y):
+    """``y > 0``, or ``y`` a positive zero: the side of the branch cut atan2 puts at +π."""
+    zero = _like(y, 0.0)
+    return op.Or(op.Greater(y, zero), op.And(op.Equal(y, zero), op.Greater(op.Reciprocal(y), zero)))
+
+
+def atan2(y, x):
+    """``aten.atan2``: the angle of ``(x, y)`` as PyTorch's, signed zeros included (the exporter's
+    gives -π on the negative x axis with ``y = +0``, and -π/2 for ``x = -0``); the gradient
+    ``(x dy - y dx) / (x² + y²)`` everywhere, 0 at the origin (through ``atan(y / x)`` it was NaN
+    wherever ``x = 0``). The angle is computed without a gradient, which a term valued 0 carries."""
+    zero, pi = _like(y, 0.0), _like(y, math.pi)
+    above = _upper_half(y)
+    slope = op.Atan(op.Div(y, x))
+    angle = op.Where(op.Less(x, zero), op.Where(above, op.Add(slope, pi), op.Sub(slope, pi)), slope)
+    on_y_axis = op.Equal(x, zero)
+    half_pi = _like(y, math.pi / 2)
+    angle = op.Where(on_y_axis, op.Where(above, half_pi, op.Neg(half_pi)), angle)
+    at_origin = op.Where(_upper_half(x), zero, op.Where(above, pi, op.Neg(pi)))
+    angle = detach(op.Where(op.And(on_y_axis, op.Equal(y, zero)), at_origin, angle))
+    squared = op.Add(op.Mul(x, x), op.Mul(y, y))
+    safe = detach(op.Where(op.Equal(squared, zero), _like(y, 1.0), squared))
+    carrier = op.Div(op.Sub(op.Mul(detach(x), y), op.Mul(detach(y), x)), safe)
+    return op.Add(angle, op.Sub(carrier, detach(carrier)))
 
 
 def searchsorted(sorted_sequence, values, out_int32: bool = False, right: bool = False, side=None, sorter=None):
@@ -912,6 +943,7 @@ def translation_table() -> dict:
         torch.ops.aten._pdist_forward.default: pdist,
         torch.ops.aten.kthvalue.default: kthvalue,
         torch.ops.aten.hypot.default: hypot,
+        torch.ops.aten.atan2.default: atan2,
         torch.ops.aten.searchsorted.Tensor: searchsorted,
         torch.ops.aten.cumprod.default: cumprod,
         torch.ops.aten.multilabel_margin_loss.default: multilabel_margin_loss,
@@ -942,6 +974,12 @@ def translation_table() -> dict:
         torch.ops.aten.special_erfcx.default: _log_space.erfcx,
         torch.ops.aten.sinc.default: _log_space.sinc,
         torch.ops.aten.special_log_ndtr.default: _log_space.log_ndtr,
+        torch.ops.aten.max.dim: _reductions.max_dim,
+        torch.ops.aten.min.dim: _reductions.min_dim,
+        torch.ops.aten.amax.default: _reductions.amax,
+        torch.ops.aten.amin.default: _reductions.amin,
+        torch.ops.aten.std.correction: _reductions.std_correction,
+        torch.ops.aten.linalg_vector_norm.default: _reductions.linalg_vector_norm,
     }
 
 

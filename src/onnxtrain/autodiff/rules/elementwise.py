@@ -70,6 +70,10 @@ def _pow(ctx):
         ef = b.cast_to(e, a.dtype)  # the exponent may be an integer tensor
         # e * a^(e-1) rather than e * y / a: finite at a = 0, exact for a < 0 with integer e
         da = op.Mul(ctx.dy, op.Mul(ef, op.Pow(a, op.Sub(ef, ctx.like(ef, 1.0)))))
+        if exponent is None or not exponent.all():
+            # a zero exponent: zero, as torch's (not 0 * 0^-1 = NaN at a = 0)
+            zero = ctx.like(a, 0.0)
+            da = op.Where(op.Equal(ef, zero), zero, da)
     if ctx.needs(1):
         # log(a) only for the exponent's gradient; at a = 0 take y*log(a) -> 0 (torch does the same)
         zero = ctx.like(a, 0.0)

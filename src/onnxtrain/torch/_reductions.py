@@ -1,0 +1,127 @@
+"""Translations of reductions whose gradient or export the exporter gets wrong.
+
+``aten.max.dim`` / ``aten.min.dim`` (``x.max(dim)``, ``torch.min(x, dim)``) return values and
+indices; PyTorch sends the values' gradient to the returned index alone, the first of equal
+elements. The exporter computes the values with ``ReduceMax``, whose gradient splits among ties
+(``amax``'s definition): with ties the parameters got other gradients. Ours gathers the values at
+the ``ArgMax`` indices, so the gradient goes where PyTorch's goes.
+
+``aten.amax`` / ``aten.amin`` over all axes (``x.amax()``, ``dim=()``) do not export at all
+(torchlib's function requires ``dim``); ours reduces every axis.
+
+``aten.std.correction`` and ``aten.linalg_vector_norm`` of orders other than 0, 1, 2 and ±inf
+end in a root, whose infinite derivative at 0 times the zero gradient inside made NaN where
+every element is equal (std) or zero (the norm); PyTorch defines the gradient there as 0, and so
+do ours (the root taken of 1 where the value is 0, and 0 chosen).
+"""
+
+from __future__ import annotations
+
+from onnxscript import opset18 as op
+
+
+def _value_at_index(x, dim: int, keepdim: bool, largest: bool):
+    if len(x.shape) == 0:
+        return op.Identity(x), op.Constant(value_int=0)
+    select = op.ArgMax if largest else op.ArgMin
+    indices = select(x, axis=dim, keepdims=1)
+    values = op.GatherElements(x, indices, axis=dim)
+    if keepdim:
+        return values, indices
+    axes = op.Constant(value_ints=[dim])
+    return op.Squeeze(values, axes), op.Squeeze(indices, axes)
+
+
+def max_dim(x, dim: int, keepdim: bool = False):
+    """``aten.max.dim``: the values gathered at the first maximum's index."""
+    return _value_at_index(x, dim, keepdim, largest=True)
+
+
+def min_dim(x, dim: int, keepdim: bool = False):
+    """``aten.min.dim``: the values gathered at the first minimum's index."""
+    return _value_at_index(x, dim, keepdim, largest=False)
+
+
+def _extreme(x, dim, keepdim: bool, reduce):
+    if len(x.shape) == 0:
+        return op.Identity(x)
+    if not dim:  # every axis
+        return reduce(x, keepdims=int(keepdim))
+    return reduce(x, op.Constant(value_ints=list(dim)), keepdims=int(keepdim))
+
+
+def amax(x, dim=(), keepdim: bool = False):
+    """``aten.amax``, ``dim=()`` reducing every axis (the gradient shared among ties, as PyTorch's)."""
+    return _extreme(x, dim, keepdim, op.ReduceMax)
+
+
+def amin(x, dim=(), keepdim: bool = False):
+    """``aten.amin``, ``dim=()`` reducing every axis (the gradient shared among ties, as PyTorch's)."""
+    return _extreme(x, dim, keepdim, op.ReduceMin)
+
+
+def _axes(dim):
+    return None if dim is None or (isinstance(dim, (list, tuple)) and not dim) else \
+        op.Constant(value_ints=list(dim) if isinstance(dim, (list, tuple)) else [dim])
+
+
+def _root_zero_at_zero(value, root):
+    """``root(value)`` where ``value`` is not 0, and 0 where it is, through a branch whose argument
+    is never 0: PyTorch's std and norms define the gradient there as 0, where the root's
+    derivative (infinite) times the inner zero gradient would be NaN."""
+    zero = op.CastLike(op.Constant(value_float=0.0), value)
+    at_zero = op.Equal(value, zero)
+    return op.Where(at_zero, zero, root(op.Where(at_zero, op.CastLike(op.Constant(value_float=1.0), value), value)))
+
+
+def std_correction(x, dim=None, correction=None, keepdim: bool = False):
+    """``aten.std.correction``: the root of the corrected variance, 0 (and a 0 gradient, as
+    PyTorch's) where every element is equal."""
+    correction = 1.0 if correction is None else float(correction)
+    axes = _axes(dim)
+    mean = op.ReduceMean(x, axes, keepdims=1) if axes is not None else op.ReduceMean(x, keepdims=1)
+    deviation = op.Sub(x, mean)
+    squares = op.Mul(deviation, deviation)
+    total = op.ReduceSum(squares, axes, keepdims=int(keepdim)) if axes is not None else \
+        op.ReduceSum(squares, keepdims=int(keepdim))
+    sizes = op.Shape(x) if axes is None else op.Gather(op.Shape(x), axes, axis=0)
+    count = op.CastLike(op.ReduceProd(sizes, keepdims=0), x)
+    variance = op.Div(total, op.Sub(count, op.CastLike(op.Constant(value_float=correction), x)))
+    return _root_zero_at_zero(variance, op.Sqrt)
+
+
+def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):  # noqa: A002 (aten's name)
+    """``aten.linalg_vector_norm``: as the exporter's for orders inf, -inf, 0, 1 and 2 (whose
+    gradient rules handle zero); other orders ``(Σ|x|^p)^(1/p)`` with PyTorch's 0 gradient at a
+    zero vector (the exporter's root gave NaN there), and for orders below 1 at zero elements."""
+    import math
+
+    if dtype is not None and dtype != -1:
+        x = op.Cast(x, to=dtype)
+    if dim is None:
+        x = op.Reshape(x, op.Constant(value_ints=[-1]))
+        keepdim = False
+    axes = _axes(dim)
+    ord = float(ord)
+    keep = int(keepdim)
+
+    def reduce(function, value):
+        return function(value, axes, keepdims=keep) if axes is not None else function(value, keepdims=keep)
+
+    if math.isinf(ord):
+        return reduce(op.ReduceMax if ord > 0 else op.ReduceMin, op.Abs(x))
+    if ord == 0.0:
+        return reduce(op.ReduceSum, op.CastLike(op.Cast(x, to=9), x))  # 9: BOOL, non-zero count
+    if ord == 1.0:
+        return reduce(op.ReduceL1, x)
+    if ord == 2.0:
+        return reduce(op.ReduceL2, x)
+    magnitude = x if ord > 0 and ord % 2 == 0 else op.Abs(x)
+    exponent = op.CastLike(op.Constant(value_float=ord), x)
+    if 0 < ord < 1:  # |x|^p's derivative is infinite at 0: PyTorch's gradient there is 0
+        powers = _root_zero_at_zero(magnitude, lambda value: op.Pow(value, exponent))
+    else:
+        powers = op.Pow(magnitude, exponent)
+    total = reduce(op.ReduceSum, powers)
+    inverse = op.CastLike(op.Constant(value_float=1.0 / ord), x)
+    return _root_zero_at_zero(total, lambda value: op.Pow(value, inverse))

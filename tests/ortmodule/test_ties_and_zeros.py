@@ -1,0 +1,79 @@
+"""Values and gradients at ties and zeros as PyTorch defines them: ``max``/``min`` over a dim send the
+gradient to the returned index only (the exporter's ReduceMax split it among ties), ``amax()``
+over every axis exports, ``x ** 0`` has a zero gradient at 0 (0 * 0^-1 was NaN), ``std`` of equal
+elements and p-norms of a zero vector have a zero gradient (the root's infinite derivative made
+NaN), ``atan2`` keeps PyTorch's signed zeros and a finite gradient on the axes."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
+
+TIES = torch.tensor([[2.0, 5.0, 5.0], [-1.0, 5.0, 0.0], [3.0, 3.0, -4.0]])
+ZEROS = torch.zeros(2, 3)
+
+
+class _Function(torch.nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, x):
+        return self.function(x)
+
+
+def _assert_input_gradient_matches(function, x):
+    expected_input = x.clone().requires_grad_()
+    expected = function(expected_input)
+    (expected_grad,) = torch.autograd.grad((expected * torch.arange(1.0, expected.numel() + 1).reshape(
+        expected.shape)).sum(), expected_input)
+    wrapped = ORTModule(_Function(function), DebugOptions(fallback=False))
+    got_input = x.clone().requires_grad_()
+    got = wrapped(got_input)
+    (got_grad,) = torch.autograd.grad((got * torch.arange(1.0, got.numel() + 1).reshape(got.shape)).sum(), got_input)
+    torch.testing.assert_close(got.detach(), expected.detach(), equal_nan=True)
+    torch.testing.assert_close(got_grad, expected_grad, equal_nan=True)
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: x.max(dim=1).values,
+    lambda x: x.max(dim=0, keepdim=True).values,
+    lambda x: torch.min(-x, dim=1)[0],
+    lambda x: x.max(dim=1).indices.float() + x.max(dim=1).values,
+    lambda x: x.amax(),
+    lambda x: x.amin(),
+    lambda x: x.amax(dim=(0, 1), keepdim=True),
+], ids=["max dim", "max dim keepdim", "min dim", "max indices", "amax all", "amin all", "amax dims"])
+def test_ties(function):
+    _assert_input_gradient_matches(function, TIES)
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: x ** 0,
+    lambda x: torch.pow(x.abs(), x),
+    lambda x: x.std(dim=1),
+    lambda x: x.std(),
+    lambda x: torch.std(x, dim=0, correction=0, keepdim=True),
+    lambda x: torch.linalg.vector_norm(x, ord=3, dim=1),
+    lambda x: torch.linalg.vector_norm(x, ord=0.5),
+    lambda x: x.norm(p=4),
+], ids=["pow 0", "pow tensor", "std dim", "std all", "std correction 0", "norm 3", "norm 0.5", "norm 4"])
+def test_zeros(function):
+    _assert_input_gradient_matches(function, torch.cat([ZEROS, TIES[:1] - 2.0]))
+
+
+@pytest.mark.parametrize("ord_", [3.0, 0.5, -1.0, float("inf"), 1.0, 2.0])
+def test_norms_of_every_order_elsewhere(ord_):
+    x = torch.tensor([[1.5, -2.0, 0.5], [3.0, 1.0, -1.0]])
+    _assert_input_gradient_matches(lambda x: torch.linalg.vector_norm(x, ord=ord_, dim=1), x)
+
+
+def test_atan2_on_the_axes_and_at_the_origin():
+    """Signed zeros as PyTorch (+π above the negative x axis, ±π/2 on the y axis whatever the zero's
+    sign), and the gradient finite everywhere: 0 at the origin, ``(x dy - y dx) / r²`` elsewhere."""
+    y = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -2.0, 0.0, 3.0, -1.0, 0.0])
+    x = torch.tensor([-1.0, -1.0, 0.0, -0.0, -0.0, 0.0, 0.0, 4.0, -2.0, 2.0])
+    _assert_input_gradient_matches(lambda t: torch.atan2(t[0], t[1]), torch.stack([y, x]))

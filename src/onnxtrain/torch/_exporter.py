@@ -374,6 +374,13 @@ def _ctc_loss_scanned():
         yield
 
 
+def _packed_sequences_padded(module: torch.nn.Module):
+    """While capturing, packed sequences stay padded batches (:mod:`onnxtrain.torch._packed`)."""
+    from onnxtrain.torch._packed import packed_sequences_padded
+
+    return packed_sequences_padded(module)
+
+
 def _projected_lstm_forward(lstm: torch.nn.LSTM, input, hx=None):
     """``nn.LSTM.forward`` for an LSTM with ``proj_size`` as torch's own decomposition of the op
     computes it: per layer, the input product for all steps, then one cell per step (products
@@ -435,7 +442,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
         with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
-              _ctc_loss_scanned(), projected_lstms_decomposed(module)):
+              _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module)):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

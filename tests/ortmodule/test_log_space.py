@@ -118,3 +118,19 @@ def test_logcumsumexp_with_a_new_length_each_call():
     for length in (5, 9, 12):
         x = torch.tensor(WIDE[:length])
         torch.testing.assert_close(wrapped(x, x), torch.logcumsumexp(x, 0))
+
+
+def test_binary_cross_entropy_of_a_sigmoid_is_exact_where_float32_saturates():
+    """``F.binary_cross_entropy(torch.sigmoid(x), t)`` reads ``log1p(-sigmoid)``: the true loss and
+    gradient (float64's), where onnxruntime's Sigmoid is 0 (x < -17: the gradient was NaN) and
+    where float32 rounds the sigmoid to 1 (x > 17: eager float32 clamps the log to -100)."""
+    x = torch.tensor([-25.0, -20.0, -17.5, -3.0, 0.0, 2.0, 17.5, 20.0, 25.0])
+    t = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0])
+    module = _Scaled(lambda x, y: torch.nn.functional.binary_cross_entropy(torch.sigmoid(x), y, reduction="none"))
+    wrapped = ORTModule(module, DebugOptions(fallback=False))
+    got = wrapped(x, t)
+    (got_grad,) = torch.autograd.grad(got.sum(), module.w)
+    exact = -(t.double() * F.logsigmoid(x.double()) + (1 - t.double()) * F.logsigmoid(-x.double()))
+    exact_grad = ((torch.sigmoid(x.double()) - t.double()) * x.double()).sum()
+    torch.testing.assert_close(got.detach().double(), exact, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_grad.double(), exact_grad, rtol=1e-5, atol=1e-5)

@@ -51,3 +51,13 @@ def test_other_graphs_are_left_alone():
         ops = [n.op_type for n in rewritten.graph.node]
         assert ops.count("Softplus") == (1 if proto.graph.output[0].type.tensor_type.elem_type == 1 else 0)
         assert modified == ("Softplus" in ops)
+
+
+def test_log1p_of_minus_sigmoid_as_binary_cross_entropy_writes_it():
+    nodes = [helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Neg", ["s"], ["minus"]),
+             helper.make_node("Constant", [], ["one"], value=helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])),
+             helper.make_node("Add", ["minus", "one"], ["rest"]), helper.make_node("Log", ["rest"], ["y"])]
+    proto = model_of(nodes, [("x", [len(X)])], ["y"])
+    rewritten, modified = _rewritten(proto)
+    assert modified
+    np.testing.assert_allclose(run(rewritten, {"x": X})[0], _exact_log_sigmoid(-X), rtol=1e-6, atol=1e-7)

@@ -8,11 +8,15 @@ and below. Its logarithm is then -inf, and the gradient through it NaN. PyTorch'
 decomposes into it: a confidently wrong logit of -20 gave an infinite loss where PyTorch gives 20,
 and a NaN gradient for every parameter.
 
-This pass writes ``Log(Sigmoid(x))`` as ``-Softplus(-x)`` and ``Log(1 - Sigmoid(x))`` as
-``-Softplus(x)``, which onnxruntime computes without overflow or underflow over the whole range
+This pass writes ``Log(Sigmoid(x))`` as ``-Softplus(-x)`` and ``Log(1 - Sigmoid(x))`` (also as
+``log1p(-sigmoid)``, how ``F.binary_cross_entropy``'s decomposition reads it) as ``-Softplus(x)``,
+which onnxruntime computes without overflow or underflow over the whole range
 (and whose gradients, sigmoids again, are within that absolute accuracy). Float32 only: that is
 where the Sigmoid kernel falls short (its double one is exact), and onnxruntime's CPU provider
-has a float32 Softplus only. Standard ops, so artifacts keep running on any onnxruntime.
+has a float32 Softplus only. Where eager float32 rounds the sigmoid itself to 0 or 1 (|x| above
+~17 or ~88), its logarithm is -inf (``binary_cross_entropy`` clamps it to -100, with a zero
+gradient); the rewritten graph keeps the exact value and gradient there instead. Standard ops,
+so artifacts keep running on any onnxruntime.
 """
 
 from __future__ import annotations
@@ -39,6 +43,24 @@ def _sigmoid_input(value: ir.Value | None) -> ir.Value | None:
     return producer.inputs[0] if is_onnx_op(producer, "Sigmoid") else None
 
 
+def _complement_input(value: ir.Value | None) -> ir.Value | None:
+    """``x`` where ``value`` is ``1 - Sigmoid(x)``: ``Sub(1, Sigmoid(x))``, or ``Add`` of 1 and
+    ``Neg(Sigmoid(x))`` (``torch.log1p(-p)``, as binary cross entropy's decomposition writes it)."""
+    producer = value.producer() if value is not None else None
+    if is_onnx_op(producer, "Sub"):
+        one, sigmoid = producer.inputs
+    elif is_onnx_op(producer, "Add"):
+        negated = [v for v in producer.inputs if is_onnx_op(v.producer(), "Neg")]
+        if not negated:
+            return None
+        sigmoid = negated[0].producer().inputs[0]
+        one = producer.inputs[1] if producer.inputs[0] is negated[0] else producer.inputs[0]
+    else:
+        return None
+    x = _sigmoid_input(sigmoid)
+    return x if x is not None and _is_broadcast_one(one, x) else None
+
+
 class LogSigmoidPass(NodeRewritePass):
     """Rewrite ``Log(Sigmoid(x))`` as ``Neg(Softplus(Neg(x)))`` and ``Log(Sub(1, Sigmoid(x)))`` as
     ``Neg(Softplus(x))``."""
@@ -52,12 +74,8 @@ class LogSigmoidPass(NodeRewritePass):
         x = _sigmoid_input(argument)
         if x is not None:
             return x, True
-        difference = argument.producer() if argument is not None else None
-        if is_onnx_op(difference, "Sub"):
-            x = _sigmoid_input(difference.inputs[1])
-            if x is not None and _is_broadcast_one(difference.inputs[0], x):
-                return x, False
-        return None
+        x = _complement_input(argument)
+        return (x, False) if x is not None else None
 
     def rewrite(self, graph: ir.Graph, node: ir.Node, plan: tuple[ir.Value, bool]) -> None:
         x, of_sigmoid = plan

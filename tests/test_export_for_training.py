@@ -186,3 +186,50 @@ def test_a_parameter_left_without_gradient_path_is_refused():
     model = nn.Sequential(nn.Embedding(10, 4, max_norm=1.0), nn.Linear(4, 2))
     with pytest.raises(ExportError, match="no gradient to 0.weight, which PyTorch's autograd reaches"):
         export_for_training(model, (torch.tensor([[1, 2, 3]]),))
+
+
+class _CTCRecognizer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.project = nn.Linear(6, 5)
+
+    def forward(self, x, targets, input_lengths, target_lengths):
+        log_probs = self.project(x).log_softmax(-1)
+        return nn.functional.ctc_loss(log_probs, targets, input_lengths, target_lengths, reduction="none",
+                                      zero_infinity=True)
+
+
+class _PackedEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 4, bidirectional=True, batch_first=True)
+
+    def forward(self, x, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        return nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=x.shape[1])[0]
+
+
+@pytest.mark.parametrize("case", ["ctc", "packed"])
+def test_the_ctc_loss_and_packed_sequences_export_with_pytorchs_gradients(case):
+    """Captured as ORTModule captures them (a scan over the frames / the padded batch with masked
+    scans): artifacts built from the export train with PyTorch's gradients."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if case == "ctc":
+        model = _CTCRecognizer()
+        args = (torch.randn(12, 3, 6, generator=g), torch.randint(1, 5, (3, 4), generator=g),
+                torch.tensor([12, 9, 6]), torch.tensor([4, 3, 2]))
+        names = ["x", "targets", "input_lengths", "target_lengths"]
+    else:
+        model = _PackedEncoder()
+        args = (torch.randn(3, 7, 6, generator=g), torch.tensor([4, 7, 2]))
+        names = ["x", "lengths"]
+    out = model(*args)
+    weight = np.random.default_rng(0).standard_normal(tuple(out.shape)).astype(np.float32)
+    (out * torch.tensor(weight)).sum().backward()
+    expected = {n: p.grad.numpy() for n, p in model.named_parameters()}
+    exported = export_for_training(model, args, input_names=names)
+    ours = training_gradients(exported, list(expected), {n: a.numpy() for n, a in zip(names, args)}, weight)
+    for name in expected:
+        np.testing.assert_allclose(ours[name], expected[name], rtol=1e-4, atol=1e-5)

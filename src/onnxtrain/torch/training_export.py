@@ -6,8 +6,9 @@ training-mode BatchNorm with batch statistics and running-statistics updates, ``
 ``torch.no_grad()`` regions as stop-gradients, embeddings' padding rows without a gradient,
 ``nn.EmbeddingBag`` without a ``Loop``, ``nn.LSTM(proj_size=...)`` with its projection (which
 the plain export drops), Hugging Face T5/Swin attention exportable, ``torch.cond`` and torch's
-``scan`` and ``while_loop`` as ONNX ``If``, ``Scan`` and ``Loop``, and custom
-``torch.autograd.Function``s refused unless declared exact.
+``scan`` and ``while_loop`` as ONNX ``If``, ``Scan`` and ``Loop``, the CTC loss and packed
+sequences (``pack_padded_sequence`` into LSTM/GRU/RNN) as scans over the steps, the log-space
+functions without overflow, and custom ``torch.autograd.Function``s refused unless declared exact.
 """
 
 from __future__ import annotations

@@ -54,3 +54,26 @@ def test_nearest_upsampling_by_a_whole_factor_sums_the_last_axis_blocks(tmp_path
                                  artifact_directory=tmp_path)
     ops = [n.op_type for n in onnx.load(str(tmp_path / "training_model.onnx")).graph.node]
     assert ops.count("MatMul") == 1 and "ReduceSum" in ops and ops.count("Resize") == 1
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_folded_matrices_of_align_corners_follow_onnxruntime_for_fractional_scales(mode):
+    """With ``align_corners`` a scale of 1.7 makes floor(n * 1.7) outputs, and the sample positions
+    divide by that integer less one (onnxruntime, PyTorch); onnx's reference evaluator, which folds
+    the constant matrices of static shapes, divided by the fractional ``n * 1.7 - 1``: the gradient
+    of ``F.interpolate(scale_factor=1.7, align_corners=True)`` through ORTModule was wrong."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.torch import DebugOptions, ORTModule
+
+    class Upsample(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.interpolate(x, scale_factor=(1.7, 2.3), mode=mode, align_corners=True)
+
+    x = torch.randn(1, 2, 4, 5)
+    weight = torch.randn(1, 2, 6, 11)
+    grads = []
+    for model in (Upsample(), ORTModule(Upsample(), DebugOptions(fallback=False))):
+        leaf = x.clone().requires_grad_()
+        (model(leaf) * weight).sum().backward()
+        grads.append(leaf.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)

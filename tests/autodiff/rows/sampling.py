@@ -50,6 +50,12 @@ ROWS: list[Case] = [
     _row([U(2, 2, 3, 4), None, S(1, 1, 2, 2)], "linear-half-pixel", mode="linear"),
     _row([U(1, 2, 3, 4), None, None, Z(1, 2, 5, 7)], "linear-align-corners-sizes", mode="linear",
          coordinate_transformation_mode="align_corners"),
+    # align_corners with a fractional scale: the output length is floor(n * scale), which
+    # onnxruntime divides by and onnx's reference evaluator (the constant folder) does not
+    _row([U(1, 2, 4, 5), None, S(1, 1, 1.7, 1.7)], "linear-align-corners-fractional-scale", mode="linear",
+         coordinate_transformation_mode="align_corners"),
+    _row([U(1, 1, 4, 5), None, S(1, 1, 1.7, 2.3)], "cubic-align-corners-fractional-scale", mode="cubic",
+         coordinate_transformation_mode="align_corners"),
     _row([U(1, 2, 6, 5), None, S(1, 1, 0.5, 0.7)], "linear-downsample-pytorch-half-pixel", mode="linear",
          coordinate_transformation_mode="pytorch_half_pixel"),
     _row([U(1, 2, 3, 4), None, S(1, 1, 1.6, 1.3)], "linear-asymmetric", mode="linear",

@@ -8,6 +8,9 @@ by resizing an ``n x n`` identity along its first axis with the node's own attri
 axis' scale or size: column ``j`` of the result is what input ``e_j`` contributes, whatever the
 mode, coordinate transformation, rounding, cubic coefficient or antialiasing. With static
 shapes the matrices are constants (folded); with dynamic ones they are built at run time.
+Under ``align_corners`` and ``tf_crop_and_resize`` the identity is resized to the output's size
+rather than by the scale: those divide by the output length, the integer ``floor(n * scale)`` in
+onnxruntime and PyTorch, the fractional ``n * scale`` in onnx's reference evaluator, which folds.
 Nearest resizing of the last axis by a whole factor, under the transformations where it copies
 each input to a block of outputs (PyTorch's ``nearest`` and ``nearest-exact`` upsampling), skips
 the matrix: the gradient sums the blocks (a reshape and a sum over the innermost axis).
@@ -74,7 +77,11 @@ def _axis_matrix(ctx: GradContext, axis: int, k: int, count: int, uses_scales: b
         roi = op.Cast(op.Gather(node.inputs[1], b.ints([k, k + count]), axis=0), to=_FLOAT)
         roi = op.Concat(op.Slice(roi, b.ints([0]), b.ints([1])), b.const(np.array([0.0], np.float32)),
                         op.Slice(roi, b.ints([1]), b.ints([2])), b.const(np.array([1.0], np.float32)), axis=0)
-    if uses_scales:
+    # these transformations divide by the output length: onnxruntime takes the integer length
+    # (floor(n * scale)), onnx's reference evaluator (which folds the constant matrix) the
+    # fractional n * scale, a different matrix for a scale such as 1.7: give them the size
+    transformation = _text(ctx.attr("coordinate_transformation_mode", "half_pixel"))
+    if uses_scales and transformation not in ("align_corners", "tf_crop_and_resize"):
         scale = op.Gather(node.inputs[2], b.ints([k]), axis=0)
         return op.Resize(identity, roi, op.Concat(scale, b.const(np.array([1.0], np.float32)), axis=0),
                          **attributes)

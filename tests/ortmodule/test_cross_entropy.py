@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain.torch import ORTModuleFallbackWarning  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModuleFallbackWarning  # noqa: E402
 
 from ._parity import eager_and_wrapped  # noqa: E402
 
@@ -71,3 +71,19 @@ def test_cross_entropy_against_class_probabilities_matches_pytorch(smoothing, we
     x = torch.randn(*shape, 5, generator=generator)
     target = torch.softmax(torch.randn(4, 6, *shape[1:], generator=generator) * 2, dim=1)
     _assert_same_loss_and_gradients(eager, wrapped, x, target)
+
+
+@pytest.mark.parametrize(("smoothing", "weighted"), [(0.0, False), (0.0, True), (0.2, False), (0.2, True)])
+def test_every_target_ignored_gives_pytorchs_nan_loss_and_zero_gradients(smoothing, weighted):
+    """A batch whose targets are all ``ignore_index`` (all padding): the mean is 0/0 (NaN, as
+    PyTorch's), and the parameters' gradients are PyTorch's zeros, not NaN (0 * 1/0)."""
+    options = dict(label_smoothing=smoothing, weight=CLASS_WEIGHTS if weighted else None)
+    eager, wrapped = eager_and_wrapped(lambda: Classifier(**options), debug_options=DebugOptions(fallback=False))
+    x, target = torch.randn(4, 5), torch.full((4,), -100)
+    for model in (eager, wrapped):
+        loss = model(x, target)
+        assert torch.isnan(loss)
+        loss.backward()
+    for ours, theirs in zip(wrapped.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+        assert not ours.grad.any()

@@ -1,6 +1,6 @@
 """nn.EmbeddingBag trains in ONNX Runtime in every mode (the exporter's Loop has no gradient; our
 translation scatters rows into bags), for ORTModule and for artifacts exported with the
-translation table."""
+translation table; nn.Embedding(scale_grad_by_freq=True) too (it did not export)."""
 
 from __future__ import annotations
 
@@ -94,3 +94,25 @@ def test_artifacts_from_the_translated_export_match_torch():
     (out * torch.tensor(weight)).sum().backward()
     for name, p in params.items():
         np.testing.assert_allclose(ours[name], p.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+class _FrequencyScaled(nn.Module):
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.embed = nn.Embedding(12, 4, scale_grad_by_freq=True, padding_idx=padding_idx)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, indices):
+        return self.head(self.embed(indices))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 1])
+def test_embedding_gradients_scaled_by_frequency_match_eager(padding_idx):
+    from onnxtrain.torch import DebugOptions
+
+    from ._parity import assert_steps_match
+
+    eager, wrapped = eager_and_wrapped(lambda: _FrequencyScaled(padding_idx), debug_options=DebugOptions(fallback=False))
+    indices = torch.tensor([[1, 3, 3, 7], [3, 1, 0, 11]])  # row 3 three times, row 1 twice
+    grads = assert_steps_match(eager, wrapped, indices)
+    assert grads[0][3].abs().sum() > 0

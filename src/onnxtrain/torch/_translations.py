@@ -117,13 +117,20 @@ def batch_norm_for_artifacts(input, weight, bias, running_mean, running_var,
 
 
 def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse: bool = False):
-    """``aten.embedding``: Gather rows of ``weight``; the padding row gets no gradient."""
-    if scale_grad_by_freq:
-        raise NotImplementedError("nn.Embedding(scale_grad_by_freq=True) is not supported")
+    """``aten.embedding``: Gather rows of ``weight``; the padding row gets no gradient. With
+    ``scale_grad_by_freq``, each row's gradient is divided by how often the batch uses it (a
+    gradient-only factor on each gathered row: the values are the rows themselves)."""
     out = op.Gather(weight, indices, axis=0)
     if padding_idx is not None and padding_idx >= 0:
         out.producer().metadata_props[names.PADDING_IDX_METADATA] = str(int(padding_idx))
-    return out
+    if not scale_grad_by_freq:
+        return out
+    flat = op.Reshape(indices, op.Constant(value_ints=[-1]))
+    uses = op.ScatterElements(op.Expand(_like(weight, 0.0), op.Shape(weight, start=0, end=1)), flat,
+                              op.Expand(_like(weight, 1.0), op.Shape(flat)), axis=0, reduction="add")
+    factor = detach(op.Unsqueeze(op.Reciprocal(op.Gather(uses, indices, axis=0)), op.Constant(value_ints=[-1])))
+    fixed = detach(out)
+    return op.Add(fixed, op.Mul(op.Sub(out, fixed), factor))
 
 
 _BAG_MODES = {0: "sum", 1: "mean", 2: "max"}
@@ -394,6 +401,38 @@ def atan2(y, x):
     return op.Add(angle, op.Sub(carrier, detach(carrier)))
 
 
+def _avg_pool_divided(x, kernel_size, stride, padding, ceil_mode: bool, count_include_pad: bool,
+                      divisor_override, torchlib_pool):
+    """``aten.avg_pool2d`` / ``avg_pool3d``: torchlib's translation, which ignores
+    ``divisor_override`` (a silently other result); with one, each window's sum (the padded
+    average times the kernel's size) divided by it, as PyTorch. With ``ceil_mode`` a window may
+    reach past the padding, where the padded average is not sum / size: refused (PyTorch runs it)."""
+    if divisor_override is None:
+        return torchlib_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad)
+    if ceil_mode:
+        raise NotImplementedError("avg_pool with divisor_override and ceil_mode")
+    mean = torchlib_pool(x, kernel_size, stride, padding, False, True)
+    return op.Mul(mean, _like(x, float(np.prod(kernel_size)) / float(divisor_override)))
+
+
+def avg_pool2d(x, kernel_size, stride=(), padding=(0, 0), ceil_mode: bool = False, count_include_pad: bool = True,
+               divisor_override=None):
+    """``aten.avg_pool2d``: see :func:`_avg_pool_divided`."""
+    from onnxscript.function_libs.torch_lib.ops.nn import aten_avg_pool2d
+
+    return _avg_pool_divided(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+                             aten_avg_pool2d)
+
+
+def avg_pool3d(x, kernel_size, stride=(), padding=(0, 0, 0), ceil_mode: bool = False,
+               count_include_pad: bool = True, divisor_override=None):
+    """``aten.avg_pool3d``: see :func:`_avg_pool_divided`."""
+    from onnxscript.function_libs.torch_lib.ops.nn import aten_avg_pool3d
+
+    return _avg_pool_divided(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override,
+                             aten_avg_pool3d)
+
+
 def searchsorted(sorted_sequence, values, out_int32: bool = False, right: bool = False, side=None, sorter=None):
     """``aten.searchsorted.Tensor`` (the exporter cannot translate it): for each value, how many
     boundaries lie below it (``right``: at or below), counted against every boundary of its row."""
@@ -470,7 +509,11 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
                                                                                            target), target)))
         else:
             kept = op.CastLike(op.Not(ignored), input)
-        term = op.Div(op.ReduceSum(smooth, keepdims=0), op.ReduceSum(kept, keepdims=0))
+        # every target ignored: the nll term is 0/0 already (NaN, as PyTorch's loss); this one
+        # divides by 1 so that its gradient is PyTorch's 0 rather than 0 * inf
+        total = op.ReduceSum(kept, keepdims=0)
+        total = op.Where(op.Equal(total, zero), op.CastLike(op.Constant(value_float=1.0), input), total)
+        term = op.Div(op.ReduceSum(smooth, keepdims=0), total)
     classes = op.CastLike(op.Squeeze(op.Shape(input, start=1, end=2)), input)
     scale = op.Div(op.CastLike(op.Constant(value_float=label_smoothing), input), classes)
     keep = op.CastLike(op.Constant(value_float=1.0 - label_smoothing), input)
@@ -944,6 +987,8 @@ def translation_table() -> dict:
         torch.ops.aten.kthvalue.default: kthvalue,
         torch.ops.aten.hypot.default: hypot,
         torch.ops.aten.atan2.default: atan2,
+        torch.ops.aten.avg_pool2d.default: avg_pool2d,
+        torch.ops.aten.avg_pool3d.default: avg_pool3d,
         torch.ops.aten.searchsorted.Tensor: searchsorted,
         torch.ops.aten.cumprod.default: cumprod,
         torch.ops.aten.multilabel_margin_loss.default: multilabel_margin_loss,

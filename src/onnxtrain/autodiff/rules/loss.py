@@ -2,7 +2,7 @@
 
 Both compute a per-target loss ``l = -w[label] * z[n, label, d...]`` (``z``: log-probs,
 ``w = 0`` for ignored targets) and reduce it: "none", "sum", or "mean" = ``sum(l) / sum(w)``
-(the target count without weights). Labels and class weights are not differentiable.
+(the target count without weights; a zero gradient where ``sum(w)`` is 0, as PyTorch's). Labels and class weights are not differentiable.
 """
 
 from __future__ import annotations
@@ -46,7 +46,14 @@ def _coefficient(ctx: GradContext, labels, w):
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
     coef = ctx.dy
     if reduction == "mean":
-        total = op.Cast(op.Size(labels), to=int(coef.dtype)) if w is None else reduce_sum(ctx, w, None, False)
+        if w is None:
+            total = op.Cast(op.Size(labels), to=int(coef.dtype))
+        else:
+            # every target ignored (or weighted 0): the loss is 0/0, its gradient 0 as PyTorch's
+            # (dividing by the zero total would make 0 * inf = NaN)
+            total = reduce_sum(ctx, w, None, False)
+            zero = ctx.like(ctx.x, 0.0)
+            total = op.Where(op.Equal(total, zero), ctx.like(ctx.x, 1.0), total)
         coef = op.Div(coef, total)
     if w is not None:
         coef = op.Mul(coef, w)

@@ -2,7 +2,8 @@
 gradient to the returned index only (the exporter's ReduceMax split it among ties), ``amax()``
 over every axis exports, ``x ** 0`` has a zero gradient at 0 (0 * 0^-1 was NaN), ``std`` of equal
 elements and p-norms of a zero vector have a zero gradient (the root's infinite derivative made
-NaN), ``atan2`` keeps PyTorch's signed zeros and a finite gradient on the axes."""
+NaN), ``atan2`` keeps PyTorch's signed zeros and a finite gradient on the axes, and attention
+rows masked by -inf everywhere give zeros (they were NaN)."""
 
 from __future__ import annotations
 
@@ -77,3 +78,17 @@ def test_atan2_on_the_axes_and_at_the_origin():
     y = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -2.0, 0.0, 3.0, -1.0, 0.0])
     x = torch.tensor([-1.0, -1.0, 0.0, -0.0, -0.0, 0.0, 0.0, 4.0, -2.0, 2.0])
     _assert_input_gradient_matches(lambda t: torch.atan2(t[0], t[1]), torch.stack([y, x]))
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+def test_attention_rows_masked_by_minus_infinity_give_zeros(rank):
+    """``scaled_dot_product_attention`` with a float mask whose first query row is -inf everywhere:
+    PyTorch's zeros there (and zero gradients); the exporter's softmax made the row NaN."""
+    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool), diagonal=-1)
+    mask = torch.where(keep, 0.25, float("-inf"))
+    shape = (2, 4, 3) if rank == 3 else (2, 2, 4, 3)
+
+    def attention(q):
+        return torch.nn.functional.scaled_dot_product_attention(q, q * 2, q * 3, attn_mask=mask)
+
+    _assert_input_gradient_matches(attention, torch.randn(shape))

@@ -285,14 +285,34 @@ def scatter_reduce(self, dim: int, index, src, reduce: str, include_self: bool =
     return aten_scatter_reduce(self, dim, index, _src_like_index(src, index), reduce, include_self=include_self)
 
 
+def _attention_rows_kept(attn_mask):
+    """For a float mask: the mask with its fully masked rows (every entry -inf) made 0, and the
+    ``[..., T, 1]`` factor (1 where the row keeps a key, else 0) that zeroes those rows' output,
+    as PyTorch's attention does (a softmax of -inf everywhere is NaN). None for other masks."""
+    if attn_mask is None or attn_mask.dtype is None or not attn_mask.dtype.is_floating_point():
+        return None
+    largest = op.ReduceMax(attn_mask, op.Constant(value_ints=[-1]), keepdims=1)
+    kept = op.Not(op.And(op.IsInf(largest), op.Less(largest, _like(attn_mask, 0.0))))
+    return op.Where(kept, attn_mask, _like(attn_mask, 0.0)), op.CastLike(kept, attn_mask)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale=None, enable_gqa: bool = False):
     """``aten.scaled_dot_product_attention``: the exporter's translation, which takes 4-D inputs
-    only; 3-D ones (``[batch, sequence, features]``, one head) get a head axis around it."""
+    only; 3-D ones (``[batch, sequence, features]``, one head) get a head axis around it. With a
+    float mask, a query row whose every key is -inf gives zeros (and a zero gradient), as
+    PyTorch's; the exporter's softmax made it NaN. (Boolean masks: ``passes/softmax_guard.py``.)"""
     from onnxscript.function_libs.torch_lib.ops.nn import aten_scaled_dot_product_attention
+
+    rows = _attention_rows_kept(attn_mask)
+    if rows is not None:
+        masked, factor = rows
+        masked.type, masked.shape = attn_mask.type, attn_mask.shape  # the translation reads them
+        attn_mask = masked
     if len(query.shape) != 3:
-        return aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                 enable_gqa)
+        out = aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                enable_gqa)
+        return op.Mul(out, factor) if rows is not None else out
     heads = op.Constant(value_ints=[1])
 
     def with_head_axis(x):  # the translation reads ranks, dims and element types: give them
@@ -305,7 +325,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         attn_mask = with_head_axis(attn_mask)
     out = aten_scaled_dot_product_attention(with_head_axis(query), with_head_axis(key), with_head_axis(value),
                                             attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    return op.Squeeze(out, heads)
+    out = op.Squeeze(out, heads)
+    return op.Mul(out, factor) if rows is not None else out
 
 
 def _kth_smallest(x, k, dim: int, keepdim: bool):

@@ -26,7 +26,7 @@ class _Function(torch.nn.Module):
         return self.function(x)
 
 
-def _assert_input_gradient_matches(function, x):
+def _assert_input_gradient_matches(function, x, rtol=None, atol=None):
     expected_input = x.clone().requires_grad_()
     expected = function(expected_input)
     (expected_grad,) = torch.autograd.grad((expected * torch.arange(1.0, expected.numel() + 1).reshape(
@@ -35,8 +35,8 @@ def _assert_input_gradient_matches(function, x):
     got_input = x.clone().requires_grad_()
     got = wrapped(got_input)
     (got_grad,) = torch.autograd.grad((got * torch.arange(1.0, got.numel() + 1).reshape(got.shape)).sum(), got_input)
-    torch.testing.assert_close(got.detach(), expected.detach(), equal_nan=True)
-    torch.testing.assert_close(got_grad, expected_grad, equal_nan=True)
+    torch.testing.assert_close(got.detach(), expected.detach(), equal_nan=True, rtol=rtol, atol=atol)
+    torch.testing.assert_close(got_grad, expected_grad, equal_nan=True, rtol=rtol, atol=atol)
 
 
 @pytest.mark.parametrize("function", [
@@ -91,4 +91,5 @@ def test_attention_rows_masked_by_minus_infinity_give_zeros(rank):
     def attention(q):
         return torch.nn.functional.scaled_dot_product_attention(q, q * 2, q * 3, attn_mask=mask)
 
-    _assert_input_gradient_matches(attention, torch.randn(shape))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    _assert_input_gradient_matches(attention, x, rtol=1e-4, atol=1e-5)  # two softmaxes, rounding apart

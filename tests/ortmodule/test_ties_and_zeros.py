@@ -3,7 +3,7 @@ gradient to the returned index only (the exporter's ReduceMax split it among tie
 over every axis exports, ``x ** 0`` has a zero gradient at 0 (0 * 0^-1 was NaN), ``std`` of equal
 elements and p-norms of a zero vector have a zero gradient (the root's infinite derivative made
 NaN), ``atan2`` keeps PyTorch's signed zeros and a finite gradient on the axes, and attention
-rows masked by -inf everywhere give zeros (they were NaN)."""
+rows masked by -inf everywhere give zeros (they were NaN); a stable sort keeps the order of ties."""
 
 from __future__ import annotations
 
@@ -93,3 +93,16 @@ def test_attention_rows_masked_by_minus_infinity_give_zeros(rank):
 
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
     _assert_input_gradient_matches(attention, x, rtol=1e-4, atol=1e-5)  # two softmaxes, rounding apart
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_stable_sort_keeps_the_order_of_ties(descending):
+    """``torch.sort(stable=True)`` / ``argsort(stable=True)`` did not export (a fallback); equal
+    values keep their order, as PyTorch's, and the values' gradient goes where they came from."""
+    x = torch.tensor([[3.0, 1.0, 3.0, 2.0, 1.0, 3.0], [0.0, 0.0, 5.0, -1.0, 5.0, 0.0]])
+
+    def stable(t):
+        values, indices = torch.sort(t, dim=1, descending=descending, stable=True)
+        return values * torch.arange(1.0, 7.0) + indices.float()
+
+    _assert_input_gradient_matches(stable, x)

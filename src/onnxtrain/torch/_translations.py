@@ -329,6 +329,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     return op.Mul(out, factor) if rows is not None else out
 
 
+def sort_stable(x, stable=None, dim: int = -1, descending: bool = False):
+    """``aten.sort.stable`` (``torch.sort(..., stable=True)``, ``argsort(stable=True)``), which the
+    exporter mistranslates (its arguments reach torchlib's ``sort`` in the wrong places and the
+    export fails): a ``TopK`` over the whole axis, whose ties keep the lower index first (ONNX's
+    rule), which is the stable order either way."""
+    if len(x.shape) == 0:
+        return op.Identity(x), op.Constant(value_int=0)
+    length = op.Reshape(op.Gather(op.Shape(x), op.Constant(value_int=dim), axis=0), op.Constant(value_ints=[1]))
+    return op.TopK(x, length, axis=dim, largest=int(descending), sorted=1)
+
+
 def _kth_smallest(x, k, dim: int, keepdim: bool):
     """The ``k``-th smallest value along ``dim`` (``k`` a [1] int64 tensor, from 1) and its index:
     the last of TopK's ``k`` smallest."""
@@ -1008,6 +1019,7 @@ def translation_table() -> dict:
         torch.ops.aten.kthvalue.default: kthvalue,
         torch.ops.aten.hypot.default: hypot,
         torch.ops.aten.atan2.default: atan2,
+        torch.ops.aten.sort.stable: sort_stable,
         torch.ops.aten.avg_pool2d.default: avg_pool2d,
         torch.ops.aten.avg_pool3d.default: avg_pool3d,
         torch.ops.aten.searchsorted.Tensor: searchsorted,

@@ -96,6 +96,11 @@ def test_projection_padding_value_and_total_length():
                     [_batch([5, 7, 2, 4])])
 
 
+def test_total_length_as_long_as_the_padded_batch():
+    """``total_length`` equal to the padded length, beyond the longest sequence: that many steps."""
+    _assert_matches(lambda: _Tagger("GRU", bidirectional=False, layers=1, total_length=7), [_batch([5, 6, 2, 4])])
+
+
 def test_padded_beyond_the_longest_and_new_lengths_each_call():
     """The padded output is as long as each call's longest sequence, as PyTorch's."""
     _assert_matches(lambda: _Tagger("LSTM"), [_batch([5, 6, 2, 4], seed=1), _batch([3, 2, 2, 1], seed=2),

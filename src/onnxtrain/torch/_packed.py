@@ -6,8 +6,8 @@
 (:func:`packed_sequences_padded`):
 
 - ``pack_padded_sequence`` keeps the batch padded, time first (sorted by length first where
-  PyTorch sorts, ``enforce_sorted=False``), its ``batch_sizes`` counting per step the sequences
-  still running, and notes each sequence's length;
+  PyTorch sorts, ``enforce_sorted=False``), with empty ``batch_sizes``, and notes each sequence's
+  length;
 - ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` given such a sequence run each layer and direction as one
   torch ``scan`` over the steps (an ONNX ``Scan``, which the gradient graph differentiates) that
   holds a sequence's state past its length and writes zeros there, a reverse direction reading
@@ -176,14 +176,16 @@ def packed_sequences_padded(module: torch.nn.Module):
         data = input.transpose(0, 1) if batch_first else input
         lengths = lengths.to(torch.int64)
         lengths_of.note(data, lengths)
-        return data, _running(lengths, data.shape[0]).sum(1)  # batch_sizes: sequences per step
+        # no batch sizes: pad_packed_sequence then passes total_length as given, or 0 for none
+        # (PyTorch's lengths are all positive, so a given total_length is never 0)
+        return data, lengths.new_zeros(0)
 
     def pad(data, batch_sizes, batch_first, padding_value, total_length):
         lengths = lengths_of.of(data)
         if lengths is None:
             raise NotImplementedError("pad_packed_sequence of a PackedSequence not made by pack_padded_sequence")
         steps = data.shape[0]
-        if total_length == batch_sizes.shape[0]:  # no total_length given: as long as the longest
+        if total_length == 0:  # none given: as long as the longest
             longest = lengths.max().item()
             torch._check(longest <= steps)
             torch._check(longest >= 0)

@@ -23,6 +23,7 @@ computed and discarded (the cost of the padded batch).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -52,7 +53,7 @@ def _reversed_within_lengths(x: torch.Tensor, lengths: torch.Tensor) -> torch.Te
     where they were: what a reverse direction reads (its own inverse)."""
     steps = x.shape[0]
     t = torch.arange(steps, device=x.device).unsqueeze(1)
-    ends = lengths.to(x.device).unsqueeze(0)
+    ends = lengths.unsqueeze(0)
     index = torch.where(t < ends, ends - 1 - t, t)  # [T, B]
     return x.gather(0, index.unsqueeze(2).expand(-1, -1, x.shape[2]))
 
@@ -211,13 +212,7 @@ def packed_sequences_padded(module: torch.nn.Module):
         return PackedSequence(output, input.batch_sizes, input.sorted_indices, input.unsorted_indices), state
 
     # each layer's forward as it is now (another capture patch may have replaced it already)
-    forwards = [(rnn, "forward", _bound(padded_forward, rnn, rnn.forward))
+    forwards = [(rnn, "forward", functools.partial(padded_forward, rnn, rnn.forward))
                 for rnn in module.modules() if isinstance(rnn, torch.nn.RNNBase)]
     with _replaced((_VF, "_pack_padded_sequence", pack), (_VF, "_pad_packed_sequence", pad), *forwards):
         yield
-
-
-def _bound(function, rnn, original):
-    def forward(input, hx=None):
-        return function(rnn, original, input, hx)
-    return forward

@@ -17,6 +17,8 @@ do ours (the root taken of 1 where the value is 0, and 0 chosen).
 
 from __future__ import annotations
 
+import math
+
 from onnxscript import opset18 as op
 
 
@@ -42,12 +44,24 @@ def min_dim(x, dim: int, keepdim: bool = False):
     return _value_at_index(x, dim, keepdim, largest=False)
 
 
+def _axes(dim):
+    """A reduction's axes input: None (every axis) for no dim or an empty list."""
+    if dim is None or (isinstance(dim, (list, tuple)) and not dim):
+        return None
+    return op.Constant(value_ints=list(dim) if isinstance(dim, (list, tuple)) else [dim])
+
+
+def _reduce(function, x, axes, keepdim: bool):
+    """``function`` (an ONNX reduction) of ``x`` over ``axes`` (None: every axis)."""
+    if axes is None:
+        return function(x, keepdims=int(keepdim))
+    return function(x, axes, keepdims=int(keepdim))
+
+
 def _extreme(x, dim, keepdim: bool, reduce):
     if len(x.shape) == 0:
         return op.Identity(x)
-    if not dim:  # every axis
-        return reduce(x, keepdims=int(keepdim))
-    return reduce(x, op.Constant(value_ints=list(dim)), keepdims=int(keepdim))
+    return _reduce(reduce, x, _axes(dim), keepdim)
 
 
 def amax(x, dim=(), keepdim: bool = False):
@@ -58,11 +72,6 @@ def amax(x, dim=(), keepdim: bool = False):
 def amin(x, dim=(), keepdim: bool = False):
     """``aten.amin``, ``dim=()`` reducing every axis (the gradient shared among ties, as PyTorch's)."""
     return _extreme(x, dim, keepdim, op.ReduceMin)
-
-
-def _axes(dim):
-    return None if dim is None or (isinstance(dim, (list, tuple)) and not dim) else \
-        op.Constant(value_ints=list(dim) if isinstance(dim, (list, tuple)) else [dim])
 
 
 def _root_zero_at_zero(value, root):
@@ -79,11 +88,8 @@ def std_correction(x, dim=None, correction=None, keepdim: bool = False):
     PyTorch's) where every element is equal."""
     correction = 1.0 if correction is None else float(correction)
     axes = _axes(dim)
-    mean = op.ReduceMean(x, axes, keepdims=1) if axes is not None else op.ReduceMean(x, keepdims=1)
-    deviation = op.Sub(x, mean)
-    squares = op.Mul(deviation, deviation)
-    total = op.ReduceSum(squares, axes, keepdims=int(keepdim)) if axes is not None else \
-        op.ReduceSum(squares, keepdims=int(keepdim))
+    deviation = op.Sub(x, _reduce(op.ReduceMean, x, axes, True))
+    total = _reduce(op.ReduceSum, op.Mul(deviation, deviation), axes, keepdim)
     sizes = op.Shape(x) if axes is None else op.Gather(op.Shape(x), axes, axis=0)
     count = op.CastLike(op.ReduceProd(sizes, keepdims=0), x)
     variance = op.Div(total, op.Sub(count, op.CastLike(op.Constant(value_float=correction), x)))
@@ -94,8 +100,6 @@ def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):
     """``aten.linalg_vector_norm``: as the exporter's for orders inf, -inf, 0, 1 and 2 (whose
     gradient rules handle zero); other orders ``(Σ|x|^p)^(1/p)`` with PyTorch's 0 gradient at a
     zero vector (the exporter's root gave NaN there), and for orders below 1 at zero elements."""
-    import math
-
     if dtype is not None and dtype != -1:
         x = op.Cast(x, to=dtype)
     if dim is None:
@@ -103,25 +107,21 @@ def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):
         keepdim = False
     axes = _axes(dim)
     ord = float(ord)
-    keep = int(keepdim)
-
-    def reduce(function, value):
-        return function(value, axes, keepdims=keep) if axes is not None else function(value, keepdims=keep)
-
     if math.isinf(ord):
-        return reduce(op.ReduceMax if ord > 0 else op.ReduceMin, op.Abs(x))
+        return _reduce(op.ReduceMax if ord > 0 else op.ReduceMin, op.Abs(x), axes, keepdim)
     if ord == 0.0:
-        return reduce(op.ReduceSum, op.CastLike(op.Cast(x, to=9), x))  # 9: BOOL, non-zero count
+        nonzero = op.CastLike(op.Cast(x, to=9), x)  # 9: BOOL
+        return _reduce(op.ReduceSum, nonzero, axes, keepdim)
     if ord == 1.0:
-        return reduce(op.ReduceL1, x)
+        return _reduce(op.ReduceL1, x, axes, keepdim)
     if ord == 2.0:
-        return reduce(op.ReduceL2, x)
+        return _reduce(op.ReduceL2, x, axes, keepdim)
     magnitude = x if ord > 0 and ord % 2 == 0 else op.Abs(x)
     exponent = op.CastLike(op.Constant(value_float=ord), x)
     if 0 < ord < 1:  # |x|^p's derivative is infinite at 0: PyTorch's gradient there is 0
         powers = _root_zero_at_zero(magnitude, lambda value: op.Pow(value, exponent))
     else:
         powers = op.Pow(magnitude, exponent)
-    total = reduce(op.ReduceSum, powers)
+    total = _reduce(op.ReduceSum, powers, axes, keepdim)
     inverse = op.CastLike(op.Constant(value_float=1.0 / ord), x)
     return _root_zero_at_zero(total, lambda value: op.Pow(value, inverse))

@@ -23,6 +23,8 @@ ALL_FINITE = "all_finite"
 FIRST_MOMENT = "momentum0"
 SECOND_MOMENT = "momentum1"
 MOMENTUM_BUFFER = "momentum0"
+# onnxruntime's contrib-op domain (Inverse, GatedAdd, FusedMatMul: stock onnxruntime ships them)
+MS_DOMAIN = "com.microsoft"
 # Node metadata on a Gather that implements an embedding lookup with a padding index: the
 # rows of that index get no gradient (PyTorch's ``nn.Embedding(padding_idx=...)``).
 PADDING_IDX_METADATA = "onnxtrain.padding_idx"

@@ -27,8 +27,8 @@ import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.names import MS_DOMAIN
 
-MS_DOMAIN = "com.microsoft"
 # the dtypes onnxruntime 1.32's CPU kernel is registered for
 FUSED_DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
 # Shape(x, end=-1) for a symbolic gate shape needs opset 15

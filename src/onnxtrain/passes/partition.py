@@ -261,7 +261,7 @@ def _may_recompute(level: MemoryOptLevel, boundaries: set[ir.Node]):
     def allowed(node: ir.Node) -> bool:
         if node in boundaries:
             return False
-        if node.op_type in recompute.NEVER_RECOMPUTED or node.domain not in ("", "ai.onnx", "com.microsoft"):
+        if node.op_type in recompute.NEVER_RECOMPUTED or node.domain not in ("", "ai.onnx", names.MS_DOMAIN):
             return False
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             return False

@@ -44,8 +44,9 @@ from onnxruntime.capi import _pybind_state
 
 from onnxtrain.errors import ModelError
 from onnxtrain.ir import io
+from onnxtrain.names import MS_DOMAIN
 from onnxtrain.passes.conv_patches import PATCHES_METADATA, PatchConvPass
-from onnxtrain.passes.gated_add import FUSED_DTYPES, MS_DOMAIN, GatedAddFusionPass
+from onnxtrain.passes.gated_add import FUSED_DTYPES, GatedAddFusionPass
 from onnxtrain.passes.nchwc_conv import NCHWC_DOMAIN, NchwcConvPass, blocked_weight_layout, moves_to_nchwc
 from onnxtrain.passes.runtime_fill import RuntimeFillPass
 from onnxtrain.runtime.session import create_session, is_ort_format, quiet_session_options

@@ -875,8 +875,8 @@ def masked_select(x, mask):
 # onnxruntime's com.microsoft.Inverse (stock onnxruntime ships its CPU kernel; onnx has no schema
 # for it, so the exporter's tracer gets this one)
 _INVERSE = onnxscript.values.Op(
-    onnxscript.values.Opset(domain="com.microsoft", version=1), "Inverse",
-    onnx.defs.OpSchema("Inverse", "com.microsoft", 1, inputs=[onnx.defs.OpSchema.FormalParameter("X", "T")],
+    onnxscript.values.Opset(domain=names.MS_DOMAIN, version=1), "Inverse",
+    onnx.defs.OpSchema("Inverse", names.MS_DOMAIN, 1, inputs=[onnx.defs.OpSchema.FormalParameter("X", "T")],
                        outputs=[onnx.defs.OpSchema.FormalParameter("Y", "T")],
                        type_constraints=[("T", ["tensor(float)", "tensor(double)", "tensor(float16)"],
                                           "matrices of floats")]))

@@ -12,8 +12,7 @@ from __future__ import annotations
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.autodiff.rules.matmul import transpose_last2
 from onnxtrain.ir.shapes import rank_of
-
-MS_DOMAIN = "com.microsoft"
+from onnxtrain.names import MS_DOMAIN
 
 
 def _rank(ctx: GradContext) -> int:

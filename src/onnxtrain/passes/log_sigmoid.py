@@ -62,15 +62,13 @@ def _complement_input(value: ir.Value | None) -> ir.Value | None:
 
 
 class LogSigmoidPass(NodeRewritePass):
-    """Rewrite ``Log(Sigmoid(x))`` as ``Neg(Softplus(Neg(x)))`` and ``Log(Sub(1, Sigmoid(x)))`` as
-    ``Neg(Softplus(x))``."""
+    """Rewrite float32 ``Log(Sigmoid(x))`` as ``Neg(Softplus(Neg(x)))`` and ``Log(1 - Sigmoid(x))``
+    as ``Neg(Softplus(x))``."""
 
     def match(self, node: ir.Node, opset: int) -> tuple[ir.Value, bool] | None:
-        if not is_onnx_op(node, "Log"):
+        if not is_onnx_op(node, "Log") or node.outputs[0].dtype != ir.DataType.FLOAT:
             return None
         argument = node.inputs[0]
-        if node.outputs[0].dtype != ir.DataType.FLOAT:
-            return None
         x = _sigmoid_input(argument)
         if x is not None:
             return x, True

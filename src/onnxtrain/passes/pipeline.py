@@ -40,8 +40,7 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     (passes/log_sigmoid.py).
     """
     return [InlinePass(), DecomposePass(), FoldConstantsPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(),
-            PoolBeforeReluPass(),
-            ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
+            PoolBeforeReluPass(), ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 
 def after_autodiff() -> list[ir.passes.PassBase]:

@@ -31,10 +31,11 @@ PyTorch's indices (ties and NaNs included); ``erfinv`` is Giles' approximation r
 steps; ``torch.linalg.inv`` and ``solve`` invert with onnxruntime's ``com.microsoft.Inverse``,
 ``det`` is ONNX ``Det``. Fake quantization (quantization-aware training) keeps PyTorch's
 straight-through gradient, which the exporter's QuantizeLinear/DequantizeLinear pair drops.
-``logaddexp``, ``logaddexp2``, ``logcumsumexp``, ``erfc``, ``erfcx``, ``log_ndtr`` and ``sinc``, which
-the exporter writes in forms that overflow, are in ``onnxtrain.torch._log_space``; ``max``/``min`` over a dim (the gradient to the returned
-index), ``amax``/``amin`` over every axis, ``std`` and p-norms (PyTorch's 0 gradient where the
-value is 0) are in ``onnxtrain.torch._reductions``. ``atan2`` keeps PyTorch's signed zeros and a
+``logaddexp``, ``logaddexp2``, ``logcumsumexp``, ``erfc``, ``erfcx``, ``log_ndtr`` and ``sinc``,
+which the exporter writes in forms that overflow, are in ``onnxtrain.torch._log_space``;
+``max``/``min`` over a dim (the gradient to the returned index), ``amax``/``amin`` over every
+axis, ``std`` and p-norms (PyTorch's 0 gradient where the value is 0) are in
+``onnxtrain.torch._reductions``. ``atan2`` keeps PyTorch's signed zeros and a
 finite gradient on the axes. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
@@ -129,8 +130,7 @@ def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool =
     uses = op.ScatterElements(op.Expand(_like(weight, 0.0), op.Shape(weight, start=0, end=1)), flat,
                               op.Expand(_like(weight, 1.0), op.Shape(flat)), axis=0, reduction="add")
     factor = detach(op.Unsqueeze(op.Reciprocal(op.Gather(uses, indices, axis=0)), op.Constant(value_ints=[-1])))
-    fixed = detach(out)
-    return op.Add(fixed, op.Mul(op.Sub(out, fixed), factor))
+    return _value_with_gradient(out, out, factor)
 
 
 _BAG_MODES = {0: "sum", 1: "mean", 2: "max"}
@@ -238,6 +238,15 @@ def detach(x):
     out = op.Identity(x)
     out.producer().metadata_props[names.STOP_GRADIENT_METADATA] = "1"
     return out
+
+
+def _value_with_gradient(value, source, factor=None):
+    """``value``, with ``source``'s gradient (times ``factor``) instead of its own:
+    ``detach(value) + (source - detach(source)) * factor``, whose second term is exactly 0."""
+    carried = op.Sub(source, detach(source))
+    if factor is not None:
+        carried = op.Mul(carried, factor)
+    return op.Add(detach(value), carried)
 
 
 def instance_norm(input, weight=None, bias=None, running_mean=None, running_var=None, use_input_stats: bool = True,
@@ -426,11 +435,11 @@ def atan2(y, x):
     half_pi = _like(y, math.pi / 2)
     angle = op.Where(on_y_axis, op.Where(above, half_pi, op.Neg(half_pi)), angle)
     at_origin = op.Where(_upper_half(x), zero, op.Where(above, pi, op.Neg(pi)))
-    angle = detach(op.Where(op.And(on_y_axis, op.Equal(y, zero)), at_origin, angle))
+    angle = op.Where(op.And(on_y_axis, op.Equal(y, zero)), at_origin, angle)
     squared = op.Add(op.Mul(x, x), op.Mul(y, y))
     safe = detach(op.Where(op.Equal(squared, zero), _like(y, 1.0), squared))
     carrier = op.Div(op.Sub(op.Mul(detach(x), y), op.Mul(detach(y), x)), safe)
-    return op.Add(angle, op.Sub(carrier, detach(carrier)))
+    return _value_with_gradient(angle, carrier)
 
 
 def _avg_pool_divided(x, kernel_size, stride, padding, ceil_mode: bool, count_include_pad: bool,
@@ -937,8 +946,7 @@ def _fake_quantized(x, inverse_scale, scale, zero_point, quant_min: int, quant_m
     low, high = _like(x, float(quant_min)), _like(x, float(quant_max))
     in_range = op.And(op.GreaterOrEqual(rounded, low), op.LessOrEqual(rounded, high))
     values = op.Mul(op.Sub(op.Clip(rounded, low, high), zero_point), scale)
-    through = op.Mul(op.Sub(x, detach(x)), op.CastLike(in_range, x))
-    return op.Add(detach(values), through), in_range
+    return _value_with_gradient(values, x, op.CastLike(in_range, x)), in_range
 
 
 def fake_quantize_per_tensor_affine_cachemask(x, scale: float, zero_point: int, quant_min: int, quant_max: int):

@@ -2,7 +2,8 @@
 
 Both compute a per-target loss ``l = -w[label] * z[n, label, d...]`` (``z``: log-probs,
 ``w = 0`` for ignored targets) and reduce it: "none", "sum", or "mean" = ``sum(l) / sum(w)``
-(the target count without weights; a zero gradient where ``sum(w)`` is 0, as PyTorch's). Labels and class weights are not differentiable.
+(the target count without weights; a zero gradient where ``sum(w)`` is 0, as PyTorch's).
+Labels and class weights are not differentiable.
 """
 
 from __future__ import annotations

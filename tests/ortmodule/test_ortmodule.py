@@ -137,6 +137,17 @@ def test_fully_masked_attention_rows_match_eager():
     torch.manual_seed(0)
     _run_both(MaskedAttention(), lambda s: (torch.randn(2, 5, 8), keep), lambda y: (y * y).sum())
 
+    class ConstantMaskAttention(MaskedAttention):
+        """A mask the forward builds from constants: folded into the graph before the guard pass saw it."""
+
+        def forward(self, x):
+            keep = torch.ones(5, 5, dtype=torch.bool).tril()
+            keep[3] = False
+            return super().forward(x, keep)
+
+    torch.manual_seed(0)
+    _run_both(ConstantMaskAttention(), lambda s: (torch.randn(2, 5, 8),), lambda y: (y * y).sum())
+
 
 def _tanh_mlp():
     # onnxruntime's CPU Erf (GELU) has no float64 kernel: float64 tests use Tanh

@@ -159,3 +159,38 @@ def test_guarded_probabilities_read_twice():
     feeds, _ = _feeds()
     for expected, got in zip(run(original, feeds), run(rewritten, feeds)):
         np.testing.assert_array_equal(got, expected)
+
+
+def _folded_attention(mask):
+    """The exporter's graph for a constant boolean mask once folding has run: the mask's
+    ``Where`` is a constant float tensor."""
+    nodes = _attention(LOWEST32)
+    nodes[3] = helper.make_node("Constant", [], ["mask"], value=numpy_helper.from_array(mask))
+    return model_of(nodes, [("scores", [B, H, T, S]), ("v", [B, H, S, D])], ["out"], opset=18)
+
+
+@pytest.mark.parametrize("masked", [LOWEST32, -np.inf], ids=["lowest", "minus_inf"])
+def test_a_folded_constant_mask_zeroes_its_fully_masked_rows(masked):
+    feeds, keep = _feeds((T, S))
+    mask = np.where(keep, 0.0, masked).astype(np.float32)
+    original = _folded_attention(mask)
+    rewritten, ops = _rewritten(original)
+    assert "IsNaN" not in ops and "ReduceMax" not in ops  # the factor is a constant
+    del feeds["cond"]
+    (expected,), (got,) = run(original, feeds), run(rewritten, feeds)
+    np.testing.assert_allclose(got, _pytorch_attention(feeds, keep), rtol=1e-5, atol=1e-6)
+    assert np.all(got[:, 1] == 0.0)  # the fully masked query row: PyTorch's zeros
+    rows = np.ones(T, dtype=bool)
+    rows[1] = False
+    np.testing.assert_array_equal(got[:, rows], expected[:, rows])  # bit-identical where a key is kept
+
+
+def test_a_folded_constant_mask_without_a_fully_masked_row_drops_the_guard():
+    keep = np.ones((T, S), dtype=bool)
+    keep[:, 3] = False
+    original = _folded_attention(np.where(keep, 0.0, LOWEST32).astype(np.float32))
+    rewritten, ops = _rewritten(original)
+    assert "IsNaN" not in ops and "Mul" not in ops
+    feeds, _ = _feeds((T, S))
+    del feeds["cond"]
+    np.testing.assert_array_equal(run(rewritten, feeds)[0], run(original, feeds)[0])

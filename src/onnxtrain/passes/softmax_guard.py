@@ -26,6 +26,9 @@ mask's masking branch may be ``-inf`` or the dtype's lowest value; if neither br
 finite and above ``lowest``) no row can be NaN and the guard is dropped. Only for scores that are
 themselves NaN or infinite does the result differ from the guard's (it zeroed such rows; here
 the NaN carries on, as in PyTorch).
+
+A mask the model builds from constants alone reaches this pass already folded: the ``Where`` is a
+constant float tensor. Its kept rows and the factor are then computed here, as constants.
 """
 
 from __future__ import annotations
@@ -77,17 +80,23 @@ class SoftmaxNaNGuardPass(ir.passes.InPlacePass):
             match = _match(node, opset)
             if match is None:
                 continue
-            softmax, add, scores, mask_where, can_be_masked = match
+            softmax, add, scores, mask, can_be_masked = match
             guard_out = node.outputs[0]
             is_nan = node.inputs[0].producer()
-            if not can_be_masked:  # no masking branch: no row is ever NaN
+            if not can_be_masked:  # no masking branch, or no fully masked row: no row is ever NaN
                 replace_all_uses_with(guard_out, softmax.outputs[0])
                 _remove_unused(model.graph, [node, is_nan])
                 modified = True
                 continue
-            key = (id(mask_where.inputs[0]), _scalar(mask_where.inputs[1]), _scalar(mask_where.inputs[2]))
-            if key not in row_factors:
-                row_factors[key] = _row_factors(model.graph, mask_where, opset, before=node)
+            mask_node = mask.producer()
+            if not is_onnx_op(mask_node, "Where"):  # a constant mask (a constant boolean mask's Where, folded)
+                key = (id(mask),)
+                if key not in row_factors:
+                    row_factors[key] = _constant_row_factors(model.graph, mask, opset, before=node)
+            else:
+                key = (id(mask_node.inputs[0]), _scalar(mask_node.inputs[1]), _scalar(mask_node.inputs[2]))
+                if key not in row_factors:
+                    row_factors[key] = _row_factors(model.graph, mask_node, opset, before=node)
             safe_mask, keep = row_factors[key]
             new_add = ir.node("Add", [scores, safe_mask], name=f"{base_name(add)}/rows")
             new_softmax = ir.node("Softmax", [new_add.outputs[0]], attributes=dict(softmax.attributes),
@@ -107,7 +116,7 @@ class SoftmaxNaNGuardPass(ir.passes.InPlacePass):
                 _scale_rows(model.graph, product.outputs[0], keep, f"{base_name(node)}/rows")
             else:
                 _scale_rows(model.graph, probs, keep, f"{base_name(node)}/rows", replacing=guard_out)
-            _remove_unused(model.graph, [node, is_nan, softmax, add, mask_where])
+            _remove_unused(model.graph, [node, is_nan, softmax, add] + ([mask_node] if mask_node is not None else []))
             modified = True
         return ir.passes.PassResult(model, modified)
 
@@ -142,8 +151,9 @@ def _remove_unused(graph: ir.Graph, nodes: list[ir.Node]) -> None:
 
 
 def _match(node: ir.Node, opset: int):
-    """``(softmax, add, scores, mask's Where, whether the mask masks)`` when ``node`` is the NaN
-    guard of a masked Softmax in the form the rewrite preserves."""
+    """``(softmax, add, scores, mask, whether a row can be fully masked)`` when ``node`` is the
+    NaN guard of a masked Softmax in the form the rewrite preserves (the mask a ``Where`` or a
+    constant)."""
     if not is_onnx_op(node, "Where") or len(node.inputs) != 3 or any(v is None for v in node.inputs):
         return None
     is_nan, zero, probs = node.inputs
@@ -160,9 +170,11 @@ def _match(node: ir.Node, opset: int):
     if not is_onnx_op(add, "Add") or len(add.inputs) != 2 or any(v is None for v in add.inputs):
         return None
     for scores, mask in (add.inputs, reversed(add.inputs)):
-        found = _mask_branches(mask)
-        if found is not None:
-            return softmax, add, scores, *found
+        can_be_masked = _mask_branches(mask)
+        if can_be_masked is None:
+            can_be_masked = _constant_mask_rows(mask)
+        if can_be_masked is not None:
+            return softmax, add, scores, mask, can_be_masked
     return None
 
 
@@ -175,10 +187,9 @@ def _normalizes_last_axis(softmax: ir.Node, probs: ir.Value, opset: int) -> bool
     return probs.shape is not None and len(probs.shape) > 0 and axis == len(probs.shape) - 1
 
 
-def _mask_branches(mask: ir.Value):
-    """``(mask's Where, whether one branch masks)`` when ``mask = Where(c, a, b)`` with ``a``,
-    ``b`` constant rank-0 floats (the mask then has ``c``'s shape), not both masking, neither
-    NaN nor ``+inf``."""
+def _mask_branches(mask: ir.Value) -> bool | None:
+    """Whether one branch masks, when ``mask = Where(c, a, b)`` with ``a``, ``b`` constant rank-0
+    floats (the mask then has ``c``'s shape), not both masking, neither NaN nor ``+inf``."""
     where = mask.producer()
     if not is_onnx_op(where, "Where") or len(where.inputs) != 3 or where.inputs[0] is None:
         return None
@@ -191,7 +202,24 @@ def _mask_branches(mask: ir.Value):
     condition = where.inputs[0]
     if any(masking) and (condition.shape is None or len(condition.shape) == 0):
         return None  # the mask's rows: its rank must be known
-    return where, any(masking)
+    return any(masking)
+
+
+def _masked_entries(array: np.ndarray, dtype: ir.DataType) -> np.ndarray:
+    """Which entries of a constant mask remove their key (``-inf`` or the dtype's lowest value)."""
+    return np.isneginf(array) | (array == _LOWEST.get(dtype, -math.inf))
+
+
+def _constant_mask_rows(mask: ir.Value) -> bool | None:
+    """For a constant float mask of rank >= 1 (what folding leaves of a constant boolean mask's
+    ``Where``) with no NaN or ``+inf`` entry: whether one of its rows is fully masked; else None."""
+    tensor = get_const_tensor(mask)
+    if tensor is None or not tensor.dtype.is_floating_point() or len(tensor.shape) == 0:
+        return None
+    array = tensor.numpy()
+    if np.isnan(array).any() or np.isposinf(array).any():
+        return None
+    return bool(_masked_entries(array, tensor.dtype).all(axis=-1).any())
 
 
 def _row_factors(graph: ir.Graph, where: ir.Node, opset: int, before: ir.Node) -> tuple[ir.Value, ir.Value]:
@@ -208,6 +236,22 @@ def _row_factors(graph: ir.Graph, where: ir.Node, opset: int, before: ir.Node) -
     safe.dtype = dtype
     keep = b.cast_to(keep, dtype)
     for node in b.created:  # the builder appended them; they belong before the first guard
+        graph.remove(node)
+    graph.insert_before(before, b.created)
+    return safe, keep
+
+
+def _constant_row_factors(graph: ir.Graph, mask: ir.Value, opset: int, before: ir.Node) -> tuple[ir.Value, ir.Value]:
+    """``(safe mask, keep)`` as :func:`_row_factors`, for a constant mask: both constants."""
+    tensor = get_const_tensor(mask)
+    array = tensor.numpy()
+    kept = ~_masked_entries(array, tensor.dtype).all(axis=-1, keepdims=True)
+    b = GraphBuilder(graph, scope=f"{mask.name}/rows", opset=opset)
+    safe = b.const(np.where(kept, array, 0).astype(array.dtype))
+    keep = b.const(kept.astype(array.dtype))
+    for value in (safe, keep):
+        value.dtype = tensor.dtype
+    for node in b.created:
         graph.remove(node)
     graph.insert_before(before, b.created)
     return safe, keep

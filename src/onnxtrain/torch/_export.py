@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import sys
 import warnings
 from collections.abc import Hashable, Sequence
@@ -451,12 +452,36 @@ def _refusal(exc: BaseException | None) -> NotImplementedError | None:
     return None
 
 
+_TERMINAL_COLOR = re.compile(r"\x1b\[[0-9;]*m")
+_EXCEPTION_CLASS = re.compile(r"^<class '(?:[\w.]+\.)?(\w+)'>:\s*")
+
+
+def _exporter_summary(text: str) -> str | None:
+    """The first entry of ``torch.onnx.export``'s "Exception summary" (the innermost error, e.g.
+    ``DispatchError: No ONNX function found for <OpOverload(op='aten.randperm', ...)>``): its
+    first line only says which of its steps failed."""
+    lines = text.splitlines()
+    try:
+        start = lines.index("## Exception summary") + 1
+    except ValueError:
+        return None
+    entry = next((line.strip() for line in lines[start:] if line.strip()), None)
+    return _EXCEPTION_CLASS.sub(lambda m: f"{m.group(1)}: ", entry) if entry else None
+
+
 def export_failure(what: str, exc: Exception) -> ExportError:
-    """``ExportError`` saying ``what`` failed, with the first line of the exporter's reason (and
-    a translation's refusal found among its causes)."""
-    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    """``ExportError`` saying ``what`` failed, with the first line of the exporter's reason, its
+    exception summary's first entry, and a translation's refusal found among its causes."""
+    text = _TERMINAL_COLOR.sub("", str(exc)).strip()
+    first_line = text.splitlines()[0].removesuffix("Next steps:").strip() if text else type(exc).__name__
+    details = []
+    summary = _exporter_summary(text)
+    if summary is not None:
+        details.append(summary)
     refusal = _refusal(exc)
-    detail = f" ({refusal})" if refusal is not None and refusal is not exc and str(refusal) else ""
+    if refusal is not None and refusal is not exc and str(refusal):
+        details.append(str(refusal))
+    detail = "".join(f" ({d})" for d in details)
     return ExportError(f"{what}: {type(exc).__name__}: {first_line}{detail}")
 
 

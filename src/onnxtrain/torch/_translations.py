@@ -35,7 +35,9 @@ straight-through gradient, which the exporter's QuantizeLinear/DequantizeLinear 
 which the exporter writes in forms that overflow, are in ``onnxtrain.torch._log_space``;
 ``max``/``min`` over a dim (the gradient to the returned index), ``amax``/``amin`` over every
 axis, ``std`` and p-norms (PyTorch's 0 gradient where the value is 0) are in
-``onnxtrain.torch._reductions``. ``atan2`` keeps PyTorch's signed zeros and a
+``onnxtrain.torch._reductions``; random draws the exporter gets wrong or lacks (``randint``,
+``multinomial`` without replacement, ``uniform_``, ``randperm``) in ``onnxtrain.torch._random``.
+``atan2`` keeps PyTorch's signed zeros and a
 finite gradient on the axes. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
@@ -54,7 +56,7 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain import names
-from onnxtrain.torch import _log_space, _reductions
+from onnxtrain.torch import _log_space, _random, _reductions
 from onnxtrain.torch._log_space import constant_like as _like
 
 
@@ -1034,6 +1036,13 @@ def translation_table() -> dict:
         torch.ops.aten.cumprod.default: cumprod,
         torch.ops.aten.multilabel_margin_loss.default: multilabel_margin_loss,
         torch.ops.aten.rrelu_with_noise_functional.default: rrelu_with_noise_functional,
+        torch.ops.prims.uniform.default: _random.uniform,
+        torch.ops.aten.randperm.default: _random.randperm,
+        torch.ops.aten.randint.default: _random.randint,
+        torch.ops.aten.randint.low: _random.randint_low,
+        torch.ops.aten.randint_like.default: _random.randint_like,
+        torch.ops.aten.randint_like.low_dtype: _random.randint_like_low,
+        torch.ops.aten.multinomial.default: _random.multinomial,
         torch.ops.aten.lgamma.default: lgamma,
         torch.ops.aten.digamma.default: digamma,
         torch.ops.aten.polygamma.default: polygamma,

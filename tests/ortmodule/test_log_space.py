@@ -92,14 +92,14 @@ def test_erfc_and_erfcx_keep_their_relative_accuracy_in_the_tails():
     _assert_matches_eager(lambda x, y: torch.erfc(x) + torch.special.erfcx(y), x, x * 1.3, rtol=2e-6, atol=0.0)
 
 
-def test_logaddexp_of_infinities_is_pytorchs():
-    inf = float("inf")
-    x = torch.tensor([-inf, -inf, inf, 3.0, -inf])
-    y = torch.tensor([-inf, 2.0, inf, inf, 5.0])
+def test_logaddexp_of_infinities_and_nans_is_pytorchs():
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([-inf, -inf, inf, 3.0, -inf, nan, 1.0, nan])
+    y = torch.tensor([-inf, 2.0, inf, inf, 5.0, 1.0, nan, nan])
     eager = torch.logaddexp(x, y)
     wrapped = ORTModule(_Scaled(lambda a, b: torch.logaddexp(a, b)), DebugOptions(fallback=False))
     with torch.no_grad():
-        torch.testing.assert_close(wrapped(x, y), eager)
+        torch.testing.assert_close(wrapped(x, y), eager, equal_nan=True)
 
 
 def test_float64_keeps_double_precision():

@@ -3,7 +3,8 @@ gradient to the returned index only (the exporter's ReduceMax split it among tie
 over every axis exports, ``x ** 0`` has a zero gradient at 0 (0 * 0^-1 was NaN), ``std`` of equal
 elements and p-norms of a zero vector have a zero gradient (the root's infinite derivative made
 NaN), ``atan2`` keeps PyTorch's signed zeros and a finite gradient on the axes, and attention
-rows masked by -inf everywhere give zeros (they were NaN); a stable sort keeps the order of ties."""
+rows masked by -inf everywhere give zeros (they were NaN); a stable sort keeps the order of ties;
+``fmax``/``fmin`` skip NaNs and give ties to their first argument."""
 
 from __future__ import annotations
 
@@ -64,6 +65,14 @@ def test_ties(function):
 ], ids=["pow 0", "pow tensor", "std dim", "std all", "std correction 0", "norm 3", "norm 0.5", "norm 4"])
 def test_zeros(function):
     _assert_input_gradient_matches(function, torch.cat([ZEROS, TIES[:1] - 2.0]))
+
+
+@pytest.mark.parametrize("function", [torch.fmax, torch.fmin])
+def test_fmax_and_fmin_ignore_nans_and_give_ties_to_the_first_argument(function):
+    """``torch.fmax``/``fmin`` (they fell back: the exporter has no translation)."""
+    nan = float("nan")
+    a = torch.tensor([1.0, 2.0, 3.0, nan, nan, 5.0])
+    _assert_input_gradient_matches(lambda x: function(x, a.flip(0) - 1.0) + function(a, x), a)
 
 
 @pytest.mark.parametrize("ord_", [3.0, 0.5, -1.0, float("inf"), 1.0, 2.0])

@@ -70,7 +70,8 @@ def _logaddexp(a, b, like):
     above_a = op.Where(op.Greater(difference, zero), op.Neg(difference), zero)
     a_larger = op.Add(a, _log1p(op.Exp(below_a), like))
     b_larger = op.Add(b, _log1p(op.Exp(above_a), like))
-    return op.Where(op.GreaterOrEqual(a, b), a_larger, b_larger)
+    # not ``a >= b``: ``a < b`` is false for a NaN on either side, whose branch then carries it
+    return op.Where(op.Not(op.Less(a, b)), a_larger, b_larger)
 
 
 def logaddexp(a, b):

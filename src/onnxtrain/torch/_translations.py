@@ -38,7 +38,7 @@ axis, ``std`` and p-norms (PyTorch's 0 gradient where the value is 0) are in
 ``onnxtrain.torch._reductions``; random draws the exporter gets wrong or lacks (``randint``,
 ``multinomial`` without replacement, ``uniform_``, ``randperm``) in ``onnxtrain.torch._random``.
 ``atan2`` keeps PyTorch's signed zeros and a
-finite gradient on the axes. Where the exporter's translation computes something
+finite gradient on the axes; ``fmax``/``fmin`` (the exporter has none) skip NaNs. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
 statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
@@ -338,6 +338,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
                                             attn_mask, dropout_p, is_causal, scale, enable_gqa)
     out = op.Squeeze(out, heads)
     return op.Mul(out, factor) if rows is not None else out
+
+
+def _nan_ignoring(a, b, keeps_a):
+    """``a`` where ``keeps_a(a, b)`` or ``b`` is NaN, else ``b``: one ``Where``, whose gradient goes
+    to the argument it picks."""
+    return op.Where(op.Or(keeps_a(a, b), op.IsNaN(b)), a, b)
+
+
+def fmax(a, b):
+    """``prims.fmax`` (``torch.fmax``; the exporter has none): the larger argument, the other one
+    where one is NaN; ties give ``a`` the whole gradient, as PyTorch's."""
+    return _nan_ignoring(a, b, op.GreaterOrEqual)
+
+
+def fmin(a, b):
+    """``prims.fmin`` (``torch.fmin``): as :func:`fmax`, the smaller argument."""
+    return _nan_ignoring(a, b, op.LessOrEqual)
 
 
 def sort_stable(x, stable=None, dim: int = -1, descending: bool = False):
@@ -1029,6 +1046,8 @@ def translation_table() -> dict:
         torch.ops.aten.kthvalue.default: kthvalue,
         torch.ops.aten.hypot.default: hypot,
         torch.ops.aten.atan2.default: atan2,
+        torch.ops.prims.fmax.default: fmax,
+        torch.ops.prims.fmin.default: fmin,
         torch.ops.aten.sort.stable: sort_stable,
         torch.ops.aten.avg_pool2d.default: avg_pool2d,
         torch.ops.aten.avg_pool3d.default: avg_pool3d,

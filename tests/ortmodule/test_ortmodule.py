@@ -543,3 +543,33 @@ def test_exports_and_graph_builds_are_logged(caplog):
     assert any(m.startswith("exported Sequential (training, static shapes, export #1) in ") and m.endswith(" nodes")
                for m in messages), messages
     assert any(m.startswith("built the forward (") and "saved activations:" in m for m in messages), messages
+
+
+def test_lazy_modules_take_their_shapes_from_the_first_call_then_train_in_onnxruntime():
+    """A lazy module's parameters get their shapes from its first call, which the export cannot
+    give them: that call runs in PyTorch (the dry run PyTorch asks for before building the
+    optimizer), the next ones in ONNX Runtime."""
+
+    def lazy():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.LazyBatchNorm1d(), torch.nn.ReLU(),
+                                   torch.nn.Linear(8, 2))
+
+    x = torch.randn(16, 6)
+    reference, model = lazy(), lazy()
+    wrapped = ORTModule(model, STRICT)
+    for run in (reference, wrapped):
+        torch.manual_seed(1)  # the first call initializes the parameters it shapes
+        run(x)
+    assert wrapped.export_count == 0 and model[0].weight.shape == (8, 6)
+    for left, right in zip(reference.state_dict().values(), model.state_dict().values()):
+        torch.testing.assert_close(right, left, rtol=0, atol=0)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step in range(3):
+        for run, optimizer in zip((reference, wrapped), optimizers):
+            optimizer.zero_grad()
+            run(x + step).square().mean().backward()
+            optimizer.step()
+    assert wrapped.export_count == 1 and wrapped.fallback_reason is None
+    for left, right in zip(reference.state_dict().values(), model.state_dict().values()):
+        torch.testing.assert_close(right, left)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -33,6 +34,13 @@ logger = logging.getLogger(__name__)
 
 # torch.autocast dtypes and the precision pass's names for them
 _AUTOCAST_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _has_lazy_parameters(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds parameters or buffers a lazy module (``nn.LazyLinear``, ...) has not
+    given a shape yet: they take it from the first call's inputs, which the export cannot do."""
+    return any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+               for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _autocast(tensors) -> tuple[str, str] | None:
@@ -366,7 +374,8 @@ class ORTModule(torch.nn.Module):
     # -- calls -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         module = self._original_module
-        if self._fallback_reason is not None:
+        if self._fallback_reason is not None or _has_lazy_parameters(module):
+            # a lazy module's first call, in PyTorch, gives its parameters their shapes; the next is exported
             return module(*args, **kwargs)
         call = flatten_call(module, args, kwargs)
         state = call.state

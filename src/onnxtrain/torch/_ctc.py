@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from onnxtrain.torch._packed import running_steps
+
 # log 0 of the recursion: impossible states stay near it (log-probabilities added to it vanish
 # in its rounding), and a sample none of whose alignments is possible ends below half of it
 _IMPOSSIBLE = -1.0e30
@@ -70,7 +72,7 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank: int = 0, 
     # a state may be reached from two before when it is a label other than the one two before
     two_before = torch.cat([torch.full_like(labels[:, :2], blank), labels[:, :-2]], 1)
     skips = (labels != blank) & (labels != two_before)
-    running = torch.arange(frames, device=device).unsqueeze(1) < input_lengths.unsqueeze(0)  # [T, N]
+    running = running_steps(input_lengths, frames)  # [T, N]
     impossible = torch.full((batch, 1), _IMPOSSIBLE, dtype=log_probs.dtype, device=device)
     # before the first frame: at state 0 with certainty, so that frame 0 may start at state 0 or 1
     start = torch.cat([torch.zeros_like(impossible), impossible.expand(batch, width - 1)], 1)

@@ -43,7 +43,7 @@ class _Lengths:
         return entry[1] if entry is not None and entry[0] is data else None
 
 
-def _running(lengths: torch.Tensor, steps: int) -> torch.Tensor:
+def running_steps(lengths: torch.Tensor, steps: int) -> torch.Tensor:
     """``[T, B]``: whether each sequence still runs at each step."""
     return torch.arange(steps, device=lengths.device).unsqueeze(1) < lengths.unsqueeze(0)
 
@@ -142,7 +142,7 @@ def _run_padded(module: torch.nn.RNNBase, data, lengths, hx, sorted_indices, uns
         hx = tuple(hx) if lstm else (hx,)
         if sorted_indices is not None:  # the caller's order -> the batch's (sorted) order
             hx = tuple(h.index_select(1, sorted_indices) for h in hx)
-    running = _running(lengths, steps)
+    running = running_steps(lengths, steps)
     finals: list[list[torch.Tensor]] = [[] for _ in hx]
     x = data
     for layer in range(module.num_layers):
@@ -196,7 +196,7 @@ def packed_sequences_padded(module: torch.nn.Module):
         else:
             data = data[:total_length]
         if padding_value != 0.0:
-            data = torch.where(_running(lengths, data.shape[0]).unsqueeze(2), data,
+            data = torch.where(running_steps(lengths, data.shape[0]).unsqueeze(2), data,
                                torch.full_like(data, padding_value))
         return (data.transpose(0, 1) if batch_first else data), lengths
 

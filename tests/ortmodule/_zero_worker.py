@@ -71,8 +71,9 @@ def train(model, optimizer, x, y, steps: int) -> list[torch.Tensor]:
 
 
 def state_bytes(optimizer) -> int:
+    """Bytes of the per-element state (Adam's moments; not the scalar step counts)."""
     return sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
-               if torch.is_tensor(t))
+               if torch.is_tensor(t) and t.dim() > 0)
 
 
 def run_zero(ddp, net, x, y, setup, workdir: Path) -> dict:

@@ -85,6 +85,55 @@ def test_torch_modes_match_torch_optimizers_in_float32(mode, torch_cls, fused):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("mode, torch_cls", [(AdamWMode.ADAMW_TORCH, torch.optim.AdamW),
+                                             (AdamWMode.ADAM_L2_REGULARIZATION, torch.optim.Adam)])
+def test_a_parameter_without_gradient_at_some_steps_is_corrected_for_its_own_count(mode, torch_cls, fused):
+    """Bias correction counts each parameter's own updates, as PyTorch's (an unused branch or
+    expert skips steps); counting the group's steps for every parameter, as upstream did, moved
+    the skipping parameter 0.07 away from torch.optim.AdamW's in 6 steps."""
+    ours, theirs = _params(), _params()
+    optimizer = FusedAdam(ours, lr=0.1, eps=1e-8, weight_decay=0.05, adam_w_mode=mode, fused=fused)
+    expected = torch_cls(theirs, lr=0.1, eps=1e-8, weight_decay=0.05)
+    for t in range(1, STEPS + 1):
+        for i, (a, b, g) in enumerate(zip(ours, theirs, _grads(t, ours))):
+            skips = i == 1 and t % 2 == 1  # parameter 1 has a gradient at even steps only
+            a.grad, b.grad = (None, None) if skips else (g.clone(), g.clone())
+        optimizer.step()
+        expected.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-7)
+    assert [int(optimizer.state[p]["step"]) for p in ours] == [STEPS, STEPS // 2, STEPS]
+    # PyTorch's state dict loads: its per-parameter counts are ours
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
+    resumed = FusedAdam(copies, lr=0.1, adam_w_mode=mode)
+    resumed.load_state_dict(expected.state_dict())
+    assert [int(resumed.state[p]["step"]) for p in copies] == [STEPS, STEPS // 2, STEPS]
+
+
+def test_a_state_dict_that_counts_steps_per_group_only_continues_from_the_groups_count():
+    """Upstream's FusedAdam kept no per-parameter count: such a state resumes at the group's."""
+    params = _params()
+    optimizer = FusedAdam(params, lr=0.1)
+    for t in range(1, 4):
+        for p, g in zip(params, _grads(t, params)):
+            p.grad = g
+        optimizer.step()
+    saved = _save_load(optimizer.state_dict())
+    for state in saved["state"].values():
+        del state["step"]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = FusedAdam(twin, lr=0.1)
+    resumed.load_state_dict(saved)
+    for group_params, opt in ((params, optimizer), (twin, resumed)):
+        for p, g in zip(group_params, _grads(4, group_params)):
+            p.grad = g
+        opt.step()
+    assert [int(resumed.state[p]["step"]) for p in twin] == [4, 4, 4]
+    for p, q in zip(params, twin):
+        assert torch.equal(p, q)
+
+
 def test_fused_and_foreach_agree_on_a_model_and_train_it():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
@@ -115,7 +164,7 @@ def test_parameters_without_gradient_keep_value_and_state():
     optimizer.step()
     assert torch.equal(params[1].detach(), frozen)
     assert params[1] not in optimizer.state
-    assert set(optimizer.state[params[0]]) == {"exp_avg", "exp_avg_sq"}
+    assert set(optimizer.state[params[0]]) == {"exp_avg", "exp_avg_sq", "step"}
 
 
 def test_zero_grad_follows_set_grad_none():

@@ -56,7 +56,7 @@ def by_device_and_dtype(params) -> dict[tuple[torch.device, torch.dtype], list[t
 
 def adam_moments(state: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``exp_avg`` and ``exp_avg_sq`` of ``p`` in its optimizer ``state``, zero-initialized."""
-    if not state:
+    if "exp_avg" not in state:
         state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     return state["exp_avg"], state["exp_avg_sq"]

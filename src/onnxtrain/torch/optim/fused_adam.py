@@ -89,8 +89,11 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
             and dtype (CPU, CUDA) and multi-tensor ``foreach`` ops elsewhere; ``False`` always
             uses the ``foreach`` ops; ``True`` requires the fused kernel.
 
-    The step count is kept per parameter group (``param_groups[i]["step"]``), as upstream's;
-    each parameter's state holds ``exp_avg`` and ``exp_avg_sq``.
+    Each parameter's state holds ``exp_avg``, ``exp_avg_sq`` and ``step`` (an int), the number of
+    updates it has had, which its bias correction uses (as ``torch.optim.AdamW`` and transformers' AdamW:
+    a parameter without a gradient at some steps, an unused branch or expert, is corrected for
+    its own count). ``param_groups[i]["step"]`` counts the group's steps, as upstream's (whose
+    bias correction used it for every parameter).
 
     Example:
         >>> optimizer = FusedAdam(model.parameters(), lr=1e-4, weight_decay=0.01)
@@ -126,19 +129,38 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
                 continue
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
-            update = _update_for(self.adam_w_mode, group["lr"], beta1, beta2, group["eps"],
-                                 group["weight_decay"], group["step"], group["bias_correction"])
-            for (device, dtype), params in by_device_and_dtype(with_grad).items():
-                moments = [adam_moments(self.state[p], p) for p in params]
-                tensors = (params, [p.grad for p in params], [m for m, _ in moments], [v for _, v in moments])
-                # the fused kernel scales the decay by its learning rate: with a zero step size
-                # (B = 0, lr = 0) it cannot shrink p (A != 1 only in ADAMW_TORCH mode)
-                expressible = update.B != 0 or update.A == 1.0
-                if self._use_fused(device, dtype) and expressible:
-                    _fused_update(*tensors, update, beta1, beta2, device)
-                else:
-                    _foreach_update(*tensors, update, beta1, beta2)
+            for step, at_step in self._count_steps(with_grad, group["step"]).items():
+                update = _update_for(self.adam_w_mode, group["lr"], beta1, beta2, group["eps"],
+                                     group["weight_decay"], step, group["bias_correction"])
+                self._apply(update, at_step, beta1, beta2)
         return loss
+
+    def _count_steps(self, params: list[torch.Tensor], group_step: int) -> dict[int, list[torch.Tensor]]:
+        """Count this step in each parameter's state (``state["step"]``: the updates it has had,
+        for its bias correction) and group the parameters by that count. A parameter whose
+        moments come from a state dict without a count (upstream's, which counts per group only)
+        continues from the group's count."""
+        by_step: dict[int, list[torch.Tensor]] = {}
+        for p in params:
+            state = self.state[p]
+            step = state.get("step")
+            # an int (a tensor, as torch.optim.AdamW keeps it, costs ~5 µs per parameter and step)
+            step = (group_step - 1 if "exp_avg" in state else 0) if step is None else int(step)
+            state["step"] = step = step + 1
+            by_step.setdefault(step, []).append(p)
+        return by_step
+
+    def _apply(self, update: _Update, with_grad: list[torch.Tensor], beta1: float, beta2: float) -> None:
+        for (device, dtype), params in by_device_and_dtype(with_grad).items():
+            moments = [adam_moments(self.state[p], p) for p in params]
+            tensors = (params, [p.grad for p in params], [m for m, _ in moments], [v for _, v in moments])
+            # the fused kernel scales the decay by its learning rate: with a zero step size
+            # (B = 0, lr = 0) it cannot shrink p (A != 1 only in ADAMW_TORCH mode)
+            expressible = update.B != 0 or update.A == 1.0
+            if self._use_fused(device, dtype) and expressible:
+                _fused_update(*tensors, update, beta1, beta2, device)
+            else:
+                _foreach_update(*tensors, update, beta1, beta2)
 
     def _check_groups(self) -> None:
         for group in self.param_groups:

@@ -29,6 +29,8 @@ class BuildContext:
     def __init__(self, model: ir.Model):
         self.model = model
         self.builder = GraphBuilder(model.graph, scope="onnxblock")
+        # initializers blocks added as parameters to train (blocks.Linear's weight and bias)
+        self.new_parameters: list[str] = []
 
     @property
     def graph(self) -> ir.Graph:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,18 +55,22 @@ def default_trainable(model: ir.Model, frozen: Sequence[str] = ()) -> list[str]:
 
 
 def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
-                      frozen_params: Sequence[str] | None) -> Parameters:
+                      frozen_params: Sequence[str] | None, *, added: Sequence[str] = (),
+                      constants: Collection[str] = ()) -> Parameters:
     """Validate the user's parameter lists against the model's initializers.
 
     With ``requires_grad=None`` every float initializer of rank >= 1 trains, except
     BatchNormalization running statistics, which are frozen (kept in the checkpoint and,
-    for training-mode BatchNormalization, updated by every training step).
+    for training-mode BatchNormalization, updated by every training step), and ``constants``
+    (initializers a loss block added). ``added`` (parameters blocks created, such as
+    ``blocks.Linear``'s) train unless frozen.
     """
     frozen_params = list(frozen_params or [])
     if requires_grad is None:
-        requires_grad = default_trainable(model, frozen_params)
+        requires_grad = [n for n in default_trainable(model, frozen_params) if n not in constants]
         frozen_params += [n for n in _batch_norm_statistics(model.graph) if n not in frozen_params]
     requires_grad = list(requires_grad)
+    requires_grad += [n for n in added if n not in requires_grad and n not in frozen_params]
     inits = model.graph.initializers
     overlap = sorted(set(requires_grad) & set(frozen_params))
     if overlap:

@@ -188,13 +188,129 @@ class PassThrough(Block):
 
 
 class InputLike(Block):
-    """Adds a graph input called ``input_name`` with the type and shape of ``like_name``."""
+    """Adds a graph input called ``input_name`` (default: a fresh name) with the type and shape of
+    ``like_name`` (a graph input or output, or any value of the model)."""
 
     def __init__(self, like_name: str):
         super().__init__()
         self._like = like_name
 
-    def build(self, input_name: str) -> str:
+    def build(self, input_name: str | None = None) -> str:
         like = self._value(self._like)
-        self.context.graph.inputs.append(ir.Value(name=input_name, type=like.type, shape=like.shape))
-        return input_name
+        name = input_name or self.context.builder.fresh_name("input")
+        self.context.graph.inputs.append(ir.Value(name=name, type=like.type, shape=like.shape))
+        return name
+
+
+class Linear(Block):
+    """``alpha * x @ W + beta * b``: a new fully connected layer (a classification head on a
+    base model, as upstream's block), whose weight ``W`` (``[in_features, out_features]``) and
+    bias ``b`` are parameters to train. They start as ``torch.nn.Linear``'s do, uniform in
+    ``±1 / sqrt(in_features)`` (``seed`` makes that draw repeatable), and are named
+    ``<name>.weight`` and ``<name>.bias`` (``name`` made unique in the model).
+
+    Example:
+        >>> class Head(onnxblock.TrainingBlock):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.linear, self.loss = onnxblock.blocks.Linear(512, 10), onnxblock.loss.CrossEntropyLoss()
+        ...     def build(self, features):
+        ...         return self.loss(self.linear(features))
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, alpha: float = 1.0,
+                 beta: float = 1.0, *, name: str = "linear", seed: int | None = None):
+        super().__init__()
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"Linear needs positive sizes, got in_features={in_features}, "
+                             f"out_features={out_features}")
+        self._sizes = (int(in_features), int(out_features))
+        self._bias, self._alpha, self._beta = bias, float(alpha), float(beta)
+        self._name, self._seed = name, seed
+
+    def _layer_name(self) -> str:
+        """``name``, or ``name_1``, ``name_2``, ... : the first whose parameters' names are free."""
+        taken = lambda prefix: any(self.context.find(f"{prefix}.{suffix}") is not None  # noqa: E731
+                                   for suffix in ("weight", "bias"))
+        prefix, count = self._name, 0
+        while taken(prefix):
+            count += 1
+            prefix = f"{self._name}_{count}"
+        return prefix
+
+    def _parameter(self, name: str, array: np.ndarray) -> ir.Value:
+        value = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                         shape=ir.Shape(array.shape), const_value=ir.tensor(array, name=name))
+        self.context.graph.register_initializer(value)
+        self.context.new_parameters.append(name)
+        return value
+
+    def build(self, input_name: str) -> str:
+        x = self._value(input_name)
+        dtype = x.dtype.numpy() if x.dtype is not None and x.dtype.is_floating_point() else np.float32
+        rng = np.random.default_rng(self._seed)
+        in_features, out_features = self._sizes
+        bound = 1.0 / np.sqrt(in_features)
+        layer = self._layer_name()
+        builder = self.context.builder
+        weight = self._parameter(f"{layer}.weight",
+                                 rng.uniform(-bound, bound, (in_features, out_features)).astype(dtype))
+        out = self.op.MatMul(x, weight)
+        if self._alpha != 1.0:
+            out = self.op.Mul(out, builder.like(weight, self._alpha))
+        if self._bias:
+            bias = self._parameter(f"{layer}.bias", rng.uniform(-bound, bound, (out_features,)).astype(dtype))
+            if self._beta != 1.0:
+                bias = self.op.Mul(bias, builder.like(bias, self._beta))
+            out = self.op.Add(out, bias)
+        return out.name
+
+
+class ReduceAllL2(Block):
+    """The L2 norm of all its inputs together, ``sqrt(sum of every element squared)`` (upstream's
+    block is onnxruntime's training-only ``com.microsoft.ReduceAllL2``; this one uses standard ops)."""
+
+    def build(self, *input_names: str) -> str:
+        builder = self.context.builder
+        squares = [builder.reduce("ReduceSumSquare", self._value(n), None, keepdims=False) for n in input_names]
+        total = squares[0] if len(squares) == 1 else self.op.Sum(*squares)
+        return self.op.Sqrt(total).name
+
+
+class LabelEncoder(Block):
+    """Maps labels through a table (``ai.onnx.ml.LabelEncoder``, upstream's arguments): e.g. string
+    class names to the integer labels a loss takes, inside the training model."""
+
+    def __init__(self, default_float: float = 0.0, default_int64: int = -1, default_string: str = "_Unused",
+                 keys_floats=None, keys_int64s=None, keys_strings=None, values_floats=None,
+                 values_int64s=None, values_strings=None):
+        super().__init__()
+        keys = [k for k in (keys_floats, keys_int64s, keys_strings) if k is not None]
+        values = [v for v in (values_floats, values_int64s, values_strings) if v is not None]
+        if len(keys) != 1 or len(values) != 1 or len(keys[0]) != len(values[0]):
+            raise ValueError("LabelEncoder needs one list of keys and one list of values, of the same length")
+        self._attributes = {"default_float": float(default_float), "default_int64": int(default_int64),
+                            "default_string": default_string}
+        for attribute, given in (("keys_floats", keys_floats), ("keys_int64s", keys_int64s),
+                                 ("keys_strings", keys_strings), ("values_floats", values_floats),
+                                 ("values_int64s", values_int64s), ("values_strings", values_strings)):
+            if given is not None:
+                self._attributes[attribute] = list(given)
+
+    def build(self, input_name: str) -> str:
+        opsets = self.context.model.opset_imports
+        opsets.setdefault(_ML_DOMAIN, _LABEL_ENCODER_OPSET)
+        out = self.op.LabelEncoder(self._value(input_name), _domain=_ML_DOMAIN, **self._attributes)
+        out.type = ir.TensorType(self._output_dtype)
+        return out.name
+
+    @property
+    def _output_dtype(self) -> ir.DataType:
+        for attribute, dtype in (("values_int64s", ir.DataType.INT64), ("values_floats", ir.DataType.FLOAT)):
+            if attribute in self._attributes:
+                return dtype
+        return ir.DataType.STRING
+
+
+_ML_DOMAIN = "ai.onnx.ml"
+_LABEL_ENCODER_OPSET = 2  # keys and values as typed lists (attributes), as upstream's block writes them

@@ -112,9 +112,12 @@ class TrainingBlock(Block):
     def __call__(self, *args, **kwargs):
         ctx = active()
         user_inputs = [v.name for v in ctx.graph.inputs]
-        # choose parameters before the loss adds its own constants
-        self._parameters = select_parameters(ctx.model, self._requires_grad or None, self._frozen)
+        before = set(ctx.graph.initializers)
         loss_name = super().__call__(*args, **kwargs)
+        # initializers the blocks added are constants of the loss, unless a block made them parameters
+        constants = set(ctx.graph.initializers) - before - set(ctx.new_parameters)
+        self._parameters = select_parameters(ctx.model, self._requires_grad or None, self._frozen,
+                                             added=ctx.new_parameters, constants=constants)
         if not isinstance(loss_name, str):
             raise ArtifactError(f"a TrainingBlock's build must return the loss name, got {loss_name!r}")
         model = io.load_model(io.to_proto(ctx.model))

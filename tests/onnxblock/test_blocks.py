@@ -1,0 +1,143 @@
+"""Upstream's building blocks that custom training blocks use: ``Linear`` (a new head to train on
+a frozen base model, the transfer-learning recipe), ``LabelEncoder``, ``ReduceAllL2`` and
+``InputLike`` without a name; the head trained end to end with the on-device API."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import onnxblock
+from onnxtrain.api import CheckpointState, Module, Optimizer
+from onnxtrain.ir import io
+
+FEATURES, CLASSES = 16, 3
+
+
+def _feature_extractor():
+    """x [N, 8] -> relu(x @ F) [N, 16]: a base model whose weight F stays frozen."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, FEATURES)).astype(np.float32), "F")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "F"], ["h"]), helper.make_node("Relu", ["h"], ["features"])], "base",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", FEATURES])], [weight])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+class _Head(onnxblock.TrainingBlock):
+    def __init__(self, **linear):
+        super().__init__()
+        self.linear = onnxblock.blocks.Linear(FEATURES, CLASSES, **linear)
+        self.loss = onnxblock.loss.CrossEntropyLoss()
+
+    def build(self, features):
+        return self.loss(self.linear(features))
+
+
+def _built(block, frozen=("F",)):
+    for name in frozen:
+        block.requires_grad(name, False)
+    with onnxblock.base(_feature_extractor()):
+        block("features")
+    return block
+
+
+def test_linear_parameters_train_and_the_base_stays_frozen():
+    block = _built(_Head(seed=0))
+    trainable, frozen = block.parameters()
+    assert [t.name for t in trainable] == ["linear.weight", "linear.bias"]
+    assert [t.name for t in frozen] == ["F"]
+    weight = numpy_helper.to_array(trainable[0])
+    assert weight.shape == (FEATURES, CLASSES) and np.abs(weight).max() <= 1 / np.sqrt(FEATURES)
+    # the same seed draws the same start; another seed another
+    again = numpy_helper.to_array(_built(_Head(seed=0)).parameters()[0][0])
+    other = numpy_helper.to_array(_built(_Head(seed=1)).parameters()[0][0])
+    np.testing.assert_array_equal(again, weight)
+    assert not np.array_equal(other, weight)
+
+
+def test_without_requires_grad_every_parameter_trains_and_two_heads_get_their_own_names():
+    class TwoHeads(onnxblock.TrainingBlock):
+        def __init__(self):
+            super().__init__()
+            self.first = onnxblock.blocks.Linear(FEATURES, FEATURES, bias=False, alpha=0.5)
+            self.second = onnxblock.blocks.Linear(FEATURES, CLASSES, beta=2.0)
+            self.loss = onnxblock.loss.CrossEntropyLoss()
+
+        def build(self, features):
+            return self.loss(self.second(self.first(features)))
+
+    block = _built(TwoHeads(), frozen=())
+    trainable, frozen = block.parameters()
+    assert [t.name for t in trainable] == ["F", "linear.weight", "linear_1.weight", "linear_1.bias"] and not frozen
+    # alpha scales the product, beta the bias: the eval model computes alpha * x @ W + beta * b
+    _, eval_model = block.to_model_proto()
+    session = ort.InferenceSession(eval_model.SerializeToString(), providers=["CPUExecutionProvider"])
+    values = {t.name: numpy_helper.to_array(t) for t in trainable}
+    x = np.random.default_rng(1).standard_normal((4, 8)).astype(np.float32)
+    labels = np.array([0, 1, 2, 1], np.int32)
+    feeds = {"x": x, "labels": labels, **values}
+    (loss,) = session.run(["loss"], {i.name: feeds[i.name] for i in session.get_inputs()})
+    hidden = 0.5 * np.maximum(x @ values["F"], 0) @ values["linear.weight"]
+    logits = hidden @ values["linear_1.weight"] + 2.0 * values["linear_1.bias"]
+    log_probs = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+        - logits.max(1, keepdims=True)
+    np.testing.assert_allclose(loss, -log_probs[np.arange(4), labels].mean(), rtol=1e-5)
+
+
+def test_a_head_on_a_frozen_base_learns_with_the_on_device_api(tmp_path):
+    block = _built(_Head(seed=0))
+    training, evaluation = block.to_model_proto()
+    for model, name in ((training, "training_model.onnx"), (evaluation, "eval_model.onnx")):
+        (tmp_path / name).write_bytes(model.SerializeToString())
+    onnxblock.save_checkpoint(block.parameters(), tmp_path / "checkpoint")
+    adamw = onnxblock.optim.AdamW()
+    with onnxblock.empty_base():
+        adamw(block.parameters())
+    (tmp_path / "optimizer_model.onnx").write_bytes(io.serialize(adamw.to_ir_model()))
+
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    frozen_before = state.parameters["F"].data.copy()
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(0.05)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    labels = (x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0.5).astype(np.int32)
+    losses = []
+    for _ in range(60):
+        losses.append(float(module(x, labels)))
+        optimizer.step()
+        module.lazy_reset_grad()
+    assert losses[-1] < 0.6 * losses[0]
+    np.testing.assert_array_equal(state.parameters["F"].data, frozen_before)
+
+
+def test_label_encoder_maps_class_names_to_the_labels_the_loss_takes():
+    encoder = onnxblock.blocks.LabelEncoder(keys_strings=["cat", "dog", "bird"], values_int64s=[0, 1, 2])
+    with onnxblock.empty_base() as ctx:
+        ctx.graph.inputs.append(ir.Value(name="names", type=ir.TensorType(ir.DataType.STRING), shape=ir.Shape(["N"])))
+        encoded = encoder("names")
+        ctx.graph.outputs.append(ctx.find(encoded))
+    session = ort.InferenceSession(io.serialize(ctx.model), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"names": np.array(["dog", "bird", "fish", "cat"], dtype=object)})
+    np.testing.assert_array_equal(got, [1, 2, -1, 0])  # an unknown name gets default_int64
+    with pytest.raises(ValueError, match="same length"):
+        onnxblock.blocks.LabelEncoder(keys_strings=["a"], values_int64s=[0, 1])
+
+
+def test_reduce_all_l2_and_input_like_without_a_name():
+    with onnxblock.base(_feature_extractor()) as ctx:
+        other = onnxblock.blocks.InputLike("features")()
+        norm = onnxblock.blocks.ReduceAllL2()("features", other)
+        ctx.graph.outputs.append(ctx.find(norm))
+    assert other != "features" and any(v.name == other for v in ctx.graph.inputs)
+    session = ort.InferenceSession(io.serialize(ctx.model), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    x, y = rng.standard_normal((5, 8)).astype(np.float32), rng.standard_normal((5, FEATURES)).astype(np.float32)
+    features = np.maximum(x @ numpy_helper.to_array(_feature_extractor().graph.initializer[0]), 0)
+    got = session.run([norm], {"x": x, other: y})[0]
+    np.testing.assert_allclose(got, np.sqrt((features ** 2).sum() + (y ** 2).sum()), rtol=1e-5)

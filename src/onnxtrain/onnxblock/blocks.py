@@ -230,8 +230,9 @@ class Linear(Block):
 
     def _layer_name(self) -> str:
         """``name``, or ``name_1``, ``name_2``, ... : the first whose parameters' names are free."""
-        taken = lambda prefix: any(self.context.find(f"{prefix}.{suffix}") is not None  # noqa: E731
-                                   for suffix in ("weight", "bias"))
+        def taken(prefix: str) -> bool:
+            return any(self.context.find(f"{prefix}.{suffix}") is not None for suffix in ("weight", "bias"))
+
         prefix, count = self._name, 0
         while taken(prefix):
             count += 1

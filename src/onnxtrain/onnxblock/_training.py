@@ -18,6 +18,7 @@ from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.nodes import is_onnx_op
 from onnxtrain.passes import pipeline
+from onnxtrain.passes.fake_quant import QuantizeDequantizeStraightThroughPass, quantization_parameters
 from onnxtrain.passes.precision import PrecisionConfig
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
@@ -45,8 +46,9 @@ def _batch_norm_statistics(graph: ir.Graph) -> list[str]:
 
 
 def default_trainable(model: ir.Model, frozen: Sequence[str] = ()) -> list[str]:
-    """Float initializers of rank >= 1 that are not exporter constants, statistics or frozen."""
-    stats = set(_batch_norm_statistics(model.graph))
+    """Float initializers of rank >= 1 that are not exporter constants, statistics, quantization
+    scales or frozen."""
+    stats = set(_batch_norm_statistics(model.graph)) | quantization_parameters(model.graph)
     return [
         name for name, value in model.graph.initializers.items()
         if value.dtype in FLOAT_TYPES and value.const_value is not None and len(value.const_value.shape) >= 1
@@ -234,6 +236,8 @@ def build_training_and_eval(
     model.metadata_props[TRAINING_METADATA_KEY] = metadata
 
     eval_model = pipeline.run(io.load_model(io.to_proto(model)), pipeline.eval_model())
+    # quantize-dequantize pairs train with a straight-through gradient (the training model only)
+    QuantizeDequantizeStraightThroughPass()(model)
 
     b = GraphBuilder(graph, scope="")
     trainable = [v for v in graph.inputs if v.name in params.trainable]

@@ -1,0 +1,103 @@
+"""Quantize-dequantize pairs train with PyTorch's straight-through gradient
+(passes/fake_quant.py): a QDQ model's parameters got a zero gradient before, and did not move."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxtrain import artifacts, names
+from onnxtrain.api import CheckpointState, Module, Optimizer
+
+torch = pytest.importorskip("torch")
+
+INPUT_SCALE, INPUT_ZERO = 0.1, 3
+
+
+def _qdq_model(weight, weight_scale, weight_zero, zero_type=TensorProto.INT8, axis=1):
+    """``y = DQ(Q(x)) @ DQ(Q(W))``: the input quantized per tensor (uint8), the weight per tensor
+    or per output column (``weight_scale`` of rank 1, ``axis``)."""
+    initializers = [
+        numpy_helper.from_array(weight, "W"),
+        numpy_helper.from_array(np.asarray(weight_scale, np.float32), "w_scale"),
+        helper.make_tensor("w_zero", zero_type, np.shape(weight_zero), np.ravel(weight_zero).tolist()),
+        numpy_helper.from_array(np.array(INPUT_SCALE, np.float32), "x_scale"),
+        numpy_helper.from_array(np.array(INPUT_ZERO, np.uint8), "x_zero"),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "x_scale", "x_zero"], ["xd"]),
+        helper.make_node("QuantizeLinear", ["W", "w_scale", "w_zero"], ["Wq"], axis=axis),
+        helper.make_node("DequantizeLinear", ["Wq", "w_scale", "w_zero"], ["Wd"], axis=axis),
+        helper.make_node("MatMul", ["xd", "Wd"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "qdq", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+def _torch_gradient(x, target, weight, weight_scale, weight_zero, quant_range):
+    w = torch.tensor(weight, requires_grad=True)
+    xq = torch.fake_quantize_per_tensor_affine(torch.tensor(x), INPUT_SCALE, INPUT_ZERO, 0, 255)
+    scale = torch.tensor(weight_scale, dtype=torch.float32)
+    if scale.dim() == 0:
+        wq = torch.fake_quantize_per_tensor_affine(w, float(scale), int(weight_zero), *quant_range)
+    else:
+        wq = torch.fake_quantize_per_channel_affine(w, scale, torch.tensor(weight_zero, dtype=torch.int32), 1,
+                                                    *quant_range)
+    loss = torch.nn.functional.mse_loss(xq @ wq, torch.tensor(target))
+    loss.backward()
+    return loss.item(), w.grad.numpy()
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
+def test_the_weight_gradient_is_pytorchs_straight_through_one(tmp_path, granularity):
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((8, 4)).astype(np.float32)
+    weight[0, 0], weight[1, 1] = 9.0, -9.0  # clamped by the quantization range: no gradient there
+    if granularity == "per_tensor":
+        scale, zero, quant_range, zero_type = np.float32(0.05), np.int8(0), (-128, 127), TensorProto.INT8
+    else:
+        scale = np.array([0.02, 0.05, 0.03, 0.08], np.float32)
+        zero, quant_range, zero_type = np.array([0, 10, -5, 0], np.int8), (-128, 127), TensorProto.INT8
+    artifacts.generate_artifacts(_qdq_model(weight, scale, zero, zero_type), requires_grad=["W"],
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=tmp_path)
+    x = rng.standard_normal((16, 8)).astype(np.float32)
+    target = rng.standard_normal((16, 4)).astype(np.float32)
+    session = ort.InferenceSession(str(tmp_path / "training_model.onnx"), providers=["CPUExecutionProvider"])
+    feeds = {"input-0": x, "x": x, "target": target, "labels": target, "W": weight,
+             names.accumulation_buffer_name("W"): np.zeros_like(weight), names.LAZY_RESET_GRAD: np.array(True)}
+    loss, gradient = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
+    expected_loss, expected_gradient = _torch_gradient(x, target, weight, scale, zero, quant_range)
+    np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
+    np.testing.assert_allclose(gradient, expected_gradient, rtol=1e-4, atol=1e-6)
+    assert gradient[0, 0] == 0.0 and gradient[1, 1] == 0.0 and np.count_nonzero(gradient) > 20
+    # the eval model keeps the plain pair
+    ops = [n.op_type for n in onnx.load(tmp_path / "eval_model.onnx").graph.node]
+    assert "Where" not in ops and ops.count("QuantizeLinear") == 2
+
+
+def test_a_qdq_model_trains_on_device_and_its_scales_stay_fixed(tmp_path):
+    rng = np.random.default_rng(1)
+    weight = rng.standard_normal((8, 4)).astype(np.float32)
+    scale = np.array([0.02, 0.05, 0.03, 0.08], np.float32)
+    artifacts.generate_artifacts(_qdq_model(weight, scale, np.zeros(4, np.int8)), requires_grad=None,
+                                 loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert list(state.parameters.keys()) == ["W"]  # the per-channel scale is no parameter to train
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(0.02)
+    x = rng.standard_normal((32, 8)).astype(np.float32)
+    target = x @ rng.standard_normal((8, 4)).astype(np.float32)
+    losses = []
+    for _ in range(40):
+        losses.append(float(module(x, target)))
+        optimizer.step()
+        module.lazy_reset_grad()
+    assert losses[-1] < 0.7 * losses[0]  # with a zero gradient nothing moved: the loss stayed

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import numpy as np
 import onnx
@@ -15,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import artifacts, onnxblock
 from onnxtrain.api import CheckpointState, Module, Optimizer
-from onnxtrain.errors import ArtifactError, InputMismatchError, UnsupportedOpError
+from onnxtrain.errors import ArtifactError, InputMismatchError, NoGradientWarning, UnsupportedOpError
 
 
 def regression_model(seed=0, hidden=8):
@@ -228,3 +229,26 @@ def test_save_load_resume_in_a_fresh_process_is_bit_identical(tmp_path):
     resumed = CheckpointState.load_checkpoint(tmp_path / "resumed_checkpoint")
     for name, _ in state.parameters:
         np.testing.assert_array_equal(resumed.parameters[name].data, state.parameters[name].data, err_msg=name)
+
+
+def test_parameters_the_loss_does_not_reach_are_named_in_a_warning(tmp_path):
+    """A trainable parameter without a differentiable path to the loss (here: behind a rounding
+    integer cast, and one nothing reads) would keep its value forever: the user is told."""
+    model = regression_model()
+    graph = model.graph
+    graph.initializer.extend([numpy_helper.from_array(np.ones(4, np.float32), "unused"),
+                              numpy_helper.from_array(np.full(1, 0.5, np.float32), "shift")])
+    graph.node[-1].output[0] = "y_float"
+    graph.node.extend([
+        helper.make_node("Add", ["shift", "b2"], ["shifted"]),
+        helper.make_node("Cast", ["shifted"], ["shift_int"], to=TensorProto.INT64),
+        helper.make_node("Cast", ["shift_int"], ["shift_back"], to=TensorProto.FLOAT),
+        helper.make_node("Add", ["y_float", "shift_back"], ["y"]),
+    ])
+    with pytest.warns(NoGradientWarning, match=r"\['unused', 'shift'\]"):
+        artifacts.generate_artifacts(model, requires_grad=["w1", "b2", "unused", "shift"],
+                                     loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoGradientWarning)  # every parameter reached: no warning
+        artifacts.generate_artifacts(regression_model(), requires_grad=["w1", "b2"],
+                                     loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "ok")

@@ -13,6 +13,7 @@ from onnxtrain.errors import (
     GradientCheckError,
     InputMismatchError,
     ModelError,
+    NoGradientWarning,
     OnnxTrainError,
     UnsupportedOpError,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "CheckpointError",
     "ArtifactError",
     "ModelError",
+    "NoGradientWarning",
     "GradientCheckError",
     "LogLevel",
     "set_verbosity",

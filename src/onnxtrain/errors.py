@@ -57,3 +57,8 @@ class GradientCheckError(OnnxTrainError, AssertionError):
 
 class ExportError(OnnxTrainError):
     """PyTorch's ONNX exporter could not export a module (ORTModule); the message says why."""
+
+
+class NoGradientWarning(UserWarning):
+    """Parameters to train whose gradient is identically zero: the loss does not depend on them
+    through differentiable ops (unused, or behind an integer cast, a comparison, a rounding)."""

@@ -113,12 +113,14 @@ def build_gradients(
     loss_grad: ir.Value | Sequence[ir.Value] | None = None,
     registry: Registry = DEFAULT_REGISTRY,
     builder: GraphBuilder | None = None,
+    unreached: list[ir.Value] | None = None,
 ) -> dict[ir.Value, ir.Value]:
     """Append to ``graph`` the nodes computing d(loss)/d(w) for every ``w`` in ``wrt``.
 
     ``loss`` may be one value or several (their gradients are seeded with
     ``loss_grad``, by default ones). Returns a map from each ``wrt`` value to its
-    gradient value; a value the loss does not depend on gets zeros.
+    gradient value; a value the loss does not depend on gets zeros (and is appended to
+    ``unreached`` when given).
 
     Raises:
         UnsupportedOpError: listing every op on the path with no gradient rule.
@@ -190,4 +192,6 @@ def build_gradients(
     for w in wrt:
         parts = contributions.get(w)
         result[w] = _accumulate(b, parts, w) if parts else b.zeros_like(w)
+        if not parts and unreached is not None:
+            unreached.append(w)
     return result

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import warnings
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ import onnx_ir as ir
 
 from onnxtrain import names
 from onnxtrain.autodiff.builder import FLOAT_TYPES, build_gradients
-from onnxtrain.errors import ArtifactError
+from onnxtrain.errors import ArtifactError, NoGradientWarning
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.nodes import is_onnx_op
@@ -245,7 +246,14 @@ def build_training_and_eval(
     if loss_scale is not None:
         scale = b.input(names.LOSS_SCALE, ir.DataType.FLOAT, [])
         seed = b.op.Expand(b.op.CastLike(scale, loss), b.op.Shape(loss))
-    grads = build_gradients(graph, loss, trainable, loss_grad=seed, builder=b.child("grad"))
+    unreached: list[ir.Value] = []
+    grads = build_gradients(graph, loss, trainable, loss_grad=seed, builder=b.child("grad"), unreached=unreached)
+    if unreached:
+        warnings.warn(NoGradientWarning(
+            f"the loss {loss_name!r} does not depend on the trainable parameter(s) "
+            f"{[v.name for v in unreached]} through differentiable ops (unused, or behind an integer cast, a "
+            f"comparison or a rounding): their gradient is zero and training leaves them as they are; "
+            f"freeze them (requires_grad) or check the graph"), stacklevel=2)
     if loss_scale is not None:  # unscale: the accumulated gradients are the true ones
         inverse = b.op.Reciprocal(scale)
         grads = {p: b.op.Mul(g, b.cast_to(inverse, g.dtype)) for p, g in grads.items()}

@@ -69,6 +69,14 @@ def test_custom_functions_are_refused_unless_declared_exact():
     assert "Round" in {n.op_type for n in proto.graph.node}
 
 
+def test_a_cumulative_average_batch_norm_is_refused_by_name():
+    """``momentum=None``: the artifacts' BatchNormalization has a fixed momentum (ORTModule trains it)."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4, momentum=None))
+    with pytest.raises(ExportError, match="^1: BatchNorm with momentum=None"):
+        export_for_training(model, (torch.randn(5, 3),))
+    export_for_training(model.eval(), (torch.randn(5, 3),))  # evaluating with the statistics: fine
+
+
 def test_names_and_path(tmp_path):
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))  # train mode: batch statistics
     proto = export_for_training(model, (torch.randn(4, 3),), tmp_path / "sub" / "model.onnx", input_names=["features"],

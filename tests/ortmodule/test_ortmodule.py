@@ -63,6 +63,28 @@ def test_cnn_with_batch_norm_matches_eager_including_running_statistics():
     assert int(model.features[1].num_batches_tracked) == 2
 
 
+def test_batch_norm_with_a_cumulative_average_matches_eager():
+    """``momentum=None`` (running statistics as the average over every batch, PyTorch's factor a
+    Python number from a buffer: the capture failed) trains in ONNX Runtime, and so does
+    ``torch.optim.swa_utils.update_bn``, which switches to it for a pass over the data and back."""
+    torch.manual_seed(0)
+    model = CNN()
+    model.features[1].momentum = None
+    _run_both(model, lambda s: (torch.randn(6, 1, 8, 8),), lambda y: y.logsumexp(1).mean(), steps=3)
+
+    torch.manual_seed(1)
+    model = CNN()
+    reference, wrapped = copy.deepcopy(model), ORTModule(model, STRICT)
+    for net in (reference, wrapped):  # trained with momentum 0.1, then the statistics recomputed
+        net(torch.randn(6, 1, 8, 8)).sum().backward()
+    batches = [torch.randn(6, 1, 8, 8) for _ in range(3)]
+    for net in (reference, wrapped):
+        torch.optim.swa_utils.update_bn(batches, net)
+    for (name, buffer), (_, expected) in zip(model.named_buffers(), reference.named_buffers()):
+        _assert_close(buffer, expected, f"buffer {name} after update_bn")
+    assert model.features[1].momentum == 0.1 and wrapped.fallback_reason is None
+
+
 def test_gpt_with_causal_mask_matches_eager():
     torch.manual_seed(0)
     _run_both(GPT(), lambda s: (torch.randint(0, 40, (3, 6 + s)),),

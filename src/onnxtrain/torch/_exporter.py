@@ -428,6 +428,41 @@ def projected_lstms_decomposed(module: torch.nn.Module):
             del lstm.forward
 
 
+def _cumulative_batch_norm_forward(norm: torch.nn.modules.batchnorm._BatchNorm, input: torch.Tensor) -> torch.Tensor:
+    """``norm(input)`` in training with ``momentum=None`` (the cumulative moving average that
+    ``torch.optim.swa_utils.update_bn`` asks for): PyTorch computes the factor
+    ``1 / num_batches_tracked`` as a Python number, which a capture cannot; here it is a
+    tensor, and the running statistics are updated in place with it."""
+    norm._check_input_dim(input)
+    norm.num_batches_tracked.add_(1)
+    factor = 1.0 / norm.num_batches_tracked.to(input.dtype)
+    out = torch.nn.functional.batch_norm(input, norm.running_mean, norm.running_var, norm.weight, norm.bias,
+                                         training=True, momentum=0.0, eps=norm.eps)  # statistics unchanged
+    with torch.no_grad():
+        axes = [d for d in range(input.dim()) if d != 1]
+        mean, variance = input.mean(axes), input.var(axes, correction=1)
+        norm.running_mean.mul_(1.0 - factor).add_(mean * factor)
+        norm.running_var.mul_(1.0 - factor).add_(variance * factor)
+    return out
+
+
+@contextlib.contextmanager
+def cumulative_batch_norms(module: torch.nn.Module):
+    """While capturing: every batch norm of ``module`` that trains with ``momentum=None`` and
+    running statistics updates them by :func:`_cumulative_batch_norm_forward`."""
+    patched = [sub for sub in module.modules()
+               if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.momentum is None and sub.training
+               and sub.track_running_stats and sub.running_mean is not None
+               and not isinstance(sub, torch.nn.SyncBatchNorm)]
+    for norm in patched:
+        norm.forward = functools.partial(_cumulative_batch_norm_forward, norm)
+    try:
+        yield
+    finally:
+        for norm in patched:
+            del norm.forward
+
+
 def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
     """``module(*args)`` as the exporter's first capture strategy captures it: non-strict
     ``torch.export.export`` with the exporter's flags, ``torch.onnx.is_in_onnx_export()`` true."""
@@ -442,7 +477,8 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
         with (patch_rnn(dynamic_shapes) if patch_rnn is not None else contextlib.nullcontext(),
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
-              _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module)):
+              _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
+              cumulative_batch_norms(module)):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -82,6 +82,19 @@ def _check_gradient_paths(model: torch.nn.Module, proto: onnx.ModelProto, leaves
                          "exports as a cut no gradient crosses")
 
 
+def _check_batch_norm_momenta(model: torch.nn.Module) -> None:
+    """``ExportError`` for batch norms that train with ``momentum=None`` (a cumulative average,
+    whose factor changes every step): the artifacts' ``BatchNormalization`` updates its running
+    statistics with a fixed momentum."""
+    cumulative = [name for name, sub in model.named_modules()
+                  if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.training
+                  and sub.track_running_stats and sub.momentum is None]
+    if cumulative:
+        raise ExportError(f"{', '.join(cumulative)}: BatchNorm with momentum=None (a cumulative average of the "
+                          f"batch statistics) cannot be exported for on-device training, whose BatchNormalization "
+                          f"has a fixed momentum; set a momentum (PyTorch's default is 0.1)")
+
+
 def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.PathLike | None = None, *,
                         input_names: Sequence[str] | None = None,
                         output_names: Sequence[str] | None = None, dynamic_shapes: Any = None,
@@ -122,6 +135,7 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     if not isinstance(args, tuple):
         raise ExportError(f"args must be a tuple of example inputs, not {type(args).__name__}")
     _check_module_hooks(model)
+    _check_batch_norm_momenta(model)
     inline = True if inline_autograd_functions is True else frozenset(inline_autograd_functions or ())
     # the autograd graph of one run names the custom Functions it applied; the run must not
     # change the model (BatchNorm's running statistics) or the random stream (Dropout)

@@ -213,3 +213,14 @@ def test_optimizer_model_must_match_module(adamw_artifacts, tmp_path):
         Optimizer(adamw_artifacts.eval, module)
     with pytest.raises(ModelError, match="does not exist"):
         Optimizer(tmp_path / "missing.onnx", module)
+
+
+@pytest.mark.parametrize("learning_rate", [-0.1, float("nan"), float("inf")])
+def test_a_learning_rate_that_is_negative_or_not_finite_is_refused(adamw_artifacts, learning_rate):
+    _, _, optimizer = _setup(adamw_artifacts)
+    before = optimizer.get_learning_rate()
+    with pytest.raises(ValueError, match="learning rate must be a finite number >= 0"):
+        optimizer.set_learning_rate(learning_rate)
+    assert optimizer.get_learning_rate() == before
+    optimizer.set_learning_rate(0)  # zero is a learning rate (a frozen phase)
+    assert optimizer.get_learning_rate() == 0.0

@@ -18,6 +18,7 @@ otherwise it runs the optimizer model as without fusion. Results are the same ei
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -264,8 +265,11 @@ class Optimizer:
         return self._opt.step
 
     def set_learning_rate(self, learning_rate: float) -> None:
-        """Set the learning rate used by the following steps."""
-        self._opt.learning_rate = float(learning_rate)
+        """Set the learning rate used by the following steps (a finite number >= 0)."""
+        value = float(learning_rate)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"the learning rate must be a finite number >= 0, got {learning_rate!r}")
+        self._opt.learning_rate = value
 
     def get_learning_rate(self) -> float:
         """The learning rate the next step will use."""

@@ -40,4 +40,10 @@ ROWS += [
     Case("Einsum", [I(3, "N", 2, 4), I(4, 3)], attrs={"equation": "i...j,ji->i..."}, opsets=(13, 23),
          id="Einsum-ellipsis-middle"),
     Case("Einsum", [I(2, 3), I(3, 4)], attrs={"equation": "ij,jk"}, opsets=(13, 23), id="Einsum-implicit"),
+    # a label repeated within an operand reads its diagonal
+    Case("Einsum", [I(3, 3)], attrs={"equation": "ii->i"}, opsets=(13, 23), id="Einsum-diagonal"),
+    Case("Einsum", [I(2, 3, 3)], attrs={"equation": "bii"}, opsets=(13, 23), id="Einsum-batched-trace-implicit"),
+    Case("Einsum", [I(3, 4, 3), I(4)], attrs={"equation": "iji,j->i"}, opsets=(13, 23), id="Einsum-diagonal-and-other"),
+    Case("Einsum", [I(3, 3, 2)], attrs={"equation": "iij->j"}, opsets=(13, 23), id="Einsum-trace-summed-out"),
+    Case("Einsum", [I(2, 3, 2, 3)], attrs={"equation": "ijij->"}, opsets=(13, 23), id="Einsum-two-diagonals"),
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import grad
@@ -93,10 +94,6 @@ def _einsum_terms(equation: str) -> tuple[list[list[str]], list[str]]:
         labels = [t for term in terms for t in term if t != _ELLIPSIS]
         out = ([_ELLIPSIS] if any(_ELLIPSIS in t for t in terms) else []) + sorted(
             t for t in set(labels) if labels.count(t) == 1)
-    for term in terms:
-        labels = [t for t in term if t != _ELLIPSIS]
-        if len(set(labels)) != len(labels):
-            raise NotImplementedError(f"Einsum gradient: repeated label within one operand (diagonal) in {equation!r}")
     return terms, out
 
 
@@ -114,10 +111,15 @@ def _einsum(ctx):
     terms, out = _einsum_terms(ctx.attr("equation"))
     op, b = ctx.op, ctx.b
     grads = []
-    for i, (x, term) in enumerate(zip(ctx.inputs, terms)):
+    for i, (x, full_term) in enumerate(zip(ctx.inputs, terms)):
         if not ctx.needs(i):
             grads.append(None)
             continue
+        # a label repeated within the operand reads its diagonal: the gradient is computed for the
+        # diagonal (each label once), then placed on it (zeros elsewhere)
+        term = list(dict.fromkeys(full_term))
+        if len(term) < len(full_term) and (_ELLIPSIS in full_term or x.dtype is None):
+            raise NotImplementedError("Einsum gradient: a repeated label in an operand with '...' or of unknown type")
         others = [t for j, t in enumerate(terms) if j != i]
         available = set(out).union(*others)
         kept = [t for t in term if t in available]
@@ -127,8 +129,12 @@ def _einsum(ctx):
         g = op.Einsum(ctx.dy, *[v for j, v in enumerate(ctx.inputs) if j != i], equation=equation)
         if extra:
             g = b.reduce_sum(g, list(range(_ellipsis_rank(ctx, terms))), keepdims=False)
+        diagonal = len(term) < len(full_term)
+        # the operand's shape with each label once: its own, or its dims at each label's first axis
+        shape = op.Gather(op.Shape(x), b.ints([full_term.index(t) for t in term]), axis=0) if diagonal \
+            else op.Shape(x)
         if len(kept) < len(term):
-            rank = rank_of(x)
+            rank = len(term) if diagonal else rank_of(x)
             if rank is None:
                 raise NotImplementedError("Einsum gradient needs the rank of an operand with summed-out labels")
             dims, pos = [], 0  # first axis of each token in x
@@ -137,8 +143,26 @@ def _einsum(ctx):
                 pos += rank - (len(term) - 1) if t == _ELLIPSIS else 1
             missing = [a for t, d in zip(term, dims) if t not in available
                        for a in (range(d, d + rank - len(term) + 1) if t == _ELLIPSIS else [d])]
-            g = op.Expand(b.unsqueeze(g, missing), op.Shape(x))
+            g = op.Expand(b.unsqueeze(g, missing), shape)
+        if diagonal:
+            g = _on_diagonals(b, g, full_term, x)
         if _ELLIPSIS in term:  # ellipsis dims of size 1 broadcast against the other operands
             g = sum_to_shape(b, g, x)
         grads.append(g)
     return tuple(grads)
+
+
+def _on_diagonals(b, g, term: list[str], x):
+    """``g`` (one axis per label of ``term``, in first-appearance order) as a tensor of ``x``'s
+    shape that is ``g`` where every repeated label's axes agree and 0 elsewhere: each repeated
+    axis inserted (size 1), then multiplied by an identity over it and its label's first axis."""
+    op = b.op
+    repeated = [position for position, t in enumerate(term) if term.index(t) != position]
+    g = b.unsqueeze(g, repeated)
+    for position in repeated:
+        first = term.index(term[position])
+        size = op.Gather(op.Shape(x), b.ints([first]), axis=0)
+        zero = ir.tensor(np.zeros([1], dtype=x.dtype.numpy()))  # an identity of x's type (opset 13: no CastLike)
+        eye = op.EyeLike(op.ConstantOfShape(op.Concat(size, size, axis=0), value=zero))
+        g = op.Mul(g, b.unsqueeze(eye, [a for a in range(len(term)) if a not in (first, position)]))
+    return g

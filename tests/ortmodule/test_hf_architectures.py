@@ -40,6 +40,10 @@ ARCHITECTURES = {
                                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), _text),
     "llama": (lambda: T.LlamaForCausalLM(T.LlamaConfig(vocab_size=50, num_key_value_heads=1,
                                                        max_position_embeddings=16, **_SMALL)), _text),
+    # mixture of experts: transformers' grouped product of the routed tokens (its custom op)
+    "mixtral": (lambda: T.MixtralForCausalLM(T.MixtralConfig(vocab_size=50, num_key_value_heads=1, num_local_experts=4,
+                                                             num_experts_per_tok=2, max_position_embeddings=16,
+                                                             **_SMALL)), _text),
     "deberta-v2": (lambda: T.DebertaV2ForSequenceClassification(
         T.DebertaV2Config(vocab_size=50, max_position_embeddings=20, **_NO_DROPOUT, **_SMALL)), _text),
     "t5-encoder": (lambda: T.T5EncoderModel(T.T5Config(vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=2,

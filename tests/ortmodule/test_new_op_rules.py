@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain.torch import ORTModule, ORTModuleFallbackWarning  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
 
 from ._parity import assert_steps_match, eager_and_wrapped  # noqa: E402
 
@@ -509,3 +509,35 @@ def test_gaussian_nll_loss_trains_without_its_data_dependent_check(var_shape, fu
     for name in ("mean.weight", "spread.weight", "spread.bias"):
         torch.testing.assert_close(wrapped.module.get_parameter(name).grad, eager.get_parameter(name).grad,
                                    rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_the_grouped_product_of_mixture_of_experts_layers_with_empty_experts():
+    """transformers' ``grouped_mm_fallback`` (rows sorted by expert, ``offs`` each expert's end):
+    one product per expert, an expert without rows included, new row counts on each call."""
+    pytest.importorskip("transformers.integrations.moe")
+    grouped = torch.ops.transformers.grouped_mm_fallback
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(3, 4, 5))
+
+        def forward(self, rows, offsets):
+            return grouped(rows, self.weight, offsets)
+
+    eager, wrapped = eager_and_wrapped(Experts, debug_options=DebugOptions(fallback=False))
+    for count, ends in ((6, [2, 2, 6]), (9, [0, 4, 9]), (5, [5, 5, 5])):
+        rows = torch.randn(count, 4, requires_grad=True)
+        offsets = torch.tensor(ends, dtype=torch.int32)
+        outputs, row_grads = [], []
+        for model in (wrapped, eager):
+            model.zero_grad()
+            given = rows.detach().clone().requires_grad_()
+            out = model(given, offsets)
+            (out * torch.arange(5.0)).sum().backward()
+            outputs.append(out.detach())
+            row_grads.append(given.grad)
+        torch.testing.assert_close(outputs[0], outputs[1])
+        torch.testing.assert_close(row_grads[0], row_grads[1])
+        torch.testing.assert_close(wrapped.module.weight.grad, eager.weight.grad)
+    assert wrapped.export_count == 2  # the first call's row count, then a dynamic one

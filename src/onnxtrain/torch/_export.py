@@ -223,6 +223,18 @@ def _exact_torch_functions() -> frozenset[type]:
     return frozenset(exact)
 
 
+# custom ops (torch.library) with an autograd registration whose forward onnxtrain translates
+# (torch.onnx's table in onnxtrain.torch._translations), so that the gradient graph differentiates
+# the op itself: transformers' grouped product of mixture-of-experts layers
+_TRANSLATED_CUSTOM_OPS = frozenset({"GeneratedBackwardFor_transformers_grouped_mm_fallback_default"})
+
+
+def _is_translated_custom_op_function(cls: type) -> bool:
+    """Whether ``cls`` is the autograd Function torch generates for a custom op onnxtrain
+    translates (its registered backward is the gradient of the op)."""
+    return cls.__module__ == "torch._library.autograd" and cls.__name__ in _TRANSLATED_CUSTOM_OPS
+
+
 def _is_higher_order_op_function(cls: type) -> bool:
     """Whether ``cls`` is the autograd Function of one of torch's higher-order ops (``torch.cond``,
     ``torch._higher_order_ops.while_loop``, ...): its backward differentiates the op's subgraphs,
@@ -495,7 +507,8 @@ def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: fro
     if inline is True:
         return
     exact = _exact_torch_functions() | inline
-    custom = [cls for cls in found if cls not in exact and not _is_higher_order_op_function(cls)]
+    custom = [cls for cls in found if cls not in exact and not _is_higher_order_op_function(cls)
+              and not _is_translated_custom_op_function(cls)]
     if custom:
         names = ", ".join(_function_name(cls) for cls in custom)
         raise ExportError(

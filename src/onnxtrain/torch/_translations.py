@@ -1016,6 +1016,41 @@ def fake_quantize_per_channel_affine(x, scale, zero_point, axis: int, quant_min:
     return fake_quantize_per_channel_affine_cachemask(x, scale, zero_point, axis, quant_min, quant_max)[0]
 
 
+def grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """``aten._grouped_mm`` and transformers' ``grouped_mm_fallback`` (mixture-of-experts layers:
+    Mixtral, Qwen-MoE, ...; the exporter has no translation): ``mat_a``'s rows, sorted by expert,
+    each times its expert's matrix, ``offs`` the cumulative row count per expert. One product
+    per expert (their number is static), on the rows ``offs`` gives it, then concatenated."""
+    experts = mat_b.shape[0] if mat_b.shape is not None and len(mat_b.shape) == 3 else None
+    if offs is None or not isinstance(experts, int) or mat_a.shape is None or len(mat_a.shape) != 2:
+        raise NotImplementedError("grouped matrix product: only rows grouped by offsets times a static number of "
+                                  "[K, N] matrices")
+    ends = op.Cast(offs, to=onnx.TensorProto.INT64)
+    one, first = op.Constant(value_int=1), op.Constant(value_ints=[0])
+    products, start = [], op.Constant(value_int=0)
+    for expert in range(experts):
+        end = op.Squeeze(op.Gather(ends, op.Constant(value_ints=[expert]), axis=0), first)
+        rows = op.Gather(mat_a, op.Range(start, end, one), axis=0)
+        matrix = op.Gather(mat_b, op.Constant(value_int=expert), axis=0)
+        product = op.MatMul(rows, matrix)
+        if bias is not None:
+            product = op.Add(product, op.Gather(bias, op.Constant(value_int=expert), axis=0))
+        products.append(product)
+        start = end
+    out = op.Concat(*products, axis=0) if len(products) > 1 else products[0]
+    return op.Cast(out, to=int(out_dtype)) if out_dtype is not None else out
+
+
+def _optional_ops() -> dict:
+    """Translations of ops that libraries register when imported (transformers' grouped product)."""
+    table = {}
+    try:
+        table[torch.ops.transformers.grouped_mm_fallback.default] = grouped_mm
+    except (AttributeError, RuntimeError):  # transformers' MoE integration not imported
+        pass
+    return table
+
+
 def translation_table() -> dict:
     """The ``custom_translation_table`` ORTModule passes to ``torch.onnx.export`` (its graphs
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
@@ -1094,6 +1129,8 @@ def translation_table() -> dict:
         torch.ops.aten.amin.default: _reductions.amin,
         torch.ops.aten.std.correction: _reductions.std_correction,
         torch.ops.aten.linalg_vector_norm.default: _reductions.linalg_vector_norm,
+        torch.ops.aten._grouped_mm.default: grouped_mm,
+        **_optional_ops(),
     }
 
 

@@ -228,3 +228,35 @@ def test_a_changed_hugging_face_config_runs_a_graph_exported_for_it():
     for ours, theirs in zip(got.hidden_states, expected.hidden_states):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert ("config", "output_hidden_states") in AttributeRecord(wrapped.module).names()
+
+
+class _Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 4)
+
+    def forward(self, x, options, temperature=1.0):
+        return (self.linear(x) * options["gain"] / temperature).softmax(-1)
+
+
+def test_a_python_number_argument_past_the_limit_names_itself_and_runs_in_pytorch():
+    """Each value of a non-tensor argument is a graph of its own (a temperature annealed every
+    step was an export per step, every graph kept): past the limit, PyTorch, and a message
+    naming the argument."""
+    wrapped = ORTModule(_Tempered())
+    x = torch.randn(5, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for step in range(ATTRIBUTE_EXPORT_LIMIT + 1):
+            wrapped(x, {"gain": 2.0}, temperature=1.0 + step).sum().backward()
+        wrapped(x, {"gain": 2.0}, temperature=2.0)  # a value seen before: its graph
+        wrapped(x, {"gain": 3.0}, temperature=2.0)  # another argument's first change
+    assert wrapped.export_count == ATTRIBUTE_EXPORT_LIMIT + 2 and wrapped.fallback_reason is None
+    with pytest.warns(ORTModuleFallbackWarning, match=r"argument 'temperature' \(now 9.0\), not a tensor, took more "
+                                                     r"than 4 new values.*pass it as a tensor"):
+        wrapped(x, {"gain": 2.0}, temperature=9.0)
+    assert wrapped.export_count == ATTRIBUTE_EXPORT_LIMIT + 2 and not wrapped._variants
+    strict = ORTModule(_Tempered(), DebugOptions(fallback=False))
+    with pytest.raises(ExportError, match=r"positional argument 1\['gain'\] \(now 6.0\)"):
+        for gain in range(1, 7):
+            strict(x, {"gain": float(gain)})

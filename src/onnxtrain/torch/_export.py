@@ -162,6 +162,21 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
     return FlatCall(tensors, template, positions, spec, schema, state)
 
 
+def constant_argument_names(call: FlatCall) -> list[str]:
+    """Readable names of a call's non-tensor leaves, in their order (``CallSchema.constants``):
+    ``argument 'temperature'``, ``positional argument 1``, with the path inside containers."""
+    indices = pytree.tree_unflatten(list(range(len(call.leaves))), call.spec)
+    tensor_places = set(call.positions)
+    names = []
+    for path, index in pytree.tree_flatten_with_path(indices)[0]:
+        if index in tensor_places:
+            continue
+        where, first, rest = path[0], path[1], path[2:]
+        base = f"positional argument {first.idx}" if where.idx == 0 else f"argument {first.key!r}"
+        names.append(base + pytree.keystr(rest))
+    return names
+
+
 def _named_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], tuple[int, ...]]:
     """Parameters then buffers by qualified name, as ``named_parameters`` + ``named_buffers``
     (duplicates kept) give them, and the ``id`` of every submodule in walk order, in one walk

@@ -27,7 +27,8 @@ from onnxtrain.runtime.denormals import ask_for_flushing
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._attributes import AttributeChange, AttributeRecord
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
-from onnxtrain.torch._export import CallSchema, ExportedGraph, export_call, flatten_call, positions_requiring_grad
+from onnxtrain.torch._export import (CallSchema, ExportedGraph, constant_argument_names, export_call, flatten_call,
+                                     positions_requiring_grad)
 
 logger = logging.getLogger(__name__)
 
@@ -294,6 +295,8 @@ class ORTModule(torch.nn.Module):
         # the new values each (submodule name, attribute) took, and those no longer watched
         self._attribute_values: dict[tuple[str, str], set] = {}
         self._unwatched_attributes: set[tuple[str, str]] = set()
+        # the values each non-tensor argument (by its place among them) took, where it changed
+        self._argument_values: dict[int, set] = {}
         # a parent's load_state_dict walks _modules: route its keys into the wrapped module
         self._register_load_state_dict_pre_hook(_load_keys_into_wrapped_module, with_module=True)
 
@@ -412,6 +415,7 @@ class ORTModule(torch.nn.Module):
 
     def _fall_back(self, exc: Exception) -> None:
         self._fallback_reason = f"{type(exc).__name__}: {exc}"
+        self._variants.clear()  # their graphs and sessions serve no call any more
         warnings.warn(
             f"ORTModule runs {type(self._original_module).__name__} in PyTorch: {self._fallback_reason}",
             ORTModuleFallbackWarning, stacklevel=3,
@@ -431,11 +435,38 @@ class ORTModule(torch.nn.Module):
                 f"tensor argument to make it a graph input")
         logger.info("exporting %s again: %s", type(self._original_module).__name__, "; ".join(map(str, changes)))
 
+    def _count_argument_values(self, call, key: tuple) -> None:
+        """Note the new values of non-tensor arguments (each value its own graph) against the
+        graphs exported for calls that differ only in them; ``ExportError`` (fallback to
+        PyTorch, where allowed) once one has taken more than ``ATTRIBUTE_EXPORT_LIMIT``."""
+        schema, rest = call.schema, key[1:]
+        bare = dataclasses.replace(schema, constants=())
+        for other, *other_rest in self._variants:
+            if other_rest != list(rest) or len(other.constants) != len(schema.constants) \
+                    or dataclasses.replace(other, constants=()) != bare:
+                continue
+            for place, (before, now) in enumerate(zip(other.constants, schema.constants)):
+                if before != now:
+                    self._argument_values.setdefault(place, {before}).add(now)
+        # the first value and up to the limit's count of new ones, as for attributes
+        churning = [place for place, values in self._argument_values.items()
+                    if len(values) > ATTRIBUTE_EXPORT_LIMIT + 1]
+        if churning:
+            names = constant_argument_names(call)
+            what = ", ".join(f"{names[place]} (now {schema.constants[place][1]!r})" for place in churning)
+            raise ExportError(
+                f"{type(self._original_module).__name__}'s {what}, not a tensor, took more than "
+                f"{ATTRIBUTE_EXPORT_LIMIT} new values, each exported as a graph of its own; pass it as a tensor "
+                f"(torch.tensor(value)) to make it a graph input that one graph serves for every value")
+
     def _variant(self, call, autocast: tuple[str, str] | None) -> _Variant:
         # grad mode is part of the key: a forward may branch on it (nn.TransformerEncoder's fast
         # path runs only without grad), and only a graph traced with grad shows its custom
         # autograd Functions and gradient cuts
-        variants = self._variants.setdefault((call.schema, autocast, torch.is_grad_enabled()), [])
+        key = (call.schema, autocast, torch.is_grad_enabled())
+        if key not in self._variants:
+            self._count_argument_values(call, key)
+        variants = self._variants.setdefault(key, [])
         stale: _Variant | None = None  # a graph for these shapes, exported with other attribute values
         stale_changes: list[AttributeChange] = []
         for variant in variants:

@@ -1,5 +1,6 @@
 """ORTModule under torch.autocast (bf16 on CPU) against eager autocast: 20 training steps
-of the GPT-style model and of a BERT-mini classifier, same optimizer, same data."""
+of the GPT-style model and of a BERT-mini classifier, same optimizer, same data; and the GPT
+converted to bf16/fp16 without autocast."""
 
 from __future__ import annotations
 
@@ -113,3 +114,28 @@ def test_mlp_under_fp16_autocast_matches_eager_output_and_gradients():
     for (name, p), (_, q) in zip(reference.named_parameters(), wrapped.named_parameters()):
         assert q.grad.dtype == torch.float32, name
         assert (q.grad - p.grad).abs().max() <= 1e-2 * p.grad.abs().max(), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_converted_to_low_precision_trains_in_onnxruntime_like_eager(dtype):
+    """``model.to(torch.bfloat16)`` on the CPU, whose onnxruntime provider has no arithmetic in
+    that type (bf16: the session did not load, and the module fell back): the graph gets
+    autocast's precision pass, and trains as eager does in that type."""
+    torch.manual_seed(0)
+    reference = GPT().to(dtype)
+    wrapped = ORTModule(copy.deepcopy(reference), STRICT)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, wrapped)]
+    fixed = torch.randint(0, 40, (4, 9), generator=torch.Generator().manual_seed(3))
+    curves = ([], [])
+    for _ in range(10):
+        for module, optimizer, curve in zip((reference, wrapped), optimizers, curves):
+            logits = module(fixed[:, :-1])
+            assert logits.dtype == dtype
+            loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, 40), fixed[:, 1:].reshape(-1))
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            curve.append(loss.item())
+    assert all(p.dtype == dtype and p.grad.dtype == dtype for p in wrapped.parameters())
+    _assert_tracks(curves)
+    assert wrapped.export_count == 1

@@ -55,6 +55,19 @@ def _autocast(tensors) -> tuple[str, str] | None:
     return device, _AUTOCAST_PRECISION[dtype]
 
 
+def _low_precision_on_cpu(call) -> tuple[str, str] | None:
+    """``("cpu", "bf16"|"fp16")`` for a call on the CPU whose inputs or parameters are bfloat16 or
+    float16 (``model.to(torch.bfloat16)``): onnxruntime's CPU provider has no arithmetic in those
+    types, so the graph gets the precision pass autocast's does (its ops in float32 between casts,
+    every low-precision value still rounded as eager rounds it)."""
+    tensors = [*call.tensors, *call.state.values()]
+    if not tensors or device_of(tensors).type != "cpu":
+        return None
+    dtypes = {t.dtype for t in tensors}
+    low = [dtype for dtype in _AUTOCAST_PRECISION if dtype in dtypes]
+    return ("cpu", _AUTOCAST_PRECISION[low[0]]) if low else None
+
+
 def _graph_inputs(call, variant: "_Variant") -> tuple[list[torch.Tensor], tuple[int, ...]]:
     """The tensors a variant's graphs take for ``call`` (call tensors, then parameters and
     buffers), and the positions of those that receive gradients."""
@@ -486,10 +499,13 @@ class ORTModule(torch.nn.Module):
         logger.info("exported %s (%s, %s shapes, export #%d) in %.1f s: %d nodes", type(self._original_module).__name__,
                     self._mode(), "dynamic" if variant.dynamic else "static", self.export_count,
                     time.perf_counter() - began, len(graph.model.graph))
+        if autocast is None:
+            autocast = _low_precision_on_cpu(call)
         if autocast is not None:
             # under torch.autocast the export traces autocast's casts: the graph computes what eager
             # autocast computes, with its output dtypes; the precision pass then moves the ops the
-            # execution provider cannot run in low precision (and the sensitive ones) to fp32
+            # execution provider cannot run in low precision (and the sensitive ones) to fp32 (the
+            # same for a model converted to bf16/fp16 on the CPU)
             variant.precision = PrecisionConfig(autocast[1], device=autocast[0])
             pipeline.run(graph.model, pipeline.mixed_precision(variant.precision))
         if stale is not None and io.serialize(graph.model) == io.serialize(stale.graph.model):

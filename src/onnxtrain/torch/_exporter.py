@@ -414,18 +414,23 @@ def _projected_lstm_forward(lstm: torch.nn.LSTM, input, hx=None):
 
 
 @contextlib.contextmanager
+def _forwards_replaced(modules: list[torch.nn.Module], forward):
+    """While in the ``with``: each of ``modules`` runs ``forward(module, *args)`` as its forward."""
+    for sub in modules:
+        sub.forward = functools.partial(forward, sub)
+    try:
+        yield
+    finally:
+        for sub in modules:
+            del sub.forward
+
+
 def projected_lstms_decomposed(module: torch.nn.Module):
     """While capturing: every ``nn.LSTM`` with ``proj_size`` in ``module`` computes with torch's
     decomposition of the op (:func:`_projected_lstm_forward`). ONNX's LSTM has no output
     projection, and torch.onnx's translation of the op drops ``weight_hr``."""
-    patched = [sub for sub in module.modules() if isinstance(sub, torch.nn.LSTM) and sub.proj_size > 0]
-    for lstm in patched:
-        lstm.forward = functools.partial(_projected_lstm_forward, lstm)
-    try:
-        yield
-    finally:
-        for lstm in patched:
-            del lstm.forward
+    lstms = [sub for sub in module.modules() if isinstance(sub, torch.nn.LSTM) and sub.proj_size > 0]
+    return _forwards_replaced(lstms, _projected_lstm_forward)
 
 
 def _cumulative_batch_norm_forward(norm: torch.nn.modules.batchnorm._BatchNorm, input: torch.Tensor) -> torch.Tensor:
@@ -446,21 +451,13 @@ def _cumulative_batch_norm_forward(norm: torch.nn.modules.batchnorm._BatchNorm, 
     return out
 
 
-@contextlib.contextmanager
 def cumulative_batch_norms(module: torch.nn.Module):
     """While capturing: every batch norm of ``module`` that trains with ``momentum=None`` and
     running statistics updates them by :func:`_cumulative_batch_norm_forward`."""
-    patched = [sub for sub in module.modules()
-               if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.momentum is None and sub.training
-               and sub.track_running_stats and sub.running_mean is not None
-               and not isinstance(sub, torch.nn.SyncBatchNorm)]
-    for norm in patched:
-        norm.forward = functools.partial(_cumulative_batch_norm_forward, norm)
-    try:
-        yield
-    finally:
-        for norm in patched:
-            del norm.forward
+    norms = [sub for sub in module.modules()
+             if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.momentum is None and sub.training
+             and sub.track_running_stats and sub.running_mean is not None and not isinstance(sub, torch.nn.SyncBatchNorm)]
+    return _forwards_replaced(norms, _cumulative_batch_norm_forward)
 
 
 def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:

@@ -252,3 +252,21 @@ def test_parameters_the_loss_does_not_reach_are_named_in_a_warning(tmp_path):
         warnings.simplefilter("error", NoGradientWarning)  # every parameter reached: no warning
         artifacts.generate_artifacts(regression_model(), requires_grad=["w1", "b2"],
                                      loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "ok")
+
+
+def test_a_model_with_external_data_by_path_and_a_clear_error_without_its_data(tmp_path, monkeypatch):
+    source = tmp_path / "source"
+    source.mkdir()
+    expected = {i.name: numpy_helper.to_array(i) for i in regression_model().graph.initializer}
+    onnx.save_model(regression_model(), source / "model.onnx", save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="weights.bin", size_threshold=0)
+    monkeypatch.chdir(tmp_path)  # the data is found beside the model, not in the working directory
+    artifacts.generate_artifacts(str(source / "model.onnx"), requires_grad=["w1", "b1"], frozen_params=["w2"],
+                                 loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "out")
+    state = CheckpointState.load_checkpoint(tmp_path / "out" / "checkpoint")
+    for name in ("w1", "b1", "w2"):
+        np.testing.assert_array_equal(state.parameters[name].data, expected[name])
+    without_data = onnx.load(source / "model.onnx", load_external_data=False)
+    with pytest.raises(ArtifactError, match=r"'w1' keeps its data in the external file 'weights.bin'"):
+        artifacts.generate_artifacts(without_data, requires_grad=["w1"], loss=artifacts.LossType.MSELoss,
+                                     artifact_directory=tmp_path / "out2")

@@ -93,10 +93,23 @@ def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
             raise ArtifactError(f"initializer {name!r} has no value")
     params = Parameters()
     for name in requires_grad:
-        params.trainable[name] = inits[name].const_value.numpy()
+        params.trainable[name] = _parameter_value(inits[name])
     for name in frozen_params:
-        params.frozen[name] = inits[name].const_value.numpy()
+        params.frozen[name] = _parameter_value(inits[name])
     return params
+
+
+def _parameter_value(value: ir.Value) -> np.ndarray:
+    """An initializer's array; ``ArtifactError`` naming the file when its data is external and
+    cannot be read (a model loaded with ``load_external_data=False``, or moved from its data)."""
+    try:
+        return value.const_value.numpy()
+    except OSError as exc:
+        location = getattr(value.const_value, "path", None) or getattr(exc, "filename", None)
+        raise ArtifactError(
+            f"initializer {value.name!r} keeps its data in the external file {str(location)!r}, which cannot be "
+            f"read ({exc.strerror or exc}): pass the model's path, or load it with its external data "
+            f"(onnx.load(path) with the data file beside it)") from exc
 
 
 def _lift_parameters(model: ir.Model, params: Parameters) -> None:

@@ -390,7 +390,7 @@ class ORTModule(torch.nn.Module):
     # -- calls -------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         module = self._original_module
-        if self._fallback_reason is not None or _has_lazy_parameters(module):
+        if self._fallback_reason is not None or (not self.export_count and _has_lazy_parameters(module)):
             # a lazy module's first call, in PyTorch, gives its parameters their shapes; the next is exported
             return module(*args, **kwargs)
         call = flatten_call(module, args, kwargs)

@@ -115,3 +115,26 @@ def test_stable_sort_keeps_the_order_of_ties(descending):
         return values * torch.arange(1.0, 7.0) + indices.float()
 
     _assert_input_gradient_matches(stable, x)
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: x.max(), lambda x: x.min(), lambda x: x.amax(1), lambda x: x.amin(0, keepdim=True),
+    lambda x: x.max(1).values, lambda x: x.min(1).indices, lambda x: torch.max(x, 0)[1],
+], ids=["max", "min", "amax dim", "amin keepdim", "max dim", "min dim indices", "max dim 0 indices"])
+def test_a_nan_among_the_candidates_of_a_maximum_or_minimum_is_the_result(function):
+    """onnxruntime's reductions and ArgMax keep a NaN only where it comes first; PyTorch returns it."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[1.0, nan, 3.0, -2.0], [5.0, 2.0, 1.0, 0.0], [inf, 2.0, nan, 1.0], [nan, nan, 1.0, 2.0]])
+    wrapped = ORTModule(_Function(function), DebugOptions(fallback=False))
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x), function(x), equal_nan=True)
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: (x > 0).max(1).values.float(), lambda x: (x > 0).min(0).indices.float(),
+    lambda x: (x * 10).long().max().float(), lambda x: (x * 10).int().amax(1).float(),
+], ids=["bool max dim", "bool min dim indices", "int max", "int amax dim"])
+def test_maxima_of_integers_and_booleans(function):
+    x = torch.tensor([[1.5, -2.0, 0.5], [-3.0, 1.0, 0.25], [0.0, -1.0, -0.5]])
+    wrapped = ORTModule(_Function(lambda x: function(x) * x.sum()), DebugOptions(fallback=False))
+    torch.testing.assert_close(wrapped(x), function(x) * x.sum())

@@ -7,7 +7,9 @@ elements. The exporter computes the values with ``ReduceMax``, whose gradient sp
 the ``ArgMax`` indices, so the gradient goes where PyTorch's goes.
 
 ``aten.amax`` / ``aten.amin`` over all axes (``x.amax()``, ``dim=()``) do not export at all
-(torchlib's function requires ``dim``); ours reduces every axis.
+(torchlib's function requires ``dim``); ours reduces every axis. Both, and ``max``/``min`` over a
+dim, return NaN where a NaN is among the reduced elements (and its index), as PyTorch: onnxruntime's
+reductions and ArgMax keep a NaN only where it comes first.
 
 ``aten.std.correction`` and ``aten.linalg_vector_norm`` of orders other than 0, 1, 2 and ±inf
 end in a root, whose infinite derivative at 0 times the zero gradient inside made NaN where
@@ -19,14 +21,31 @@ from __future__ import annotations
 
 import math
 
+import onnx_ir as ir
 from onnxscript import opset18 as op
+
+
+def _nan_flags(x):
+    """1 where ``x`` is NaN, else 0, in ``x``'s type."""
+    return op.CastLike(op.IsNaN(x), x)
+
+
+def _may_hold_nan(x) -> bool:
+    """Whether ``x`` is of a floating type (integers and booleans hold no NaN; IsNaN refuses them)."""
+    return x.dtype is None or x.dtype.is_floating_point()
 
 
 def _value_at_index(x, dim: int, keepdim: bool, largest: bool):
     if len(x.shape) == 0:
         return op.Identity(x), op.Constant(value_int=0)
     select = op.ArgMax if largest else op.ArgMin
-    indices = select(x, axis=dim, keepdims=1)
+    boolean = x.dtype is not None and x.dtype == ir.DataType.BOOL
+    indices = select(op.Cast(x, to=ir.DataType.INT32) if boolean else x, axis=dim, keepdims=1)  # no bool ArgMax
+    if _may_hold_nan(x):  # onnxruntime's ArgMax/ArgMin skip a NaN unless it comes first; PyTorch's pick it
+        flags = _nan_flags(x)
+        first_nan = op.ArgMax(flags, axis=dim, keepdims=1)
+        has_nan = op.Cast(op.GatherElements(flags, first_nan, axis=dim), to=9)  # 9: BOOL
+        indices = op.Where(has_nan, first_nan, indices)
     values = op.GatherElements(x, indices, axis=dim)
     if keepdim:
         return values, indices
@@ -59,9 +78,16 @@ def _reduce(function, x, axes, keepdim: bool):
 
 
 def _extreme(x, dim, keepdim: bool, reduce):
+    """``reduce`` (ReduceMax or ReduceMin) over ``dim``, NaN where a NaN is among the reduced
+    elements, as PyTorch's (onnxruntime's kernels keep a NaN only where it comes first)."""
     if len(x.shape) == 0:
         return op.Identity(x)
-    return _reduce(reduce, x, _axes(dim), keepdim)
+    axes = _axes(dim)
+    result = _reduce(reduce, x, axes, keepdim)
+    if not _may_hold_nan(x):
+        return result
+    has_nan = op.Cast(_reduce(op.ReduceMax, _nan_flags(x), axes, keepdim), to=9)  # 9: BOOL
+    return op.Where(has_nan, op.CastLike(op.Constant(value_float=math.nan), x), result)
 
 
 def amax(x, dim=(), keepdim: bool = False):
@@ -72,6 +98,16 @@ def amax(x, dim=(), keepdim: bool = False):
 def amin(x, dim=(), keepdim: bool = False):
     """``aten.amin``, ``dim=()`` reducing every axis (the gradient shared among ties, as PyTorch's)."""
     return _extreme(x, dim, keepdim, op.ReduceMin)
+
+
+def max_all(x):
+    """``aten.max.default`` (``x.max()``): the largest element, NaN if one is NaN."""
+    return _extreme(x, (), False, op.ReduceMax)
+
+
+def min_all(x):
+    """``aten.min.default`` (``x.min()``): the smallest element, NaN if one is NaN."""
+    return _extreme(x, (), False, op.ReduceMin)
 
 
 def _root_zero_at_zero(value, root):

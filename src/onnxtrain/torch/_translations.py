@@ -1125,6 +1125,8 @@ def translation_table() -> dict:
         torch.ops.aten.special_log_ndtr.default: _log_space.log_ndtr,
         torch.ops.aten.max.dim: _reductions.max_dim,
         torch.ops.aten.min.dim: _reductions.min_dim,
+        torch.ops.aten.max.default: _reductions.max_all,
+        torch.ops.aten.min.default: _reductions.min_all,
         torch.ops.aten.amax.default: _reductions.amax,
         torch.ops.aten.amin.default: _reductions.amin,
         torch.ops.aten.std.correction: _reductions.std_correction,

@@ -286,17 +286,16 @@ class LabelEncoder(Block):
                  keys_floats=None, keys_int64s=None, keys_strings=None, values_floats=None,
                  values_int64s=None, values_strings=None):
         super().__init__()
-        keys = [k for k in (keys_floats, keys_int64s, keys_strings) if k is not None]
-        values = [v for v in (values_floats, values_int64s, values_strings) if v is not None]
+        tables = {name: list(given) for name, given in (
+            ("keys_floats", keys_floats), ("keys_int64s", keys_int64s), ("keys_strings", keys_strings),
+            ("values_floats", values_floats), ("values_int64s", values_int64s), ("values_strings", values_strings),
+        ) if given is not None}
+        keys = [table for name, table in tables.items() if name.startswith("keys_")]
+        values = [table for name, table in tables.items() if name.startswith("values_")]
         if len(keys) != 1 or len(values) != 1 or len(keys[0]) != len(values[0]):
             raise ValueError("LabelEncoder needs one list of keys and one list of values, of the same length")
         self._attributes = {"default_float": float(default_float), "default_int64": int(default_int64),
-                            "default_string": default_string}
-        for attribute, given in (("keys_floats", keys_floats), ("keys_int64s", keys_int64s),
-                                 ("keys_strings", keys_strings), ("values_floats", values_floats),
-                                 ("values_int64s", values_int64s), ("values_strings", values_strings)):
-            if given is not None:
-                self._attributes[attribute] = list(given)
+                            "default_string": default_string, **tables}
 
     def build(self, input_name: str) -> str:
         opsets = self.context.model.opset_imports

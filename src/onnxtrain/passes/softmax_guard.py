@@ -235,10 +235,15 @@ def _row_factors(graph: ir.Graph, where: ir.Node, opset: int, before: ir.Node) -
     safe = b.op.Where(b.cast_to(keep, ir.DataType.BOOL), where.outputs[0], b.const(0, dtype))
     safe.dtype = dtype
     keep = b.cast_to(keep, dtype)
-    for node in b.created:  # the builder appended them; they belong before the first guard
+    _move_before(graph, b, before)
+    return safe, keep
+
+
+def _move_before(graph: ir.Graph, b: GraphBuilder, before: ir.Node) -> None:
+    """The nodes ``b`` appended to ``graph``, moved before ``before`` (the first guard)."""
+    for node in b.created:
         graph.remove(node)
     graph.insert_before(before, b.created)
-    return safe, keep
 
 
 def _constant_row_factors(graph: ir.Graph, mask: ir.Value, opset: int, before: ir.Node) -> tuple[ir.Value, ir.Value]:
@@ -251,7 +256,5 @@ def _constant_row_factors(graph: ir.Graph, mask: ir.Value, opset: int, before: i
     keep = b.const(kept.astype(array.dtype))
     for value in (safe, keep):
         value.dtype = tensor.dtype
-    for node in b.created:
-        graph.remove(node)
-    graph.insert_before(before, b.created)
+    _move_before(graph, b, before)
     return safe, keep

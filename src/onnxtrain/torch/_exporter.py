@@ -451,12 +451,18 @@ def _cumulative_batch_norm_forward(norm: torch.nn.modules.batchnorm._BatchNorm, 
     return out
 
 
+def is_cumulative_batch_norm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a batch norm that trains with running statistics and ``momentum=None``
+    (their cumulative average over the batches)."""
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.training \
+        and module.track_running_stats and module.running_mean is not None and module.momentum is None
+
+
 def cumulative_batch_norms(module: torch.nn.Module):
-    """While capturing: every batch norm of ``module`` that trains with ``momentum=None`` and
-    running statistics updates them by :func:`_cumulative_batch_norm_forward`."""
+    """While capturing: every cumulative-average batch norm of ``module`` (not SyncBatchNorm)
+    updates its running statistics by :func:`_cumulative_batch_norm_forward`."""
     norms = [sub for sub in module.modules()
-             if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.momentum is None and sub.training
-             and sub.track_running_stats and sub.running_mean is not None and not isinstance(sub, torch.nn.SyncBatchNorm)]
+             if is_cumulative_batch_norm(sub) and not isinstance(sub, torch.nn.SyncBatchNorm)]
     return _forwards_replaced(norms, _cumulative_batch_norm_forward)
 
 

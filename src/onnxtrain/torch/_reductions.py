@@ -44,7 +44,7 @@ def _value_at_index(x, dim: int, keepdim: bool, largest: bool):
     if _may_hold_nan(x):  # onnxruntime's ArgMax/ArgMin skip a NaN unless it comes first; PyTorch's pick it
         flags = _nan_flags(x)
         first_nan = op.ArgMax(flags, axis=dim, keepdims=1)
-        has_nan = op.Cast(op.GatherElements(flags, first_nan, axis=dim), to=9)  # 9: BOOL
+        has_nan = op.Cast(op.GatherElements(flags, first_nan, axis=dim), to=ir.DataType.BOOL)
         indices = op.Where(has_nan, first_nan, indices)
     values = op.GatherElements(x, indices, axis=dim)
     if keepdim:
@@ -86,7 +86,7 @@ def _extreme(x, dim, keepdim: bool, reduce):
     result = _reduce(reduce, x, axes, keepdim)
     if not _may_hold_nan(x):
         return result
-    has_nan = op.Cast(_reduce(op.ReduceMax, _nan_flags(x), axes, keepdim), to=9)  # 9: BOOL
+    has_nan = op.Cast(_reduce(op.ReduceMax, _nan_flags(x), axes, keepdim), to=ir.DataType.BOOL)
     return op.Where(has_nan, op.CastLike(op.Constant(value_float=math.nan), x), result)
 
 
@@ -146,7 +146,7 @@ def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):
     if math.isinf(ord):
         return _reduce(op.ReduceMax if ord > 0 else op.ReduceMin, op.Abs(x), axes, keepdim)
     if ord == 0.0:
-        nonzero = op.CastLike(op.Cast(x, to=9), x)  # 9: BOOL
+        nonzero = op.CastLike(op.Cast(x, to=ir.DataType.BOOL), x)
         return _reduce(op.ReduceSum, nonzero, axes, keepdim)
     if ord == 1.0:
         return _reduce(op.ReduceL1, x, axes, keepdim)

@@ -499,14 +499,13 @@ class ORTModule(torch.nn.Module):
         logger.info("exported %s (%s, %s shapes, export #%d) in %.1f s: %d nodes", type(self._original_module).__name__,
                     self._mode(), "dynamic" if variant.dynamic else "static", self.export_count,
                     time.perf_counter() - began, len(graph.model.graph))
-        if autocast is None:
-            autocast = _low_precision_on_cpu(call)
-        if autocast is not None:
+        low_precision = autocast if autocast is not None else _low_precision_on_cpu(call)
+        if low_precision is not None:
             # under torch.autocast the export traces autocast's casts: the graph computes what eager
             # autocast computes, with its output dtypes; the precision pass then moves the ops the
             # execution provider cannot run in low precision (and the sensitive ones) to fp32 (the
             # same for a model converted to bf16/fp16 on the CPU)
-            variant.precision = PrecisionConfig(autocast[1], device=autocast[0])
+            variant.precision = PrecisionConfig(low_precision[1], device=low_precision[0])
             pipeline.run(graph.model, pipeline.mixed_precision(variant.precision))
         if stale is not None and io.serialize(graph.model) == io.serialize(stale.graph.model):
             # the forward does not read what changed: stop watching it, keep the graph built already

@@ -31,7 +31,8 @@ from onnxtrain.torch._export import (
     export_failure,
     quiet_exporter,
 )
-from onnxtrain.torch._exporter import capture, contiguous_as_clone, export_program, mark_gradient_cuts
+from onnxtrain.torch._exporter import (capture, contiguous_as_clone, export_program, is_cumulative_batch_norm,
+                                       mark_gradient_cuts)
 from onnxtrain.torch._translations import artifacts_translation_table
 
 
@@ -86,9 +87,7 @@ def _check_batch_norm_momenta(model: torch.nn.Module) -> None:
     """``ExportError`` for batch norms that train with ``momentum=None`` (a cumulative average,
     whose factor changes every step): the artifacts' ``BatchNormalization`` updates its running
     statistics with a fixed momentum."""
-    cumulative = [name for name, sub in model.named_modules()
-                  if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm) and sub.training
-                  and sub.track_running_stats and sub.momentum is None]
+    cumulative = [name for name, sub in model.named_modules() if is_cumulative_batch_norm(sub)]
     if cumulative:
         raise ExportError(f"{', '.join(cumulative)}: BatchNorm with momentum=None (a cumulative average of the "
                           f"batch statistics) cannot be exported for on-device training, whose BatchNormalization "

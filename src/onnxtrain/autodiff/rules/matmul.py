@@ -159,10 +159,10 @@ def _on_diagonals(b, g, term: list[str], x):
     op = b.op
     repeated = [position for position, t in enumerate(term) if term.index(t) != position]
     g = b.unsqueeze(g, repeated)
+    zero = ir.tensor(np.zeros([1], dtype=x.dtype.numpy()))  # identities of x's type (opset 13: no CastLike)
     for position in repeated:
         first = term.index(term[position])
         size = op.Gather(op.Shape(x), b.ints([first]), axis=0)
-        zero = ir.tensor(np.zeros([1], dtype=x.dtype.numpy()))  # an identity of x's type (opset 13: no CastLike)
         eye = op.EyeLike(op.ConstantOfShape(op.Concat(size, size, axis=0), value=zero))
         g = op.Mul(g, b.unsqueeze(eye, [a for a in range(len(term)) if a not in (first, position)]))
     return g

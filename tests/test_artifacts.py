@@ -16,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import artifacts, onnxblock
 from onnxtrain.api import CheckpointState, Module, Optimizer
-from onnxtrain.errors import ArtifactError, InputMismatchError, NoGradientWarning, UnsupportedOpError
+from onnxtrain.errors import ArtifactError, CheckpointError, InputMismatchError, NoGradientWarning, UnsupportedOpError
 
 
 def regression_model(seed=0, hidden=8):
@@ -161,13 +161,27 @@ def test_parameter_lists_are_validated(tmp_path):
                                      artifact_directory=tmp_path)
 
 
-def test_nominal_checkpoint_has_no_values_but_the_right_shapes(tmp_path):
+def test_nominal_checkpoint_is_written_besides_the_complete_one(tmp_path):
     artifacts.generate_artifacts(regression_model(), loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path,
                                  nominal_checkpoint=True, prefix="nom_")
-    state = CheckpointState.load_checkpoint(tmp_path / "nom_checkpoint")
-    assert state.parameters["w1"].data.shape == (3, 8)
-    assert (tmp_path / "nom_training_model.onnx").exists()
-    assert (tmp_path / "nom_checkpoint").stat().st_size < 2000
+    # As upstream: the complete checkpoint, plus a nominal one with the same names and shapes.
+    complete = CheckpointState.load_checkpoint(tmp_path / "nom_checkpoint")
+    nominal = CheckpointState.load_checkpoint(tmp_path / "nom_nominal_checkpoint")
+    assert not complete.nominal and nominal.nominal
+    assert nominal.parameters.keys() == complete.parameters.keys()
+    assert nominal.parameters["w1"].shape == complete.parameters["w1"].data.shape == (3, 8)
+    assert (tmp_path / "nom_nominal_checkpoint").stat().st_size < 2000
+    with pytest.raises(CheckpointError, match="'w1' has no value"):
+        nominal.parameters["w1"].data
+    # The app fills the nominal state from the complete one's values and trains the same.
+    module = Module(tmp_path / "nom_training_model.onnx", nominal)
+    module.copy_buffer_to_parameters(
+        Module(tmp_path / "nom_training_model.onnx", complete).get_contiguous_parameters(), trainable_only=False)
+    for name, param in complete.parameters.items():
+        np.testing.assert_array_equal(nominal.parameters[name].data, param.data)
+    artifacts.generate_artifacts(regression_model(), loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path,
+                                 prefix="plain_")
+    assert not (tmp_path / "plain_nominal_checkpoint").exists()
 
 
 def test_custom_loss_block_and_loss_input_names(tmp_path):

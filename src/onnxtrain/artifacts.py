@@ -144,7 +144,10 @@ def generate_artifacts(
             defaults runs on ``artifact_directory`` afterwards. The ``.onnx`` files stay.
         custom_op_library: not supported (artifacts use standard ops only).
         additional_output_names: values to output besides the loss (e.g. logits).
-        nominal_checkpoint: write a checkpoint with names, shapes and types but no values.
+        nominal_checkpoint: also write ``nominal_checkpoint``, a checkpoint with the parameters'
+            names, shapes and types but no values (to ship with an app that receives the values
+            later, e.g. by ``Module.copy_buffer_to_parameters``), in addition to the complete
+            ``checkpoint``, as upstream.
         loss_input_names: model outputs fed to the loss (default: all outputs, in order).
         precision: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"``: the training and eval models
             compute matrix products (MatMul, Gemm, Conv) in that dtype, with fp32 islands
@@ -213,8 +216,11 @@ def generate_artifacts(
             io.save_model(training_model, directory / f"{prefix}training_model.onnx")
             io.save_model(eval_model, directory / f"{prefix}eval_model.onnx")
         with bar.phase("writing the checkpoint"):
-            write_checkpoint(directory / f"{prefix}checkpoint", {**params.trainable, **params.frozen},
-                             requires_grad=set(params.trainable), nominal=nominal_checkpoint)
+            all_params = {**params.trainable, **params.frozen}
+            write_checkpoint(directory / f"{prefix}checkpoint", all_params, requires_grad=set(params.trainable))
+            if nominal_checkpoint:
+                write_checkpoint(directory / f"{prefix}nominal_checkpoint", all_params,
+                                 requires_grad=set(params.trainable), nominal=True)
         logger.info("wrote training, eval models and checkpoint to %s", directory)
 
         if optimizer is not None:

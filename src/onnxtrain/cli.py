@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     art.add_argument("--prefix", default="")
     art.add_argument("--additional-output", nargs="*", default=[], help="values to output besides the loss")
     art.add_argument("--loss-input", nargs="*", default=[], help="model outputs fed to the loss")
-    art.add_argument("--nominal", action="store_true", help="write a nominal checkpoint (no values)")
+    art.add_argument("--nominal", action="store_true", help="also write nominal_checkpoint (names, shapes, no values)")
     art.add_argument("--ort-format", action="store_true",
                      help="also write the models in ORT format (mobile, minimal builds) and required_operators.config"
                           " (the same as `onnxtrain ort-format OUTPUT` afterwards)")

@@ -72,10 +72,10 @@ class _OptimizerState:
 class Parameter:
     """A model parameter held by a :class:`CheckpointState` (not created directly).
 
-    Attributes: ``name``, ``data`` (a numpy copy; assign an array to update it in place; zeros
-    of the right shape for a parameter of a nominal checkpoint that was never set),
-    ``requires_grad``, ``grad`` (a numpy copy of the accumulated gradient, None before the
-    first training step).
+    Attributes: ``name``, ``data`` (a numpy copy; assign an array to update it in place;
+    reading it raises ``CheckpointError`` for a parameter of a nominal checkpoint that was never
+    set, as upstream), ``requires_grad``, ``grad`` (a numpy copy of the accumulated gradient,
+    None before the first training step), ``shape`` and ``dtype`` (known without a value).
     """
 
     def __init__(self, state: CheckpointState, name: str):
@@ -87,7 +87,11 @@ class Parameter:
 
     @property
     def data(self) -> np.ndarray:
-        return to_numpy(self._state._value(self._state._slots[self._name]))
+        slot = self._state._slots[self._name]
+        if not slot.has_value:
+            raise CheckpointError(f"parameter {self._name!r} has no value (it came from a nominal checkpoint): "
+                                  f"set it first, e.g. state.parameters[{self._name!r}] = array")
+        return to_numpy(self._state._value(slot))
 
     @data.setter
     def data(self, value) -> None:

@@ -190,7 +190,7 @@ def test_custom_loss_block_and_loss_input_names(tmp_path):
             super().__init__()
             self.mse = onnxblock.loss.MSELoss()
             self.mul = onnxblock.blocks.Mul()
-            self.half = onnxblock.blocks.Constant(np.float32(0.5))
+            self.half = onnxblock.blocks.Constant(0.5)  # a Python float, as upstream's docs write it: float32
 
         def build(self, output_name):
             return self.mul(self.mse(output_name, "target"), self.half())
@@ -198,6 +198,9 @@ def test_custom_loss_block_and_loss_input_names(tmp_path):
     state, module, optimizer = make(tmp_path, loss=WeightedMSE(), loss_input_names=["y"])
     x, y = next(batches(6, 1))
     loss = float(module(x, y))
+    module.export_model_for_inferencing(tmp_path / "inference.onnx", ["y"])
+    prediction = ort.InferenceSession(tmp_path / "inference.onnx").run(None, {"x": x})[0]
+    assert loss == pytest.approx(0.5 * float(np.mean((prediction - y) ** 2)), rel=1e-5)
     module.eval()
     eval_loss = float(module(x, y))
     assert loss == pytest.approx(eval_loss, rel=1e-6)
@@ -284,3 +287,23 @@ def test_a_model_with_external_data_by_path_and_a_clear_error_without_its_data(t
     with pytest.raises(ArtifactError, match=r"'w1' keeps its data in the external file 'weights.bin'"):
         artifacts.generate_artifacts(without_data, requires_grad=["w1"], loss=artifacts.LossType.MSELoss,
                                      artifact_directory=tmp_path / "out2")
+
+
+def test_class_labels_of_another_integer_type_are_converted_where_they_fit(tmp_path):
+    """The labels input is int32; int64 labels (what onnxruntime-training 1.19.2's artifacts took,
+    and PyTorch's default) give the same loss, and labels that do not fit are refused by name."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["scores"])], "classifier",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 4])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    module = Module(tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint"))
+    x, labels = next(batches(3, 1))[0], np.array([0, 3, 1, 2] * 4)
+    as_int32 = float(module(x, labels.astype(np.int32)))
+    assert float(module(x, labels.astype(np.int64))) == as_int32
+    assert float(module(x, labels.astype(np.uint8))) == as_int32
+    with pytest.raises(InputMismatchError, match=r"'labels' has dtype int64 with values in \[0, 4294967296\]"):
+        module(x, np.where(labels == 3, 2**32, labels))
+    with pytest.raises(InputMismatchError, match="'labels' has dtype float32"):
+        module(x, labels.astype(np.float32))

@@ -181,6 +181,11 @@ def test_contiguous_parameters(module, artifacts):
         module.copy_buffer_to_parameters(np.zeros(8, np.float64))
     module.copy_buffer_to_parameters(np.zeros(10, np.float32), trainable_only=False)
     assert not module._state.parameters["scale"].data.any()
+    # Upstream's wrapper takes the C-level OrtValue (``OrtValue._ortvalue``): code written for it works.
+    module.copy_buffer_to_parameters(ort.OrtValue.ortvalue_from_numpy(new)._ortvalue)
+    np.testing.assert_array_equal(module._state.parameters["W"].data, new[:6].reshape(3, 2))
+    with pytest.raises(InputMismatchError, match="an OrtValue or a numeric array, got dict"):
+        module.copy_buffer_to_parameters({"W": new})
 
 
 # ----------------------------------------------------------------------------- checkpoint/model mismatch

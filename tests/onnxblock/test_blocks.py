@@ -122,7 +122,7 @@ def test_label_encoder_maps_class_names_to_the_labels_the_loss_takes():
         ctx.graph.inputs.append(ir.Value(name="names", type=ir.TensorType(ir.DataType.STRING), shape=ir.Shape(["N"])))
         encoded = encoder("names")
         ctx.graph.outputs.append(ctx.find(encoded))
-    session = ort.InferenceSession(io.serialize(ctx.model), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(io.serialize(ctx.ir_model), providers=["CPUExecutionProvider"])
     (got,) = session.run(None, {"names": np.array(["dog", "bird", "fish", "cat"], dtype=object)})
     np.testing.assert_array_equal(got, [1, 2, -1, 0])  # an unknown name gets default_int64
     with pytest.raises(ValueError, match="same length"):
@@ -135,7 +135,7 @@ def test_reduce_all_l2_and_input_like_without_a_name():
         norm = onnxblock.blocks.ReduceAllL2()("features", other)
         ctx.graph.outputs.append(ctx.find(norm))
     assert other != "features" and any(v.name == other for v in ctx.graph.inputs)
-    session = ort.InferenceSession(io.serialize(ctx.model), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(io.serialize(ctx.ir_model), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(3)
     x, y = rng.standard_normal((5, 8)).astype(np.float32), rng.standard_normal((5, FEATURES)).astype(np.float32)
     features = np.maximum(x @ numpy_helper.to_array(_feature_extractor().graph.initializer[0]), 0)

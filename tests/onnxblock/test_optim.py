@@ -124,6 +124,18 @@ def test_optimizer_model_uses_standard_ops_only():
     assert {n.domain for n in model.graph} == {""}
 
 
+def test_upstreams_accessor_flow_saves_the_optimizer_model(tmp_path):
+    """Upstream's documented flow: ``with empty_base() as accessor``, build, ``onnx.save(accessor.model)``."""
+    import onnx
+
+    init, grads = _data(steps=2)
+    with empty_base() as accessor:
+        optim.SGD()(list(init.items()))
+        onnx.save(accessor.model, tmp_path / "optimizer_model.onnx")
+    session = ort.InferenceSession(tmp_path / "optimizer_model.onnx", providers=["CPUExecutionProvider"])
+    assert {i.name for i in session.get_inputs()} >= set(init) | {names.grad_name(k) for k in init}
+
+
 @pytest.mark.parametrize("block", [
     lambda: optim.AdamW(weight_decay=0.01), lambda: optim.AdamW(mode="torch", weight_decay=0.01),
     lambda: optim.SGD(momentum=0.9, nesterov=True, weight_decay=0.1)], ids=["adamw", "adamw-torch", "sgd"])

@@ -16,10 +16,13 @@ class LinearLRScheduler:
     ``optimizer.step()``; so update ``k`` (1-based) uses ``lr(k - 1)`` and, with a warmup, the
     first update uses a learning rate of 0 (like the Hugging Face linear schedule).
 
-    Upstream (``orttraining/training_api/lr_scheduler.cc``, ``LinearLRScheduler``) computes
-    the same factor from the optimizer's step count, guarding the divisions with
-    ``max(1, ...)`` as done here; its Python docstring describes the same shape. We found no
-    difference between upstream's implementation and its documentation to correct.
+    Upstream's C++ scheduler (``orttraining/training_api/lr_scheduler.cc``) computes this
+    factor, with the same ``max(1, ...)`` guards, and its Python docstring describes this
+    shape; but onnxruntime-training 1.19.2's Python ``LinearLRScheduler`` hands the two counts
+    to it swapped, so there ``warmup_step_count=3, total_step_count=8`` warms up over 8 updates
+    and then drops to 0, and ``warmup_step_count=0`` warms up instead of decaying (measured
+    side by side). This class follows the documentation: a migrated script's schedule changes
+    where it relied on 1.19.2's behaviour (docs/artifacts.md, "Differences from upstream").
     Because ``t`` is the optimizer's count, a state resumed from a checkpoint saved with
     ``include_optimizer_state=True`` continues the schedule where it stopped.
 

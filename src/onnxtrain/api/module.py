@@ -327,10 +327,15 @@ class Module:
         return from_numpy(flat.astype(dtype, copy=False), self._device)
 
     def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
-        """Copy a flat buffer (OrtValue or numpy, as from :meth:`get_contiguous_parameters`) into
-        the parameters, in the same order."""
+        """Copy a flat buffer (as from :meth:`get_contiguous_parameters`: an OrtValue, also
+        onnxruntime's C-level one that upstream passes, or anything with ``.numpy()``, or an
+        array) into the parameters, in the same order."""
         slots = self._selected(trainable_only)
-        flat = buffer.numpy() if isinstance(buffer, ort.OrtValue) else np.asarray(buffer)
+        flat = buffer.numpy() if hasattr(buffer, "numpy") and not isinstance(buffer, np.ndarray) \
+            else np.asarray(buffer)
+        if flat.dtype == object:
+            raise InputMismatchError(f"parameter buffer must be an OrtValue or a numeric array, got "
+                                     f"{type(buffer).__name__}")
         expected = sum(s.size for s in slots)
         dtype = _common_dtype(slots)
         if flat.ndim != 1 or flat.size != expected:

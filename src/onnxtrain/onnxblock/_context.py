@@ -24,21 +24,24 @@ EMPTY_BASE_OPSET = 18
 
 
 class BuildContext:
-    """A model being built, with a builder on its main graph and name lookup."""
+    """A model being built (``ir_model``, an ``onnx_ir.Model``), with a builder on its main graph
+    and name lookup. ``with onnxblock.base(...) as accessor`` gives it; ``accessor.model`` is the
+    model as an ``onnx.ModelProto``, as upstream's accessor (``onnx.save(accessor.model, path)``).
+    """
 
     def __init__(self, model: ir.Model):
-        self.model = model
+        self.ir_model = model
         self.builder = GraphBuilder(model.graph, scope="onnxblock")
         # initializers blocks added as parameters to train (blocks.Linear's weight and bias)
         self.new_parameters: list[str] = []
 
     @property
     def graph(self) -> ir.Graph:
-        return self.model.graph
+        return self.ir_model.graph
 
     def find(self, name: str) -> ir.Value | None:
         """The value called ``name`` (a graph input, initializer or node output), or None."""
-        graph = self.model.graph
+        graph = self.ir_model.graph
         for value in graph.inputs:
             if value.name == name:
                 return value
@@ -62,7 +65,7 @@ class BuildContext:
         """The shape of ``value``, running ONNX shape inference if the builder does not know it."""
         if value.shape is not None:
             return value.shape
-        inferred = io.infer_shapes(io.load_model(io.to_proto(self.model)))
+        inferred = io.infer_shapes(io.load_model(io.to_proto(self.ir_model)))
         found = BuildContext(inferred).find(value.name)
         if found is not None and found.shape is not None:
             value.shape = found.shape
@@ -71,8 +74,11 @@ class BuildContext:
         return value.shape
 
     @property
-    def model_proto(self):
-        return io.to_proto(self.model)
+    def model(self):
+        """The model built so far, as a new ``onnx.ModelProto``."""
+        return io.to_proto(self.ir_model)
+
+    model_proto = model
 
 
 _ACTIVE: contextvars.ContextVar[BuildContext | None] = contextvars.ContextVar("onnxblock_base", default=None)

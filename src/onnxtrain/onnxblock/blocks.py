@@ -41,7 +41,7 @@ class Block(ABC):
 
     def __call__(self, *args, **kwargs):
         ctx = active()
-        self.context, self.base = ctx, ctx.model
+        self.context, self.base = ctx, ctx.ir_model
         return self.build(*args, **kwargs)
 
     def apply(self, context: BuildContext, *args, **kwargs):
@@ -170,11 +170,19 @@ class Cast(Block):
 
 
 class Constant(Block):
-    """A constant value (numpy array or Python number)."""
+    """A constant value: a numpy array or scalar (its dtype kept), or Python numbers.
+
+    Python floats (alone or in lists) become float32, the dtype models train in, as upstream's
+    ``Constant(value_float)`` (a float64 constant would make ``Mul(constant, loss)`` a model
+    onnxruntime refuses); Python ints become int64. ``dtype`` overrides either.
+    """
 
     def __init__(self, value, dtype=None):
         super().__init__()
-        self._value_array = np.asarray(value, dtype=dtype)
+        array = np.asarray(value, dtype=dtype)
+        if dtype is None and array.dtype == np.float64 and not isinstance(value, (np.ndarray, np.generic)):
+            array = array.astype(np.float32)
+        self._value_array = array
 
     def build(self) -> str:
         return self.context.builder.const(self._value_array).name
@@ -298,7 +306,7 @@ class LabelEncoder(Block):
                             "default_string": default_string, **tables}
 
     def build(self, input_name: str) -> str:
-        opsets = self.context.model.opset_imports
+        opsets = self.context.ir_model.opset_imports
         opsets.setdefault(_ML_DOMAIN, _LABEL_ENCODER_OPSET)
         out = self.op.LabelEncoder(self._value(input_name), _domain=_ML_DOMAIN, **self._attributes)
         out.type = ir.TensorType(self._output_dtype)

@@ -97,7 +97,9 @@ class CrossEntropyLoss(Block):
 
     As ``torch.nn.CrossEntropyLoss``: ``weight`` per class, ``ignore_index`` for labels
     that contribute nothing, reduction "mean" (weighted mean over non-ignored labels),
-    "sum" or "none". A labels input created here is int32, as upstream's.
+    "sum" or "none". A labels input created here is int32 (onnxruntime-training 1.19.2's is
+    int64, earlier versions' int32; int32 needs no BigInt in JavaScript). The Python runtime
+    converts integer labels of another type whose values fit, so int64 labels work too.
     """
 
     def __init__(self, weight=None, reduction: str = "mean", ignore_index: int | None = None):

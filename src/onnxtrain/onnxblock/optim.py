@@ -148,14 +148,14 @@ class _OptimizerBlock(Block):
                 value.shape = ir.Shape([])
                 outputs.append(value)
         graph.outputs.extend(outputs)
-        self.context.model.metadata_props[OPTIMIZER_METADATA_KEY] = json.dumps({
+        self.context.ir_model.metadata_props[OPTIMIZER_METADATA_KEY] = json.dumps({
             "type": self.type_name,
             "params": [s.name for s in specs],
             "states": list(self.states),
             "hyperparameters": self.hyperparameters(),
             **({"loss_scale": scaler.to_json()} if scaler is not None else {}),
         })
-        self._model = self.context.model
+        self._model = self.context.ir_model
         return [o.name for o in outputs]
 
     def _update_groups(self, specs: list[ParamSpec]) -> list[list[int]]:

@@ -45,8 +45,8 @@ class ForwardBlock(Block):
 
     def __call__(self, *args, **kwargs):
         output = super().__call__(*args, **kwargs)
-        _register_outputs(self.context.model, output)
-        self._model = io.load_model(io.to_proto(self.context.model))
+        _register_outputs(self.context.ir_model, output)
+        self._model = io.load_model(io.to_proto(self.context.ir_model))
         return output
 
     def to_model_proto(self):
@@ -116,11 +116,11 @@ class TrainingBlock(Block):
         loss_name = super().__call__(*args, **kwargs)
         # initializers the blocks added are constants of the loss, unless a block made them parameters
         constants = set(ctx.graph.initializers) - before - set(ctx.new_parameters)
-        self._parameters = select_parameters(ctx.model, self._requires_grad or None, self._frozen,
+        self._parameters = select_parameters(ctx.ir_model, self._requires_grad or None, self._frozen,
                                              added=ctx.new_parameters, constants=constants)
         if not isinstance(loss_name, str):
             raise ArtifactError(f"a TrainingBlock's build must return the loss name, got {loss_name!r}")
-        model = io.load_model(io.to_proto(ctx.model))
+        model = io.load_model(io.to_proto(ctx.ir_model))
         self._training_model, self._eval_model = build_training_and_eval(
             model, loss_name, self._parameters, user_inputs, self.additional_output_names,
             precision=self.precision, loss_scale=self.loss_scale,

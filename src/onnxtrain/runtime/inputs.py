@@ -58,14 +58,10 @@ def to_ortvalues(specs: Sequence[IOSpec], values: Sequence) -> tuple[list[ort.Or
 
 
 def _as_array(spec: IOSpec, value) -> np.ndarray:
-    if isinstance(value, np.ndarray):
-        if spec.dtype is not None and value.dtype != spec.dtype:
-            _fail(spec, f"has dtype {value.dtype}")
-        return value
-    if hasattr(value, "__array__") or hasattr(value, "__dlpack__"):  # e.g. a torch tensor
-        array = np.asarray(value)
+    if isinstance(value, np.ndarray) or hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
+        array = value if isinstance(value, np.ndarray) else np.asarray(value)  # e.g. a torch tensor
         if spec.dtype is not None and array.dtype != spec.dtype:
-            _fail(spec, f"has dtype {array.dtype}")
+            return _integers_converted(spec, array)
         return array
     # Python scalars and nested lists carry no dtype of their own: take the model's.
     try:
@@ -73,6 +69,21 @@ def _as_array(spec: IOSpec, value) -> np.ndarray:
     except (TypeError, ValueError) as exc:
         raise InputMismatchError(f"input {spec.name!r} cannot be converted to the model's "
                                  f"{spec.describe()}: {exc}") from exc
+
+
+def _integers_converted(spec: IOSpec, array: np.ndarray) -> np.ndarray:
+    """An integer array for an input of another integer type, converted where every value fits
+    (int64 class labels for an int32 labels input, as onnxruntime-training 1.19.2's
+    artifacts took, or the reverse); any other dtype mismatch is an error."""
+    target = np.dtype(spec.dtype)
+    if array.dtype.kind not in "iu" or target.kind not in "iu":
+        _fail(spec, f"has dtype {array.dtype}")
+    if not np.can_cast(array.dtype, target, "safe") and array.size:
+        limits = np.iinfo(target)
+        low, high = int(array.min()), int(array.max())
+        if low < limits.min or high > limits.max:
+            _fail(spec, f"has dtype {array.dtype} with values in [{low}, {high}], outside {target}'s range")
+    return array.astype(target)
 
 
 def _check_shape(spec: IOSpec, shape: tuple[int, ...], symbols: dict[str, tuple[int, str]]) -> None:

@@ -307,3 +307,18 @@ def test_class_labels_of_another_integer_type_are_converted_where_they_fit(tmp_p
         module(x, np.where(labels == 3, 2**32, labels))
     with pytest.raises(InputMismatchError, match="'labels' has dtype float32"):
         module(x, labels.astype(np.float32))
+
+
+def test_parameters_keep_the_models_order_whatever_order_the_lists_name_them_in(tmp_path):
+    """As upstream: a buffer of the trainable parameters has the model's initializer order, so it
+    fits the other library's artifacts of the same model (a federated exchange)."""
+    artifacts.generate_artifacts(regression_model(), requires_grad=["b2", "w2", "b1"], frozen_params=["w1"],
+                                 loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert state.parameters.keys() == ["b1", "w2", "b2", "w1"]
+    inputs = [i.name for i in onnx.load(tmp_path / "training_model.onnx").graph.input]
+    assert inputs[inputs.index("b1"):inputs.index("w1") + 1] == ["b1", "w2", "b2", "w1"]
+    module = Module(tmp_path / "training_model.onnx", state)
+    values = {p.name: numpy_helper.to_array(p) for p in regression_model().graph.initializer}
+    np.testing.assert_array_equal(module.get_contiguous_parameters(trainable_only=True).numpy(),
+                                  np.concatenate([values[n].ravel() for n in ("b1", "w2", "b2")]))

@@ -91,11 +91,15 @@ def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
     for name in requires_grad + frozen_params:
         if inits[name].const_value is None:
             raise ArtifactError(f"initializer {name!r} has no value")
+    # Each group in the model's initializer order, whatever order the lists name them in (as
+    # upstream: a buffer of the trainable parameters then has the same layout in both).
+    trainable, frozen = set(requires_grad), set(frozen_params)
     params = Parameters()
-    for name in requires_grad:
-        params.trainable[name] = _parameter_value(inits[name])
-    for name in frozen_params:
-        params.frozen[name] = _parameter_value(inits[name])
+    for name in inits:
+        if name in trainable:
+            params.trainable[name] = _parameter_value(inits[name])
+        elif name in frozen:
+            params.frozen[name] = _parameter_value(inits[name])
     return params
 
 

@@ -386,6 +386,79 @@ def test_module_behaviour_state_dict_copy_pickle_save():
     _assert_close(fresh(x), plain(x), "ORTModule after load_state_dict")
 
 
+class _Flagged(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor([10.0]))
+        self.use_scale = True
+
+    def forward(self, x):
+        return x * self.scale if self.use_scale else x
+
+
+def test_attributes_set_through_the_wrapper_are_the_wrapped_modules():
+    """As upstream's: a flag set on the ORTModule reaches the forward (and re-exports), new
+    parameters, buffers and submodules land in the wrapped module's state_dict."""
+    wrapped, x = ORTModule(_Flagged(), STRICT), torch.ones(2)
+    assert wrapped(x).tolist() == [10.0, 10.0]
+    wrapped.use_scale = False
+    assert wrapped.module.use_scale is False and "use_scale" not in wrapped.__dict__
+    assert wrapped(x).tolist() == [1.0, 1.0] and wrapped.export_count == 2
+    wrapped.scale = torch.nn.Parameter(torch.tensor([3.0]))
+    wrapped.use_scale = True
+    assert wrapped(x).tolist() == [3.0, 3.0]
+    wrapped.register_buffer("offset", torch.zeros(2))
+    wrapped.head = torch.nn.Linear(2, 2)
+    wrapped.note = "kept on the module"
+    assert {"scale", "offset", "head.weight", "head.bias"} <= set(wrapped.state_dict())
+    assert wrapped.module.note == wrapped.note == "kept on the module"
+    del wrapped.note
+    assert not hasattr(wrapped.module, "note")
+    # the wrapper's own state stays its own
+    wrapped.export_count = 0
+    assert "export_count" not in wrapped.module.__dict__
+    assert pickle.loads(pickle.dumps(wrapped)).module.head.weight.shape == (2, 2)
+
+
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(8, 6), torch.nn.Linear(8, 6)
+
+    def forward(self, a, b):
+        x = a + b
+        return torch.relu(self.first(x)), torch.relu(self.second(x))
+
+
+def test_a_loss_of_one_output_leaves_the_other_heads_gradients_none():
+    """As eager: parameters only an unused output reaches get no gradient (not zeros), so AdamW's
+    weight decay and step count leave them alone; the inputs get the used output's gradient."""
+    torch.manual_seed(0)
+    eager, wrapped = _TwoHeads(), ORTModule(_TwoHeads(), STRICT)
+    wrapped.module.load_state_dict(eager.state_dict())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.5) for m in (eager, wrapped)]
+    a, b = torch.randn(5, 8), torch.randn(5, 8)
+    for used in (0, 1, 0):
+        grads = []
+        for model, optimizer in zip((eager, wrapped), optimizers):
+            optimizer.zero_grad()
+            a_, b_ = a.clone().requires_grad_(), b.clone()
+            model(a_, b_)[used].sum().backward()
+            optimizer.step()
+            grads.append([a_.grad, *(p.grad for p in model.parameters())])
+        assert [g is None for g in grads[1]] == [g is None for g in grads[0]]
+        assert sum(g is None for g in grads[1]) == 2
+        for ours, theirs in zip(*grads[::-1]):
+            if theirs is not None:
+                _assert_close(ours, theirs, "gradient")
+    for ours, theirs in zip(wrapped.parameters(), eager.parameters()):
+        _assert_close(ours, theirs, "parameters after AdamW")
+    # both outputs in the loss: every parameter gets its gradient
+    wrapped.zero_grad()
+    sum(y.sum() for y in wrapped(a, b)).backward()
+    assert all(p.grad is not None for p in wrapped.parameters())
+
+
 def test_to_changes_dtype_and_optimizer_keeps_training():
     torch.manual_seed(0)
     model = _tanh_mlp()

@@ -167,6 +167,18 @@ class ForwardBackward:
     saved: list[str] = field(default_factory=list)
     memory: MemoryReport | None = None
 
+    def output_grads_reaching(self) -> list[frozenset[int]]:
+        """For each backward output (each of ``wrt``), the model outputs whose gradient it reads:
+        a parameter whose outputs all got no gradient (a loss of one output of two) has none."""
+        graph = self.backward.graph
+        reads: dict[ir.Value, frozenset[int]] = {
+            value: frozenset([index]) if source == FROM_OUTPUT_GRAD else frozenset()
+            for value, (source, index) in zip(graph.inputs, self.backward_inputs)}
+        for node in graph:  # in a topological order
+            found = frozenset().union(*(reads.get(v, frozenset()) for v in node_reads(node)))
+            reads.update((out, found) for out in node.outputs)
+        return [reads.get(out, frozenset()) for out in graph.outputs]
+
 
 def _distinct_outputs(graph: ir.Graph) -> None:
     """Give every graph output its own value that no node input aliases with a graph input.

@@ -168,6 +168,8 @@ class TrainingPrograms:
     backward: SessionRunner
     wrt_positions: list[int]   # input positions the backward graph returns gradients for
     non_differentiable: list[int]  # forward outputs (of the model's) that carry no gradient
+    # per backward output: the model outputs whose gradient it reads
+    grad_sources: list[frozenset[int]]
 
     @classmethod
     def build(cls, graphs: ForwardBackward, wrt_positions: list[int], device: Device,
@@ -180,7 +182,7 @@ class TrainingPrograms:
                    # recomputed forward values right before their use): the graph's own order
                    SessionRunner(graphs.backward, device, session_options, "backward graph", shrink_arena,
                                  training=True, in_listed_order=True),
-                   wrt_positions, non_diff)
+                   wrt_positions, non_diff, graphs.output_grads_reaching())
 
 
 class ORTFunction(torch.autograd.Function):
@@ -203,6 +205,10 @@ class ORTFunction(torch.autograd.Function):
         ctx.save_for_backward(*kept)
         model_outputs = outputs[:num]
         ctx.mark_non_differentiable(*[model_outputs[i] for i in programs.non_differentiable])
+        # an output the loss does not use gets None, not zeros: parameters only it reaches keep
+        # .grad None, as in eager (an optimizer then leaves them alone)
+        ctx.set_materialize_grads(False)
+        ctx.output_specs = [(o.shape, o.dtype, o.device) for o in model_outputs]
         return tuple(model_outputs)
 
     @staticmethod
@@ -219,12 +225,17 @@ class ORTFunction(torch.autograd.Function):
         kept = iter(ctx.saved_tensors)
         feeds = []
         for source, index in programs.graphs.backward_inputs:
-            if source == FROM_OUTPUT_GRAD:
+            if source != FROM_OUTPUT_GRAD:
+                feeds.append(next(kept))
+            elif grad_outputs[index] is not None:
                 feeds.append(grad_outputs[index])
             else:
-                feeds.append(next(kept))
+                shape, dtype, device = ctx.output_specs[index]
+                feeds.append(torch.zeros(shape, dtype=dtype, device=device))
         grads = programs.backward.run(feeds)
+        missing = {i for i, g in enumerate(grad_outputs) if g is None}
         result: list[torch.Tensor | None] = [None] * (1 + ctx.num_inputs)
-        for position, g in zip(programs.wrt_positions, grads):
-            result[1 + position] = g
+        for position, g, sources in zip(programs.wrt_positions, grads, programs.grad_sources):
+            if not (missing and sources and sources <= missing):
+                result[1 + position] = g
         return tuple(result)

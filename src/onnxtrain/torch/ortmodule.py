@@ -312,6 +312,7 @@ class ORTModule(torch.nn.Module):
         self._argument_values: dict[int, set] = {}
         # a parent's load_state_dict walks _modules: route its keys into the wrapped module
         self._register_load_state_dict_pre_hook(_load_keys_into_wrapped_module, with_module=True)
+        self.__dict__["_wrapper_ready"] = True  # from here on, new attributes go to the wrapped module
 
     # -- the wrapped module ------------------------------------------------------
     @property
@@ -324,6 +325,40 @@ class ORTModule(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self._modules["_original_module"], name)
+
+    def _own_attribute(self, name: str) -> bool:
+        """Whether ``name`` belongs to this wrapper (its state, or anything its class defines)
+        rather than to the wrapped module."""
+        return not self.__dict__.get("_wrapper_ready") or name in self.__dict__ or hasattr(type(self), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        # As upstream's: attributes set through the wrapper (a flag the forward reads, a new
+        # parameter or submodule) are the wrapped module's, where the forward sees them and
+        # the attribute watch re-exports for them.
+        if self._own_attribute(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._original_module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._own_attribute(name):
+            super().__delattr__(name)
+        else:
+            delattr(self._original_module, name)
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        """Register a buffer on the wrapped module (where ``state_dict()`` and the export see it)."""
+        self._original_module.register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
+        """Register a parameter on the wrapped module (where ``parameters()`` and the export see it)."""
+        self._original_module.register_parameter(name, param)
+
+    def add_module(self, name: str, module: torch.nn.Module | None) -> None:
+        """Add a submodule to the wrapped module."""
+        self._original_module.add_module(name, module)
+
+    register_module = add_module
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
@@ -361,6 +396,7 @@ class ORTModule(torch.nn.Module):
         self.__dict__.setdefault("_unwatched_attributes", set())
         # pickled before ORTModule looked for custom autograd Functions
         self.__dict__.setdefault("_inline_functions", frozenset())
+        self.__dict__["_wrapper_ready"] = True
 
     def __deepcopy__(self, memo):
         clone = type(self).__new__(type(self))

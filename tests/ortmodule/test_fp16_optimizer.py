@@ -164,6 +164,31 @@ def test_static_scale_scales_the_loss_and_never_changes():
     assert torch.equal(w.detach(), torch.tensor([0.5, 0.0, -0.5], dtype=torch.float16))
 
 
+def test_apex_call_forms():
+    """apex's argument names: scale_factor / scale_window, verbose, backward's update_master_grads,
+    zero_grad's set_grads_to_None; dynamic_loss_args are ignored with a static scale, as apex."""
+    w = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    static = FP16_Optimizer(torch.optim.SGD([w], lr=0.1), static_loss_scale=8.0,
+                            dynamic_loss_args={"init_scale": 1024.0}, verbose=False)
+    static.backward(w.float().sum(), update_master_grads=False)
+    assert torch.equal(w.grad, torch.full((2,), 8.0, dtype=torch.float16))
+    static.zero_grad(set_grads_to_None=False)
+    assert torch.equal(w.grad, torch.zeros(2, dtype=torch.float16))
+
+    v = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    dynamic = FP16_Optimizer(torch.optim.SGD([v], lr=0.1), dynamic_loss_scale=True,
+                             dynamic_loss_args={"init_scale": 64.0, "scale_factor": 4.0, "scale_window": 2})
+    scales = []
+    for overflow in (False, False, True, False):
+        dynamic.zero_grad()
+        dynamic.backward(v.float().sum())
+        if overflow:
+            v.grad[0] = math.inf
+        dynamic.step()
+        scales.append(dynamic.loss_scale)
+    assert scales == [64.0, 256.0, 64.0, 64.0]
+
+
 def test_clip_grad_clips_the_unscaled_master_gradients():
     w = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
     optimizer = FP16_Optimizer(torch.optim.SGD([w], lr=1.0), dynamic_loss_scale=True, clip_grad=0.5,
@@ -176,7 +201,8 @@ def test_clip_grad_clips_the_unscaled_master_gradients():
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"static_loss_scale": 0.0}, "static_loss_scale"), ({"clip_grad": -1.0}, "clip_grad"),
-    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"scale_window": 100}}, "dynamic_loss_args"),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"min_scale": 1}}, "dynamic_loss_args"),
+    ({"dynamic_loss_scale": True, "dynamic_loss_args": {"scale_factor": 1.0}}, "scale_factor"),
     ({"dynamic_loss_scale": True, "dynamic_loss_args": {"growth_factor": 0.5}}, "growth_factor"),
 ])
 def test_bad_arguments_are_named(kwargs, words):

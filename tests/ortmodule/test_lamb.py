@@ -229,3 +229,51 @@ def test_fp16_parameters_with_norms_beyond_fp16_range():
     LAMB([p], lr=0.01, max_grad_norm=1.0).step()
     # u is uniform, so lr * r * u = lr * ||p|| / ||u|| * u = lr * p: p = 2 - 0.01 * 2 (and finite)
     torch.testing.assert_close(p.detach().float(), torch.full((100_000,), 1.98), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1.0, None])
+def test_float64_parameters_track_the_reference(max_grad_norm):
+    params = _params(torch.float64)
+    optimizer = LAMB(params, lr=0.01, weight_decay=0.1, max_grad_norm=max_grad_norm)
+    reference = ReferenceLAMB(params, [([0, 1, 2, 3], 0.01, 0.1, float("-inf"), float("inf"))],
+                              max_grad_norm=max_grad_norm)
+    for t in range(1, 11):
+        grads = _grads(t, params)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer.step()
+        reference.step(grads)
+    _assert_tracks(params, reference.params, rtol=1e-12)
+
+
+def test_a_nan_gradient_spoils_its_own_tensor_only_as_in_apex():
+    """apex clips by ``norm > max ? norm / max : 1``: a NaN global norm clips nothing."""
+    for max_grad_norm in (1.0, None):
+        params = _params()
+        before = [p.detach().clone() for p in params]
+        grads = _grads(1, params)
+        grads[0][0, 0] = float("nan")
+        for p, g in zip(params, grads):
+            p.grad = g
+        LAMB(params, lr=0.01, weight_decay=0.1, max_grad_norm=max_grad_norm).step()
+        assert params[0].isnan().all()
+        reference = ReferenceLAMB(before[1:], [([0, 1, 2], 0.01, 0.1, float("-inf"), float("inf"))],
+                                  max_grad_norm=None)
+        reference.step(grads[1:])
+        _assert_tracks(params[1:], reference.params)
+
+
+def test_apexs_positional_arguments_and_group_step_counts():
+    params = _params()
+    # apex FusedLAMB(params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode, ...)
+    optimizer = LAMB([{"params": params[:2]}, {"params": params[2:]}], 1e-3, True, (0.9, 0.999), 1e-6, 0.01,
+                     False, True)
+    assert optimizer.adam_w_mode
+    with pytest.raises(OptimizerConfigError, match="AMSGrad"):
+        LAMB(params, amsgrad=True)
+    # as apex: every group counts every step, also one whose parameters had no gradient
+    for t in range(1, 4):
+        for p, g in zip(params[:2], _grads(t, params[:2])):
+            p.grad = g
+        optimizer.step()
+    assert [g["step"] for g in optimizer.param_groups] == [3, 3]

@@ -312,3 +312,49 @@ def test_torch_modes_track_torch_over_50_float32_steps(mode, torch_cls, torch_fu
         optimizer.step()
         expected.step()
     _assert_tracks(ours, theirs, f"{mode.name} vs {torch_cls.__name__}")
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last"])
+def test_a_gradient_laid_out_unlike_its_parameter_gets_the_right_update(layout):
+    """PyTorch's fused CPU kernel walks parameter, gradient and moments as one layout (AdamW(fused=True)
+    is 5e-2 off here); such parameters take the foreach ops."""
+    gen = torch.Generator().manual_seed(0)
+    if layout == "transposed":
+        value = torch.randn(6, 4, generator=gen).t()
+    else:
+        value = torch.randn(2, 3, 4, 5, generator=gen).contiguous(memory_format=torch.channels_last)
+    ours, theirs = torch.nn.Parameter(value.clone()), torch.nn.Parameter(value.clone())
+    optimizers = [FusedAdam([ours], lr=0.1, adam_w_mode=AdamWMode.ADAMW_TORCH, weight_decay=0.01, eps=1e-8),
+                  torch.optim.AdamW([theirs], lr=0.1, weight_decay=0.01, foreach=False)]
+    for _ in range(3):
+        grad = torch.randn(value.shape, generator=gen).contiguous()  # a hand-set, contiguous .grad
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+def test_a_torch_adamw_state_dict_resumes_as_torch_adamw_would():
+    params = _params()
+    reference = torch.optim.AdamW(params, lr=0.01, eps=1e-8, weight_decay=0.1)
+    for t in range(1, 4):
+        for p, g in zip(params, _grads(t, params)):
+            p.grad = g
+        reference.step()
+    ours = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    optimizer = FusedAdam(ours, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    # (a copy: a loaded state shares the saved tensors, which the reference's next steps change)
+    optimizer.load_state_dict(copy.deepcopy(reference.state_dict()))  # its groups have no bias_correction
+    assert optimizer.param_groups[0]["bias_correction"] is True and optimizer.param_groups[0]["lr"] == 0.01
+    for t in range(4, 6):
+        for p, q, g in zip(params, ours, _grads(t, params)):
+            p.grad, q.grad = g, g.clone()
+        reference.step()
+        optimizer.step()
+    for p, q in zip(params, ours):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
+    amsgrad = torch.optim.Adam(_params(), amsgrad=True).state_dict()
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(OptimizerConfigError, match=r"group 0: it asks for \['amsgrad'\]"):
+        optimizer.load_state_dict(amsgrad)
+    assert optimizer.state_dict()["param_groups"] == before["param_groups"]

@@ -26,6 +26,9 @@ from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 _LOW_PRECISION = frozenset({torch.float16, torch.bfloat16})
 _SCALER_ARGS = frozenset({"init_scale", "growth_factor", "backoff_factor", "growth_interval"})
+# apex's and Megatron-LM's DynamicLossScaler names: the scale changes by scale_factor, up after
+# scale_window good steps in a row, down on an overflow
+_APEX_SCALER_ARGS = frozenset({"scale_factor", "scale_window"})
 
 
 class FP16_Optimizer:  # noqa: N801 (upstream's name)
@@ -40,8 +43,11 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
             1.0). A step with an inf/NaN gradient is skipped either way.
         dynamic_loss_scale: adapt the scale (:class:`~onnxtrain.torch.amp.GradScaler`'s rules).
         dynamic_loss_args: keyword arguments of the dynamic scaler: ``init_scale`` (2**16),
-            ``growth_factor`` (2), ``backoff_factor`` (0.5), ``growth_interval`` (2000).
+            ``growth_factor`` (2), ``backoff_factor`` (0.5), ``growth_interval`` (2000), or apex's /
+            Megatron's ``scale_factor`` (growth factor ``f`` and backoff ``1 / f``) and
+            ``scale_window`` (the growth interval). Ignored with a static scale, as apex.
         clip_grad: if > 0, clip the global L2 norm of the (unscaled) master gradients to it.
+        verbose: apex's argument; nothing is printed either way.
 
     Use ``backward(loss)`` instead of ``loss.backward()``; ``step()`` returns ``None`` and sets
     :attr:`overflow` to whether it skipped. ``optimizer.optimizer`` is the wrapped optimizer
@@ -58,7 +64,7 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
 
     def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None,
-                 clip_grad: float = 0.0):
+                 clip_grad: float = 0.0, verbose: bool = False):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise OptimizerConfigError(f"FP16_Optimizer: optimizer must be a torch.optim.Optimizer, "
                                        f"got {type(optimizer).__name__}")
@@ -70,10 +76,10 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
                                        f"got {static_loss_scale!r}")
         if not (isinstance(clip_grad, (int, float)) and clip_grad >= 0):
             raise OptimizerConfigError(f"FP16_Optimizer: clip_grad must be a number >= 0, got {clip_grad!r}")
-        unknown = set(dynamic_loss_args or {}) - _SCALER_ARGS
+        unknown = set(dynamic_loss_args or {}) - _SCALER_ARGS - _APEX_SCALER_ARGS
         if unknown:
             raise OptimizerConfigError(f"FP16_Optimizer: dynamic_loss_args has unknown keys {sorted(unknown)}; "
-                                       f"expected some of {sorted(_SCALER_ARGS)}")
+                                       f"expected some of {sorted(_SCALER_ARGS | _APEX_SCALER_ARGS)}")
         self.optimizer = optimizer
         self.dynamic_loss_scale = bool(dynamic_loss_scale)
         self.static_loss_scale = float(static_loss_scale)
@@ -96,8 +102,10 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
                                        "expected one")
         device = devices.pop() if devices else "cpu"
         from onnxtrain.torch.amp import GradScaler  # not at the top: amp imports this package's errors
-        scaler_args = {} if self.dynamic_loss_scale else {"init_scale": self.static_loss_scale}
-        scaler_args.update(dynamic_loss_args or {})
+        if self.dynamic_loss_scale:
+            scaler_args = _scaler_args(dict(dynamic_loss_args or {}))
+        else:
+            scaler_args = {"init_scale": self.static_loss_scale}
         self.scaler = GradScaler(device, **scaler_args)
 
     # -- training loop -------------------------------------------------------------------------
@@ -110,8 +118,9 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
     def loss_scale(self) -> float:
         return self.scaler.get_scale()
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
-        """``(loss * loss_scale).backward()``."""
+    def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
+        """``(loss * loss_scale).backward()``. ``update_master_grads`` (apex's) changes nothing:
+        the masters take the model's gradients in :meth:`step`, after any accumulation."""
         self.scaler.scale(loss).backward(retain_graph=retain_graph)
 
     @torch.no_grad()
@@ -152,8 +161,12 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
         grads = [m for g in self.optimizer.param_groups for m in g["params"] if m.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type, foreach=True)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients of the model's parameters and of the masters."""
+    def zero_grad(self, set_to_none: bool = True, *, set_grads_to_None: bool | None = None) -> None:  # noqa: N803
+        """Clear the gradients of the model's parameters and of the masters: set them to None
+        (PyTorch's default) or, with ``set_to_none=False`` (apex's ``set_grads_to_None=False``,
+        apex's default), fill them with zeros."""
+        if set_grads_to_None is not None:
+            set_to_none = set_grads_to_None
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 _clear(p, set_to_none)
@@ -185,6 +198,20 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
         self.clip_grad = state_dict["clip_grad"]
         self.overflow = state_dict["overflow"]
         self.scaler.load_state_dict(state_dict["scaler"])
+
+
+def _scaler_args(args: dict) -> dict:
+    """``GradScaler``'s arguments from ``dynamic_loss_args`` (apex's names translated)."""
+    if "scale_factor" in args:
+        factor = args.pop("scale_factor")
+        if not (isinstance(factor, (int, float)) and factor > 1):
+            raise OptimizerConfigError(f"FP16_Optimizer: dynamic_loss_args scale_factor must be a number > 1, "
+                                       f"got {factor!r}")
+        args.setdefault("growth_factor", float(factor))
+        args.setdefault("backoff_factor", 1.0 / factor)
+    if "scale_window" in args:
+        args.setdefault("growth_interval", args.pop("scale_window"))
+    return args
 
 
 def _clear(p: torch.Tensor, set_to_none: bool) -> None:

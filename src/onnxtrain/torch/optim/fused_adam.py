@@ -157,21 +157,53 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
             # the fused kernel scales the decay by its learning rate: with a zero step size
             # (B = 0, lr = 0) it cannot shrink p (A != 1 only in ADAMW_TORCH mode)
             expressible = update.B != 0 or update.A == 1.0
-            if self._use_fused(device, dtype) and expressible:
-                _fused_update(*tensors, update, beta1, beta2, device)
-            else:
+            if not (self._use_fused(device, dtype) and expressible):
                 _foreach_update(*tensors, update, beta1, beta2)
+                continue
+            # PyTorch's CPU kernel walks the four tensors as if they had one memory layout: a
+            # gradient with other strides (a hand-set .grad of a transposed or channels_last
+            # parameter) gets the foreach ops, which index each tensor properly
+            same = [all(_same_layout(p, t) for t in ts) for p, *ts in zip(*tensors)]
+            for fused, part in ((True, [i for i, ok in enumerate(same) if ok]),
+                                (False, [i for i, ok in enumerate(same) if not ok])):
+                if part:
+                    chosen = tuple([ts[i] for i in part] for ts in tensors)
+                    if fused:
+                        _fused_update(*chosen, update, beta1, beta2, device)
+                    else:
+                        _foreach_update(*chosen, update, beta1, beta2)
 
     def _check_groups(self) -> None:
         for group in self.param_groups:
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         check_gradients("FusedAdam", self.param_groups, "; use torch.optim.SparseAdam")
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this optimizer, of upstream's, or of ``torch.optim.Adam`` /
+        ``AdamW`` (whose groups lack ``bias_correction``: this optimizer's defaults fill what a
+        group lacks). A group asking for what this optimizer does not do (``amsgrad``,
+        ``maximize``) is refused before anything is loaded."""
+        for index, group in enumerate(state_dict.get("param_groups", [])):
+            unsupported = [key for key in ("amsgrad", "maximize") if group.get(key)]
+            if unsupported:
+                raise OptimizerConfigError(f"FusedAdam cannot resume parameter group {index}: it asks for "
+                                           f"{unsupported}, which FusedAdam does not implement")
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
     def _use_fused(self, device: torch.device, dtype: torch.dtype) -> bool:
         available = hasattr(torch, "_fused_adamw_") and device.type in _FUSED_DEVICES and dtype in _FUSED_DTYPES
         if self.fused and not available:
             raise OptimizerConfigError(f"FusedAdam(fused=True): no fused kernel for {dtype} parameters on {device}")
         return available if self.fused is None else bool(self.fused)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (same shape) lay their elements out alike (strides of size-1 dims
+    do not matter)."""
+    return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1)
 
 
 def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:

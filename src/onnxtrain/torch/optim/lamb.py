@@ -4,8 +4,9 @@ The update follows the LAMB paper (You et al., "Large Batch Optimization for Dee
 Training BERT in 76 minutes") as NVIDIA's ``apex.optimizers.FusedLAMB`` implements it, with
 the trust-ratio bounds of upstream's ``LambOptimizer`` (``ratio_min`` / ``ratio_max``):
 
-1. ``g <- g / max(1, ||G|| / max_grad_norm)`` where ``||G||`` is the L2 norm of all gradients
-   of all groups together (skipped when ``max_grad_norm`` is ``None``);
+1. ``g <- g / (||G|| / max_grad_norm)`` where ``||G||``, the L2 norm of all gradients of all
+   groups together, exceeds ``max_grad_norm`` (skipped when ``max_grad_norm`` is ``None``; a
+   NaN norm clips nothing, as in apex, so a NaN gradient spoils its own tensor only);
 2. L2 mode only (``adam_w_mode=False``): ``g <- g + weight_decay * p``;
 3. ``m <- beta1 m + beta3 g`` (``beta3 = 1 - beta1``, or 1 with ``grad_averaging=False``),
    ``v <- beta2 v + (1 - beta2) g^2``;
@@ -13,6 +14,7 @@ the trust-ratio bounds of upstream's ``LambOptimizer`` (``ratio_min`` / ``ratio_
    plus ``weight_decay * p`` in decoupled mode (``adam_w_mode=True``, the default);
 5. ``r <- clamp(||p|| / ||u||, ratio_min, ratio_max)`` per tensor, ``r = 1`` where either norm
    is 0 (and, with ``use_nvlamb=False``, for groups whose ``weight_decay`` is 0);
+   norms accumulate in float32, float64 for float64 tensors;
 6. ``p <- p - lr * r * u``.
 
 Every step is a handful of ``torch._foreach_*`` kernels per (group, device, dtype), whatever
@@ -42,6 +44,7 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
         eps: added to ``sqrt(v)`` (upstream's ``epsilon``; default 1e-6 as upstream and apex).
         weight_decay: decoupled decay added to the update (upstream's ``lambda_coef``; default 0
             as upstream's ``LambConfig``; apex's default is 0.01).
+        amsgrad: apex's argument, in apex's place; only ``False`` (apex refuses ``True`` too).
         adam_w_mode: ``True``: decoupled decay (LAMB); ``False``: decay added to the gradient (L2).
         grad_averaging: scale the gradient by ``1 - beta1`` in the first moment (else by 1).
         set_grad_none: ``zero_grad()`` sets gradients to ``None`` (else zero-fills them).
@@ -52,8 +55,10 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
             which makes such groups plain Adam.
         ratio_min, ratio_max: bounds of the trust ratio (upstream's names and defaults: unbounded).
 
-    The step count is kept per parameter group (``param_groups[i]["step"]``) as in apex; each
-    parameter's state holds ``exp_avg`` and ``exp_avg_sq``. Gradients are not modified.
+    The step count is kept per parameter group (``param_groups[i]["step"]``) and, as in apex,
+    counts every step that updates anything, in every group (a group whose parameters had no
+    gradient at some steps is bias-corrected for them too); each parameter's state holds
+    ``exp_avg`` and ``exp_avg_sq``. Gradients are not modified.
 
     Example:
         >>> optimizer = LAMB(model.parameters(), lr=1e-3, weight_decay=0.01)
@@ -62,12 +67,14 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6, weight_decay: float = 0.0,
-                 adam_w_mode: bool = True, grad_averaging: bool = True, set_grad_none: bool = True,
+                 amsgrad: bool = False, adam_w_mode: bool = True, grad_averaging: bool = True, set_grad_none: bool = True,
                  max_grad_norm: float | None = 1.0, use_nvlamb: bool = True,
                  ratio_min: float = float("-inf"), ratio_max: float = float("inf")):
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, ratio_min=ratio_min, ratio_max=ratio_max)
         _check_group(defaults)
+        if amsgrad:
+            raise OptimizerConfigError("LAMB does not implement the AMSGrad variant (amsgrad=True), as apex's FusedLAMB")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0):
             raise OptimizerConfigError(f"LAMB: max_grad_norm must be a number > 0 or None, got {max_grad_norm!r}")
         super().__init__(params, defaults)
@@ -86,10 +93,8 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
             return loss
         clip = self._clip_divisors(grads)
         for group in self.param_groups:
-            with_grad = [p for p in group["params"] if p.grad is not None]
-            if not with_grad:
-                continue
             group["step"] = group.get("step", 0) + 1
+            with_grad = [p for p in group["params"] if p.grad is not None]
             for (device, _), params in by_device_and_dtype(with_grad).items():
                 for p in params:
                     adam_moments(self.state[p], p)
@@ -97,18 +102,19 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
         return loss
 
     def _clip_divisors(self, grads: list[torch.Tensor]) -> dict[torch.device, torch.Tensor] | None:
-        """``max(1, ||G|| / max_grad_norm)`` on each device; norms accumulate in fp32 (an fp16 norm
-        overflows at 65504)."""
+        """``||G|| / max_grad_norm`` where ``||G|| > max_grad_norm``, else 1 (a NaN norm too, as
+        apex), on each device; norms accumulate in fp32 (an fp16 norm overflows at 65504), fp64
+        for fp64 gradients."""
         if self.max_grad_norm is None:
             return None
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for g in grads:
             by_device[g.device].append(g)
         first = grads[0].device
-        squares = [torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).square().sum().to(first)
-                   for gs in by_device.values()]
+        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        squares = [torch.stack(_norms(gs)).square().sum().to(first, wide) for gs in by_device.values()]
         total = torch.stack(squares).sum().sqrt()
-        divisor = torch.clamp(total / self.max_grad_norm, min=1.0)
+        divisor = torch.where(total > self.max_grad_norm, total / self.max_grad_norm, torch.ones_like(total))
         return {device: divisor.to(device) for device in by_device}
 
     def _update(self, group: dict, params: list[torch.Tensor], clip: torch.Tensor | None) -> None:
@@ -141,10 +147,10 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
             torch._foreach_add_(updates, params, alpha=wd)
 
         if self.use_nvlamb or wd != 0:
-            p_norms = torch.stack(torch._foreach_norm(params, 2, dtype=torch.float32))
-            u_norms = torch.stack(torch._foreach_norm(updates, 2, dtype=torch.float32))
+            p_norms, u_norms = torch.stack(_norms(params)), torch.stack(_norms(updates))
             ratios = (p_norms / u_norms).clamp(group["ratio_min"], group["ratio_max"])
-            ratios = torch.where((p_norms > 0) & (u_norms > 0), ratios, torch.ones_like(ratios))
+            # as apex: 1 where a norm is 0; a NaN norm gives a NaN ratio (the tensor is spoiled)
+            ratios = torch.where((p_norms != 0) & (u_norms != 0), ratios, torch.ones_like(ratios))
             torch._foreach_mul_(updates, list(ratios.unbind()))
         torch._foreach_add_(params, updates, alpha=-group["lr"])
 
@@ -152,6 +158,12 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
         for group in self.param_groups:
             _check_group(group)
         check_gradients("LAMB", self.param_groups)
+
+
+def _norms(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """L2 norm of each tensor, accumulated in float32 (float64 if any tensor is float64)."""
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch._foreach_norm(tensors, 2, dtype=wide)
 
 
 def _check_group(group: dict) -> None:

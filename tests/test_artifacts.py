@@ -172,7 +172,7 @@ def test_nominal_checkpoint_is_written_besides_the_complete_one(tmp_path):
     assert nominal.parameters["w1"].shape == complete.parameters["w1"].data.shape == (3, 8)
     assert (tmp_path / "nom_nominal_checkpoint").stat().st_size < 2000
     with pytest.raises(CheckpointError, match="'w1' has no value"):
-        nominal.parameters["w1"].data
+        _ = nominal.parameters["w1"].data
     # The app fills the nominal state from the complete one's values and trains the same.
     module = Module(tmp_path / "nom_training_model.onnx", nominal)
     module.copy_buffer_to_parameters(

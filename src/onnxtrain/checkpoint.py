@@ -266,8 +266,24 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointData:
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors raises its own error type and OSError/ValueError
+        if _is_upstream_checkpoint(path):
+            raise CheckpointError(
+                f"checkpoint {str(path)!r} is onnxruntime-training's (a flatbuffer, file identifier ODTC), not "
+                f"onnxtrain's: generate the artifacts again with onnxtrain.artifacts.generate_artifacts, or "
+                f"move the parameter values over with Module.get_contiguous_parameters / "
+                f"copy_buffer_to_parameters") from exc
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or not a safetensors file: {exc}") from exc
     return _build(path, state, tensors)
+
+
+def _is_upstream_checkpoint(path: Path) -> bool:
+    """Whether ``path`` starts like onnxruntime-training's checkpoint: a flatbuffer whose file
+    identifier (bytes 4-8) is ``ODTC``."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(8)[4:8] == b"ODTC"
+    except OSError:
+        return False
 
 
 def _check_header(path: Path, metadata: Mapping[str, str]) -> None:

@@ -118,7 +118,7 @@ def test_nominal_checkpoint(tmp_path):
     assert state.nominal
     assert state.parameters["W"].shape == (3, 2)
     with pytest.raises(CheckpointError, match="'W' has no value"):
-        state.parameters["W"].data
+        _ = state.parameters["W"].data
     module = Module(arts.training, state, arts.eval)
     x, t = batch()
     with pytest.raises(CheckpointError, match="nominal"):

@@ -141,3 +141,43 @@ def test_reduce_all_l2_and_input_like_without_a_name():
     features = np.maximum(x @ numpy_helper.to_array(_feature_extractor().graph.initializer[0]), 0)
     got = session.run([norm], {"x": x, other: y})[0]
     np.testing.assert_allclose(got, np.sqrt((features ** 2).sum() + (y ** 2).sum()), rtol=1e-5)
+
+
+class _LossAndScores(onnxblock.TrainingBlock):
+    """Upstream's call forms: ReduceMean(keepdims) first, Constant(value_float=...), a build that
+    returns the loss then another output."""
+
+    def build(self, features):
+        diff = onnxblock.blocks.Sub()(features, onnxblock.blocks.InputLike(like=features)("target"))
+        mean = onnxblock.blocks.ReduceMean(False)(onnxblock.blocks.Pow(2.0)(diff))
+        return onnxblock.blocks.Mul()(onnxblock.blocks.Constant(value_float=0.5)(), mean), features
+
+
+def test_upstream_call_forms_build_models_whose_outputs_are_the_names_returned():
+    block = _built(_LossAndScores(), frozen=())
+    with onnxblock.base(_feature_extractor()):
+        loss_name, scores_name = block("features")
+    training, evaluation = block.to_model_proto()
+    assert [o.name for o in evaluation.graph.output] == [loss_name, scores_name]
+    assert [o.name for o in training.graph.output][:2] == [loss_name, scores_name]
+    session = ort.InferenceSession(evaluation.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    x, target = rng.standard_normal((4, 8)).astype(np.float32), rng.standard_normal((4, FEATURES)).astype(np.float32)
+    weight = numpy_helper.to_array(_feature_extractor().graph.initializer[0])
+    loss, scores = session.run([loss_name, scores_name], {"x": x, "target": target, "F": weight})
+    assert loss.shape == () and loss == pytest.approx(0.5 * float(np.mean((scores - target) ** 2)), rel=1e-5)
+    with onnxblock.empty_base(), pytest.raises(TypeError, match="keepdims must be a bool"):
+        onnxblock.blocks.ReduceSum([0, 1])
+    kept = onnxblock.blocks.ReduceSum(True)
+    with onnxblock.base(_feature_extractor()) as ctx:
+        ctx.graph.outputs.clear()
+        ctx.graph.outputs.append(ctx.find(kept("features")))
+    assert list(ort.InferenceSession(ctx.model.SerializeToString()).run(None, {"x": x})[0].shape) == [1, 1]
+
+
+def test_sgd_takes_clip_grad_first_as_upstream():
+    from onnxtrain.errors import ArtifactError
+
+    assert onnxblock.optim.SGD(onnxblock.optim.ClipGradNorm(2.5)).clip_grad.max_norm == 2.5
+    with pytest.raises(ArtifactError, match="clip_grad must be an optim.ClipGradNorm"):
+        onnxblock.optim.SGD(0.9)

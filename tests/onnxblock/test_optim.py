@@ -128,7 +128,7 @@ def test_upstreams_accessor_flow_saves_the_optimizer_model(tmp_path):
     """Upstream's documented flow: ``with empty_base() as accessor``, build, ``onnx.save(accessor.model)``."""
     import onnx
 
-    init, grads = _data(steps=2)
+    init, _ = _data(steps=2)
     with empty_base() as accessor:
         optim.SGD()(list(init.items()))
         onnx.save(accessor.model, tmp_path / "optimizer_model.onnx")

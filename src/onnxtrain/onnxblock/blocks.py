@@ -121,24 +121,31 @@ class Pow(Block):
 
 
 class _Reduce(Block):
+    """``keepdims`` comes first, as in upstream's blocks (``ReduceMean(False)``); its default here
+    is False: over all axes the result is a scalar (upstream's default keeps the dims, ``[1, 1]``
+    for a matrix, the same value)."""
+
     op_type = ""
 
-    def __init__(self, axes: list[int] | None = None, keepdims: bool = False):
+    def __init__(self, keepdims: bool = False, axes: list[int] | None = None):
         super().__init__()
-        self._axes, self._keepdims = axes, keepdims
+        if not isinstance(keepdims, (bool, int)):
+            raise TypeError(f"{type(self).__name__}: keepdims must be a bool, got {keepdims!r} "
+                            f"(reduce over some axes with axes=[...])")
+        self._axes, self._keepdims = axes, bool(keepdims)
 
     def build(self, input_name: str) -> str:
         return self.context.builder.reduce(self.op_type, self._value(input_name), self._axes, self._keepdims).name
 
 
 class ReduceMean(_Reduce):
-    """Mean over ``axes`` (default: all, to a scalar)."""
+    """Mean over ``axes`` (default: all, to a scalar unless ``keepdims``)."""
 
     op_type = "ReduceMean"
 
 
 class ReduceSum(_Reduce):
-    """Sum over ``axes`` (default: all, to a scalar)."""
+    """Sum over ``axes`` (default: all, to a scalar unless ``keepdims``)."""
 
     op_type = "ReduceSum"
 
@@ -170,15 +177,20 @@ class Cast(Block):
 
 
 class Constant(Block):
-    """A constant value: a numpy array or scalar (its dtype kept), or Python numbers.
+    """A constant value: a numpy array or scalar (its dtype kept), or Python numbers; given
+    positionally, as ``value_float=`` (upstream's keyword) or ``value=``.
 
     Python floats (alone or in lists) become float32, the dtype models train in, as upstream's
     ``Constant(value_float)`` (a float64 constant would make ``Mul(constant, loss)`` a model
     onnxruntime refuses); Python ints become int64. ``dtype`` overrides either.
     """
 
-    def __init__(self, value, dtype=None):
+    def __init__(self, value_float=None, dtype=None, *, value=None):
         super().__init__()
+        if (value_float is None) == (value is None):
+            raise TypeError("Constant takes one value: Constant(x), Constant(value_float=x) (upstream's "
+                            "keyword) or Constant(value=array)")
+        value = value_float if value is None else value
         array = np.asarray(value, dtype=dtype)
         if dtype is None and array.dtype == np.float64 and not isinstance(value, (np.ndarray, np.generic)):
             array = array.astype(np.float32)
@@ -197,11 +209,11 @@ class PassThrough(Block):
 
 class InputLike(Block):
     """Adds a graph input called ``input_name`` (default: a fresh name) with the type and shape of
-    ``like_name`` (a graph input or output, or any value of the model)."""
+    ``like`` (a graph input or output, or any value of the model; upstream's argument name)."""
 
-    def __init__(self, like_name: str):
+    def __init__(self, like: str):
         super().__init__()
-        self._like = like_name
+        self._like = like
 
     def build(self, input_name: str | None = None) -> str:
         like = self._value(self._like)

@@ -272,18 +272,21 @@ class AdamW(_OptimizerBlock):
 class SGD(_OptimizerBlock):
     """Stochastic gradient descent with ``torch.optim.SGD``'s semantics.
 
-    Upstream's ``SGD()`` is plain ``p -= lr * grad`` (the default here too); ``momentum``,
-    ``dampening``, ``weight_decay`` and ``nesterov`` follow PyTorch (the momentum buffer
-    starts as the first gradient).
+    Upstream's ``SGD(clip_grad=None)`` is plain ``p -= lr * grad`` (the default here too, with the
+    same first argument); the keyword arguments ``momentum``, ``dampening``, ``weight_decay`` and
+    ``nesterov`` follow PyTorch (the momentum buffer starts as the first gradient).
     """
 
     type_name = "SGD"
 
-    def __init__(self, momentum: float = 0.0, dampening: float = 0.0, weight_decay: float = 0.0,
-                 nesterov: bool = False, clip_grad: "ClipGradNorm | None" = None):
+    def __init__(self, clip_grad: "ClipGradNorm | None" = None, *, momentum: float = 0.0, dampening: float = 0.0,
+                 weight_decay: float = 0.0, nesterov: bool = False):
         super().__init__()
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ArtifactError("nesterov momentum needs momentum > 0 and dampening = 0")
+        if clip_grad is not None and not isinstance(clip_grad, ClipGradNorm):
+            raise ArtifactError(f"SGD clip_grad must be an optim.ClipGradNorm or None, got {clip_grad!r} "
+                                f"(as upstream, clip_grad comes first; momentum and the others are keywords)")
         self.momentum, self.dampening, self.weight_decay, self.nesterov = momentum, dampening, weight_decay, nesterov
         self.clip_grad = clip_grad
         self.states = (names.MOMENTUM_BUFFER,) if momentum else ()

@@ -100,7 +100,8 @@ class TrainingBlock(Block):
 
     @abstractmethod
     def build(self, *args, **kwargs):
-        """Stack blocks on the model; return the name of the loss."""
+        """Stack blocks on the model; return the name of the loss (or a tuple: the loss's name
+        then the names of other values the training and eval models output)."""
 
     def requires_grad(self, argument_name: str, value: bool = True) -> None:
         """Mark a parameter as trainable (``value=True``) or frozen (``value=False``)."""
@@ -113,19 +114,26 @@ class TrainingBlock(Block):
         ctx = active()
         user_inputs = [v.name for v in ctx.graph.inputs]
         before = set(ctx.graph.initializers)
-        loss_name = super().__call__(*args, **kwargs)
+        built = super().__call__(*args, **kwargs)
         # initializers the blocks added are constants of the loss, unless a block made them parameters
         constants = set(ctx.graph.initializers) - before - set(ctx.new_parameters)
         self._parameters = select_parameters(ctx.ir_model, self._requires_grad or None, self._frozen,
                                              added=ctx.new_parameters, constants=constants)
-        if not isinstance(loss_name, str):
-            raise ArtifactError(f"a TrainingBlock's build must return the loss name, got {loss_name!r}")
+        # the loss name, or (as upstream) the loss then more outputs for the training and eval models
+        names = list(built) if isinstance(built, (tuple, list)) else [built]
+        if not names or not all(isinstance(n, str) for n in names):
+            raise ArtifactError(f"a TrainingBlock's build must return the loss name (or the loss name then "
+                                f"other output names), got {built!r}")
+        loss_name, extra = names[0], names[1:]
+        additional = [*self.additional_output_names, *(n for n in extra if n not in self.additional_output_names)]
         model = io.load_model(io.to_proto(ctx.ir_model))
         self._training_model, self._eval_model = build_training_and_eval(
-            model, loss_name, self._parameters, user_inputs, self.additional_output_names,
+            model, loss_name, self._parameters, user_inputs, additional,
             precision=self.precision, loss_scale=self.loss_scale,
         )
-        return loss_name
+        # the loss output may have been renamed (a block's generated name becomes "loss")
+        loss_output = self._training_model.graph.outputs[0].name
+        return loss_output if isinstance(built, str) else (loss_output, *extra)
 
     def parameters(self):
         """``(trainable, frozen)`` lists of ``onnx.TensorProto``, as upstream returns them."""

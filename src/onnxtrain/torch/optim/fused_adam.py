@@ -163,15 +163,16 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
             # PyTorch's CPU kernel walks the four tensors as if they had one memory layout: a
             # gradient with other strides (a hand-set .grad of a transposed or channels_last
             # parameter) gets the foreach ops, which index each tensor properly
-            same = [all(_same_layout(p, t) for t in ts) for p, *ts in zip(*tensors)]
-            for fused, part in ((True, [i for i, ok in enumerate(same) if ok]),
-                                (False, [i for i, ok in enumerate(same) if not ok])):
-                if part:
-                    chosen = tuple([ts[i] for i in part] for ts in tensors)
-                    if fused:
-                        _fused_update(*chosen, update, beta1, beta2, device)
-                    else:
-                        _foreach_update(*chosen, update, beta1, beta2)
+            unlike = {i for i, (p, *ts) in enumerate(zip(*tensors))
+                      if not p.stride() == ts[0].stride() == ts[1].stride() == ts[2].stride()
+                      and not all(_same_layout(p, t) for t in ts)}
+            if not unlike:
+                _fused_update(*tensors, update, beta1, beta2, device)
+                continue
+            alike = tuple([t for i, t in enumerate(ts) if i not in unlike] for ts in tensors)
+            if alike[0]:
+                _fused_update(*alike, update, beta1, beta2, device)
+            _foreach_update(*(tuple([ts[i] for i in sorted(unlike)] for ts in tensors)), update, beta1, beta2)
 
     def _check_groups(self) -> None:
         for group in self.param_groups:

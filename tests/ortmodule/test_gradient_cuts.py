@@ -90,6 +90,25 @@ def test_a_no_grad_region_gives_its_parameters_no_gradient():
     assert grads[0] is None and grads[1] is None  # the gate's weight and bias, as in eager
 
 
+class ScaledByItsOwnMean(torch.nn.Module):
+    """``y * y.abs().mean().item()``: a Python number, which carries no gradient in eager."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = self.layer(x)
+        return y * y.abs().mean().item()
+
+
+def test_a_number_read_with_item_carries_no_gradient():
+    eager, wrapped = eager_and_wrapped(ScaledByItsOwnMean)
+    for _ in range(2):  # the second call feeds the exported graph other values of the number
+        _assert_same_training(eager, wrapped, torch.randn(5, 4))
+    assert wrapped.export_count == 1
+
+
 def test_an_optimizer_leaves_parameters_without_gradient_alone():
     eager, wrapped = eager_and_wrapped(NoGradBranch)
     optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.1) for m in (eager, wrapped)]

@@ -3,6 +3,7 @@ nn.Module behaviour a training script relies on."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -457,6 +458,46 @@ def test_a_loss_of_one_output_leaves_the_other_heads_gradients_none():
     wrapped.zero_grad()
     sum(y.sum() for y in wrapped(a, b)).backward()
     assert all(p.grad is not None for p in wrapped.parameters())
+
+
+def test_functional_call_with_other_parameters_does_not_send_the_module_to_pytorch_for_good():
+    """torch.func.functional_call (meta-learning's fast weights) swaps plain tensors into the
+    parameters' places: a call that needs an export then runs in PyTorch, that call only."""
+    from torch.func import functional_call
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2))
+    wrapped = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(5, 4)
+    grads = []
+    for model in (eager, wrapped):
+        fast = {n: p - 0.1 for n, p in model.named_parameters()}
+        expected = pytest.warns(ORTModuleFallbackWarning, match="this call") if model is wrapped \
+            else contextlib.nullcontext()
+        with expected:
+            out = functional_call(model, fast, (x,))
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for ours, theirs in zip(*grads):
+        _assert_close(ours, theirs, "gradient through the fast weights")
+    assert wrapped.fallback_reason is None and wrapped.export_count == 0
+    _assert_close(wrapped(x), eager(x), "a plain call after it")
+    assert wrapped.export_count == 1 and wrapped.fallback_reason is None
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_torch_compile_over_an_ortmodule_runs_it_in_onnxruntime(backend):
+    """torch.compile of a model holding a not-yet-called ORTModule: the ORTModule's call is left
+    to run as it is (dynamo traced into the export and failed, or made it fall back)."""
+    torch.manual_seed(0)
+    eager = _tanh_mlp()
+    outer = torch.nn.Sequential(ORTModule(copy.deepcopy(eager), STRICT), torch.nn.ReLU())
+    compiled = torch.compile(outer, backend=backend)
+    x = torch.randn(8, 12)
+    compiled(x).sum().backward()
+    torch.nn.functional.relu(eager(x)).sum().backward()
+    _assert_same_gradients(outer[0], eager)
+    assert outer[0].export_count == 1 and outer[0].fallback_reason is None
 
 
 def test_to_changes_dtype_and_optimizer_keeps_training():

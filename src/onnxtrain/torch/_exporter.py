@@ -521,11 +521,31 @@ def _functional_detaches(graph: torch.fx.Graph) -> int:
     return count
 
 
+def _detached_scalar_reads(graph: torch.fx.Graph) -> int:
+    """``t.item()`` reads ``detach(t)``: in eager PyTorch the Python number it returns carries
+    no gradient, while the captured graph keeps it a value the gradient would flow through."""
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.item.default,
+                                                              torch.ops.aten._local_scalar_dense.default):
+            continue
+        source = node.args[0]
+        if not isinstance(source, torch.fx.Node) or source.target is torch.ops.aten.detach.default:
+            continue
+        with graph.inserting_before(node):
+            cut = graph.call_function(torch.ops.aten.detach.default, (source,))
+        cut.meta.update(source.meta)
+        node.replace_input_with(source, cut)
+        count += 1
+    return count
+
+
 def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = True) -> int:
     """Put an ``aten.detach`` on every output of the forward's no-grad regions (``with
     torch.no_grad():`` is captured as a ``wrap_with_set_grad_enabled(False, ...)`` region, which
     the exporter's decomposition inlines, grad mode and all), and make ``detach_()`` a
-    ``detach``; the translation table marks detaches as stop-gradients. A reentrant
+    ``detach``, and ``t.item()`` read ``detach(t)``; the translation table marks detaches as
+    stop-gradients. A reentrant
     ``torch.utils.checkpoint`` runs its function in such a region too, and its backward
     recomputes it with grad: a region whose ops were traced from inside
     ``torch/utils/checkpoint.py`` is left alone. ``regions=False`` leaves every region alone.
@@ -535,7 +555,7 @@ def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = Tr
     no_grad_region = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
     graph_module = program.graph_module
     graph = graph_module.graph
-    detached = _functional_detaches(graph)
+    detached = _functional_detaches(graph) + _detached_scalar_reads(graph)
     cuts = 0
     for node in list(graph.nodes) if regions else ():
         if node.op != "call_function" or node.target is not no_grad_region or node.args[0] is not False:

@@ -203,6 +203,12 @@ def _load_keys_into_wrapped_module(module, state_dict, prefix, *_):
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
+def _parameters_swapped(module: torch.nn.Module) -> bool:
+    """Whether a parameter's place holds a plain tensor (``torch.func.functional_call``'s doing)."""
+    return any(p is not None and not isinstance(p, torch.nn.Parameter)
+               for sub in module.modules() for p in sub._parameters.values())
+
+
 class ORTModule(torch.nn.Module):
     """Wrap a ``torch.nn.Module`` so that its forward and backward run in ONNX Runtime.
 
@@ -424,6 +430,9 @@ class ORTModule(torch.nn.Module):
         return self._fallback_reason
 
     # -- calls -------------------------------------------------------------------
+    # torch.compile over an ORTModule (or a model holding one) runs this call as it is, ONNX
+    # Runtime's sessions and all, rather than tracing into the export machinery
+    @torch.compiler.disable
     def forward(self, *args, **kwargs):
         module = self._original_module
         if self._fallback_reason is not None or (not self.export_count and _has_lazy_parameters(module)):
@@ -450,6 +459,14 @@ class ORTModule(torch.nn.Module):
         except OnnxTrainError as exc:
             if not self._debug.fallback:
                 raise
+            if _parameters_swapped(module):
+                # torch.func.functional_call put plain tensors in the parameters' places: the
+                # export cannot take them, but the module's own parameters still can
+                warnings.warn(
+                    f"ORTModule runs this call of {type(module).__name__} in PyTorch: its parameters are "
+                    f"replaced by plain tensors (torch.func.functional_call), which cannot be exported; calls "
+                    f"with its own parameters still run in ONNX Runtime", ORTModuleFallbackWarning, stacklevel=2)
+                return module(*args, **kwargs)
             self._fall_back(exc)
             return module(*args, **kwargs)
         outputs = ORTFunction.apply(runner, *inputs) if training else runner.run(inputs)

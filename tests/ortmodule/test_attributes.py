@@ -260,3 +260,48 @@ def test_a_python_number_argument_past_the_limit_names_itself_and_runs_in_pytorc
     with pytest.raises(ExportError, match=r"positional argument 1\['gain'\] \(now 6.0\)"):
         for gain in range(1, 7):
             strict(x, {"gain": float(gain)})
+
+
+def _double(module, inputs, output):
+    return output * 2.0
+
+
+def test_forward_hooks_added_or_removed_after_an_export_run_a_graph_exported_for_them():
+    """A hook is part of the traced forward: adding or removing one after the export changes
+    what the forward computes, as a changed attribute does."""
+    torch.manual_seed(0)
+    eager = Scaled()
+    wrapped = ORTModule(Scaled(), DebugOptions(fallback=False))
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(5, 6)
+    _assert_matches_eager(wrapped, eager, x)
+    with pytest.warns(UserWarning, match="forward hooks"):
+        handles = [model.linear.register_forward_hook(_double) for model in (eager, wrapped.module)]
+        _assert_matches_eager(wrapped, eager, x)
+    assert wrapped.export_count == 2
+    for handle in handles:
+        handle.remove()
+    _assert_matches_eager(wrapped, eager, x)  # the first graph again
+    assert wrapped.export_count == 2
+    global_handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, inputs, output: output + 1.0 if isinstance(module, torch.nn.Linear) else output)
+    try:
+        with pytest.warns(UserWarning, match="forward hooks"):
+            _assert_matches_eager(wrapped, eager, x)
+    finally:
+        global_handle.remove()
+    assert wrapped.export_count == 3
+
+
+def test_a_backward_hook_added_after_an_export_runs_the_module_in_pytorch():
+    torch.manual_seed(0)
+    eager = Scaled()
+    wrapped = ORTModule(Scaled())
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(5, 6)
+    _assert_matches_eager(wrapped, eager, x)
+    for model in (eager, wrapped.module):
+        model.linear.register_full_backward_pre_hook(lambda module, grad_output: (grad_output[0] * 0.5,))
+    with pytest.warns(ORTModuleFallbackWarning, match="backward hook"):
+        _assert_matches_eager(wrapped, eager, x)
+    assert wrapped.fallback_reason is not None

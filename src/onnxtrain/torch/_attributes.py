@@ -25,6 +25,10 @@ from dataclasses import dataclass
 import torch
 
 _SCALARS = (bool, int, float, str, type(None), enum.Enum)
+# the pseudo-attributes under which a module's hooks, and the global ones, are recorded
+HOOKS = "(hooks)"
+GLOBAL_HOOKS = "(global hooks)"
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 # what every nn.Module keeps in its __dict__ (hooks, registries); ``training`` is recorded
 _MODULE_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"}
 _MISSING = object()
@@ -79,9 +83,23 @@ class AttributeChange:
         return f"{self.where}: {self.recorded!r} -> {self.now}"
 
 
+def _hook_fingerprint(module: torch.nn.Module | None) -> tuple | None:
+    """Which forward and backward (pre-)hooks ``module`` has (the global ones for ``None``):
+    each dict's length and first and last handle ids, which change with any hook registered
+    (ids only grow) or removed; None when there are none."""
+    owner = torch.nn.modules.module if module is None else module
+    prefix = "_global" if module is None else ""
+    dicts = [getattr(owner, prefix + name, None) or {} for name in _HOOK_DICTS]
+    if not any(dicts):
+        return None
+    return tuple((len(d), next(iter(d)), next(reversed(d))) if d else () for d in dicts)
+
+
 class AttributeRecord:
     """The recordable attributes of ``module``, its submodules and the Hugging Face configs they
-    hold, with their values now.
+    hold, with their values now, and which hooks the modules have (and the global ones): a
+    forward hook added or removed after an export changes what the forward computes, a
+    backward hook added needs the module in PyTorch.
 
     Submodules are held by weak reference, so a record does not keep a replaced submodule (and
     its parameters) alive; every attribute of one that is gone counts as deleted. Every
@@ -89,28 +107,31 @@ class AttributeRecord:
     """
 
     def __init__(self, module: torch.nn.Module):
-        self._modules = []  # (weak reference, qualified name, [(attribute, value), ...])
+        # (weak reference, qualified name, [(attribute, value), ...], whether it is a module)
+        self._modules = []
         configs: set[int] = set()
         for prefix, sub in module.named_modules(remove_duplicate=False):
             values = [(name, value) for name, value in vars(sub).items()
                       if name not in _MODULE_BOOKKEEPING and _recordable(value)]
-            if values:
-                self._modules.append((weakref.ref(sub), prefix, values))
+            self._modules.append((weakref.ref(sub), prefix, values, True))
             for name, value in vars(sub).items():  # a config is shared by many submodules: once
                 if _is_config(value) and id(value) not in configs:
                     configs.add(id(value))
                     where = f"{prefix}.{name}" if prefix else name
                     fields = [(field, v) for field, v in vars(value).items() if _recordable(v)]
-                    self._modules.append((weakref.ref(value), where, fields))
+                    self._modules.append((weakref.ref(value), where, fields, False))
+        self._hooks = {prefix: _hook_fingerprint(sub) for prefix, sub in module.named_modules(remove_duplicate=False)}
+        self._global_hooks = _hook_fingerprint(None)
 
     def names(self) -> list[tuple[str, str]]:
         """The recorded (submodule name, attribute) pairs."""
-        return [(prefix, name) for _, prefix, values in self._modules for name, _ in values]
+        return [(prefix, name) for _, prefix, values, _ in self._modules for name, _ in values]
 
     def changes(self, ignored: frozenset[tuple[str, str]] | set = frozenset()) -> list[AttributeChange]:
         """The recorded attributes whose values differ now, but for ``ignored`` (module, name) pairs."""
         found = []
-        for ref, prefix, values in self._modules:
+        hooks = self._hooks
+        for ref, prefix, values, is_module in self._modules:
             sub = ref()
             current_values = sub.__dict__ if sub is not None else {}
             for name, value in values:
@@ -119,4 +140,13 @@ class AttributeRecord:
                     continue
                 if not _same(value, current) and (prefix, name) not in ignored:
                     found.append(AttributeChange(prefix, name, value, current))
+            if is_module and sub is not None and (hooks[prefix] is not None or sub._forward_hooks
+                                                  or sub._forward_pre_hooks or sub._backward_hooks
+                                                  or sub._backward_pre_hooks):
+                now = _hook_fingerprint(sub)
+                if now != hooks[prefix] and (prefix, HOOKS) not in ignored:
+                    found.append(AttributeChange(prefix, HOOKS, hooks[prefix], now))
+        now = _hook_fingerprint(None)
+        if now != self._global_hooks and ("", GLOBAL_HOOKS) not in ignored:
+            found.append(AttributeChange("", GLOBAL_HOOKS, self._global_hooks, now))
         return found

@@ -155,7 +155,7 @@ class _LossAndScores(onnxblock.TrainingBlock):
 
 def test_upstream_call_forms_build_models_whose_outputs_are_the_names_returned():
     block = _built(_LossAndScores(), frozen=())
-    with onnxblock.base(_feature_extractor()):
+    with onnxblock.base(_feature_extractor(), "model.onnx"):  # upstream's model_path: not needed
         loss_name, scores_name = block("features")
     training, evaluation = block.to_model_proto()
     assert [o.name for o in evaluation.graph.output] == [loss_name, scores_name]

@@ -103,8 +103,11 @@ def _activate(ctx: BuildContext) -> Iterator[BuildContext]:
         _ACTIVE.reset(token)
 
 
-def base(model: io.ModelLike) -> contextlib.AbstractContextManager[BuildContext]:
+def base(model: io.ModelLike, model_path: str | None = None) -> contextlib.AbstractContextManager[BuildContext]:
     """Make (a copy of) ``model`` the model that blocks called inside the ``with`` build into.
+
+    ``model_path`` is upstream's file for models over 2 GB, which its build had to write out;
+    onnx_ir holds models of any size, so it is accepted and not needed.
 
     Example:
         >>> import numpy as np, onnx

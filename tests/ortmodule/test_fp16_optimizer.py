@@ -187,6 +187,17 @@ def test_apex_call_forms():
         dynamic.step()
         scales.append(dynamic.loss_scale)
     assert scales == [64.0, 256.0, 64.0, 64.0]
+    dynamic.loss_scale = 8.0  # apex lets the scale be assigned
+    dynamic.zero_grad()
+    dynamic.backward(v.float().sum())
+    assert torch.equal(v.grad, torch.full((2,), 8.0, dtype=torch.float16))
+    static.loss_scale = 2.0
+    static.zero_grad()
+    static.backward(w.float().sum())
+    static.step()
+    assert torch.equal(w.grad, torch.full((2,), 2.0, dtype=torch.float16)) and static.loss_scale == 2.0
+    with pytest.raises(OptimizerConfigError, match="loss_scale"):
+        static.loss_scale = 0.0
 
 
 def test_clip_grad_clips_the_unscaled_master_gradients():

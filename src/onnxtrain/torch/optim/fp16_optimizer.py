@@ -20,6 +20,8 @@ wrapped optimizer itself, with apex's / Megatron's argument names (``static_loss
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from onnxtrain.torch.optim.errors import OptimizerConfigError
@@ -116,7 +118,19 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
 
     @property
     def loss_scale(self) -> float:
+        """The current loss scale; assigning one sets it (apex's), for a static scale from then on."""
         return self.scaler.get_scale()
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise OptimizerConfigError(f"FP16_Optimizer: loss_scale must be a finite number > 0, got {value!r}")
+        if not self.dynamic_loss_scale:
+            self.static_loss_scale = float(value)
+        if self.scaler._scale is None:  # before the first backward: the scale starts there
+            self.scaler._init_scale = float(value)
+        else:
+            self.scaler._scale.fill_(float(value))
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """``(loss * loss_scale).backward()``. ``update_master_grads`` (apex's) changes nothing:

@@ -18,6 +18,7 @@ from onnxtrain.passes.precision import (
     PrecisionConfig,
     PrecisionError,
     PrecisionPass,
+    infer_dtypes,
     simplify_casts,
     supported_ops,
 )
@@ -273,3 +274,24 @@ def test_a_second_run_on_a_legalized_graph_names_its_nodes_apart():
     assert len(names) == len(set(names)), sorted(names)
     assert set(names) - first  # the second run did add nodes
     _session(model)  # ONNX Runtime refuses a graph with two nodes of one name
+
+
+def test_missing_element_types_come_from_the_attribute_or_input_that_decides_them():
+    """ConstantOfShape is typed by its value (float32 without one), not by its int64 shape
+    input; TopK's indices are int64; OneHot takes its values' type, EyeLike its dtype."""
+    shape = ir.Value(name="shape", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([2]))
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([3, 4]))
+    k = ir.Value(name="k", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1]))
+    onehot_values = ir.Value(name="values", type=ir.TensorType(ir.DataType.DOUBLE), shape=ir.Shape([2]))
+    nodes = [
+        ir.node("ConstantOfShape", [shape], attributes={"value": ir.tensor(np.ones([1], np.float16))}),
+        ir.node("ConstantOfShape", [shape]),
+        ir.node("TopK", [x, k], num_outputs=2),
+        ir.node("OneHot", [k, k, onehot_values]),
+        ir.node("EyeLike", [x], attributes={"dtype": ir.DataType.INT32.value}),
+    ]
+    graph = ir.Graph([shape, x, k, onehot_values], [], nodes=nodes, opset_imports={"": 18})
+    infer_dtypes(graph)
+    assert [[o.dtype for o in n.outputs] for n in nodes] == [
+        [ir.DataType.FLOAT16], [ir.DataType.FLOAT], [ir.DataType.FLOAT, ir.DataType.INT64], [ir.DataType.DOUBLE],
+        [ir.DataType.INT32]]

@@ -116,6 +116,27 @@ def test_mlp_under_fp16_autocast_matches_eager_output_and_gradients():
         assert (q.grad - p.grad).abs().max() <= 1e-2 * p.grad.abs().max(), name
 
 
+def test_bf16_autocast_with_dynamic_shapes_trains_in_onnxruntime():
+    """dynamic=True (ORTTrainer's default): the backward's run-time row of ones (a bias
+    gradient's sum) is a ConstantOfShape, typed float, not as its int64 shape input."""
+    from tests.torch_models import MLP
+
+    torch.manual_seed(0)
+    model = MLP()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT, dynamic=True)
+    for batch in (16, 9):
+        x = torch.randn(batch, 12)
+        for module in (reference, wrapped):
+            module.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = module(x)
+            out.float().square().mean().backward()
+        for (name, p), (_, q) in zip(reference.named_parameters(), wrapped.named_parameters()):
+            assert (q.grad - p.grad).abs().max() <= 2e-2 * p.grad.abs().max(), name
+    assert wrapped.export_count == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_model_converted_to_low_precision_trains_in_onnxruntime_like_eager(dtype):
     """``model.to(torch.bfloat16)`` on the CPU, whose onnxruntime provider has no arithmetic in

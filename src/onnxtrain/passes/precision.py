@@ -281,8 +281,30 @@ def infer_dtypes(graph: ir.Graph) -> None:
             known = [v.dtype for v in node.inputs if v is not None and v.dtype is not None]
             floats = [d for d in known if d.is_floating_point()]
             dtype = floats[0] if floats else (known[0] if known else None)
+        dtype = _typed_by_attribute_or_input(node, dtype)
         if dtype is None:
             continue
         for i, out in enumerate(node.outputs):
             if out.dtype is None and not (op == "Dropout" and i == 1):
-                out.dtype = dtype
+                # a second output of indices (TopK's, MaxPool's) is int64
+                out.dtype = ir.DataType.INT64 if i == 1 and op in ("TopK", "MaxPool") else dtype
+
+
+def _typed_by_attribute_or_input(node: ir.Node, inferred: ir.DataType | None) -> ir.DataType | None:
+    """The output element type of ops whose type is not their first input's: an attribute's
+    (ConstantOfShape's ``value``, float32 without one; the ``dtype`` of EyeLike and the random
+    ops), or another input's (OneHot's values, DequantizeLinear's scale)."""
+    op, attributes = node.op_type, node.attributes
+    if op == "ConstantOfShape":
+        value = attributes.get("value")
+        return value.value.dtype if value is not None else ir.DataType.FLOAT
+    if op in ("EyeLike", "RandomNormalLike", "RandomUniformLike", "Bernoulli", "Multinomial"):
+        dtype = attributes.get("dtype")
+        if dtype is not None:
+            return ir.DataType(dtype.value)
+        return ir.DataType.INT32 if op == "Multinomial" else inferred
+    if op == "OneHot" and len(node.inputs) > 2 and node.inputs[2] is not None:
+        return node.inputs[2].dtype
+    if op == "DequantizeLinear" and len(node.inputs) > 1 and node.inputs[1] is not None:
+        return node.inputs[1].dtype
+    return inferred

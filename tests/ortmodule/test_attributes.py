@@ -230,6 +230,35 @@ def test_a_changed_hugging_face_config_runs_a_graph_exported_for_it():
     assert ("config", "output_hidden_states") in AttributeRecord(wrapped.module).names()
 
 
+def test_saving_a_hugging_face_model_does_not_export_again(tmp_path):
+    """save_pretrained sets config.architectures (None -> a list, which a set of seen values
+    could not hold: the next call crashed) and config.dtype: checkpoint metadata, not watched."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32)
+    wrapped = ORTModule(transformers.BertForSequenceClassification(config), DebugOptions(fallback=False))
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(0))
+    wrapped(input_ids=ids).logits.sum().backward()
+    assert config.architectures is None
+    wrapped.module.save_pretrained(tmp_path)
+    assert config.architectures == ["BertForSequenceClassification"]
+    wrapped(input_ids=ids).logits.sum().backward()
+    assert wrapped.export_count == 1
+
+
+def test_an_attribute_that_becomes_unhashable_exports_again():
+    torch.manual_seed(0)
+    eager = Scaled()
+    wrapped = ORTModule(Scaled())
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(5, 6)
+    eager.tag = wrapped.module.tag = None
+    _assert_matches_eager(wrapped, eager, x)
+    eager.tag = wrapped.module.tag = ["a list the forward does not read"]
+    _assert_matches_eager(wrapped, eager, x)
+    assert wrapped.export_count == 2 and wrapped.fallback_reason is None
+
+
 class _Tempered(torch.nn.Module):
     def __init__(self):
         super().__init__()

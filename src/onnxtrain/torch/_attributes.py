@@ -32,6 +32,10 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_
 # what every nn.Module keeps in its __dict__ (hooks, registries); ``training`` is recorded
 _MODULE_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"}
 _MISSING = object()
+# Hugging Face config fields that describe the checkpoint, not the computation (save_pretrained
+# sets architectures and dtype): not recorded, so saving does not make the next call export again
+_CONFIG_METADATA = frozenset({"architectures", "_name_or_path", "name_or_path", "transformers_version", "dtype",
+                              "torch_dtype", "_commit_hash"})
 
 
 def _recordable(value) -> bool:
@@ -118,7 +122,8 @@ class AttributeRecord:
                 if _is_config(value) and id(value) not in configs:
                     configs.add(id(value))
                     where = f"{prefix}.{name}" if prefix else name
-                    fields = [(field, v) for field, v in vars(value).items() if _recordable(v)]
+                    fields = [(field, v) for field, v in vars(value).items()
+                              if field not in _CONFIG_METADATA and _recordable(v)]
                     self._modules.append((weakref.ref(value), where, fields, False))
         self._hooks = {prefix: _hook_fingerprint(sub) for prefix, sub in module.named_modules(remove_duplicate=False)}
         self._global_hooks = _hook_fingerprint(None)

@@ -203,6 +203,15 @@ def _load_keys_into_wrapped_module(module, state_dict, prefix, *_):
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
+def _hashable(value):
+    """``value``, or a stand-in that is hashable where it is not (a list that replaced a number)."""
+    try:
+        hash(value)
+    except TypeError:
+        return (type(value).__name__, repr(value))
+    return value
+
+
 def _parameters_swapped(module: torch.nn.Module) -> bool:
     """Whether a parameter's place holds a plain tensor (``torch.func.functional_call``'s doing)."""
     return any(p is not None and not isinstance(p, torch.nn.Parameter)
@@ -491,7 +500,7 @@ class ORTModule(torch.nn.Module):
         """Note the new values of changed attributes; ``ExportError`` (fallback to PyTorch, where
         allowed) once one has taken more than ``ATTRIBUTE_EXPORT_LIMIT``."""
         for change in changes:
-            self._attribute_values.setdefault(change.key, set()).add(change.current)
+            self._attribute_values.setdefault(change.key, set()).add(_hashable(change.current))
         churning = [c for c in changes if len(self._attribute_values[c.key]) > ATTRIBUTE_EXPORT_LIMIT]
         if churning:
             what = ", ".join(f"{c.where} (now {c.now})" for c in churning)

@@ -26,6 +26,7 @@ onnxruntime = pytest.importorskip("onnxruntime")
 
 from onnxtrain.integrations.huggingface import (ORTOptimizerNames, ORTTrainer, ORTTrainerError,  # noqa: E402
                                                 ORTTrainingArguments)
+from onnxtrain.logs import LogLevel  # noqa: E402
 from onnxtrain.torch import DebugOptions  # noqa: E402
 from onnxtrain.torch.optim import AdamWMode, FusedAdam  # noqa: E402
 
@@ -292,7 +293,7 @@ def test_bf16_on_cpu_follows_trainer_bf16(tmp_path, tokenizer):
             assert trainer.ort_module.export_count == 1 and trainer.ort_module.fallback_reason is None
             # the export ran under autocast: the graph casts to bf16
             variant_keys = list(trainer.ort_module._variants)
-            assert all(autocast == ("cpu", "bf16") for _, autocast in variant_keys)
+            assert all(autocast == ("cpu", "bf16") for _, autocast, _ in variant_keys)
     for loss, ref in zip(losses["ort"], losses["ref"]):
         assert abs(loss - ref) <= 1e-2 * abs(ref), (losses["ort"], losses["ref"])
 
@@ -311,3 +312,35 @@ def test_seed_0_still_gives_a_fresh_dropout_mask_per_call(tmp_path):
                         DebugOptions(fallback=False))
     x = torch.randn(16, 8)
     assert not torch.equal(dropout(x), dropout(x))
+
+
+def test_optimums_ortmodule_arguments_are_accepted(tmp_path):
+    args = _args(ORTTrainingArguments, tmp_path, use_module_with_loss=True, save_onnx=True, onnx_prefix="net",
+                 onnx_log_level="warning")
+    trainer = ORTTrainer(model=torch.nn.Linear(2, 2), args=args)
+    options = trainer._debug_options()
+    assert options.save_onnx and options.onnx_prefix == "net" and options.save_path == str(tmp_path)
+    assert options.log_level == LogLevel.WARNING
+    assert ORTTrainer(model=torch.nn.Linear(2, 2), args=_args(ORTTrainingArguments, tmp_path))._debug_options() is None
+    with pytest.raises(ValueError, match="onnx_log_level"):
+        _args(ORTTrainingArguments, tmp_path, onnx_log_level="loud")
+
+
+def test_label_smoothing_shifts_a_causal_lms_labels_as_trainer_does(tmp_path):
+    """Trainer shifts the labels of a causal LM (found by the model's class name) before
+    smoothing: the ORTModule around it answers to the wrapped model's name."""
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=1, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 40, (8, 12), generator=generator)]
+    losses = {}
+    for name, trainer_cls, args_cls in (("ref", transformers.Trainer, transformers.TrainingArguments),
+                                        ("ort", ORTTrainer, ORTTrainingArguments)):
+        torch.manual_seed(0)
+        args = _args(args_cls, tmp_path / name, label_smoothing_factor=0.1, gradient_accumulation_steps=1,
+                     warmup_steps=0)
+        kwargs = {"debug_options": DebugOptions(fallback=False)} if trainer_cls is ORTTrainer else {}
+        trainer = trainer_cls(model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=data, **kwargs)
+        trainer.train()
+        losses[name] = _losses(trainer)
+    _assert_losses_close(losses["ort"], losses["ref"], "label-smoothed causal LM losses")

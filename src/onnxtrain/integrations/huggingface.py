@@ -27,6 +27,7 @@ from transformers.utils import ExplicitEnum
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.integrations.onnx_inference import export_inference_onnx
+from onnxtrain.logs import LogLevel
 from onnxtrain.torch import DebugOptions, ORTModule
 from onnxtrain.torch.optim import AdamWMode, FusedAdam
 
@@ -53,17 +54,30 @@ def _ort_optimizer(name) -> ORTOptimizerNames | None:
 
 
 @dataclass
+@dataclass
 class ORTTrainingArguments(transformers.TrainingArguments):
-    """``transformers.TrainingArguments`` that also accept ``optim="adamw_ort_fused"``.
+    """``transformers.TrainingArguments`` that also accept ``optim="adamw_ort_fused"`` and
+    Optimum's ORTModule arguments.
 
     Every other argument and ``optim`` value means what it means for ``TrainingArguments``.
+    Optimum's ``save_onnx``, ``onnx_prefix`` and ``onnx_log_level`` (``"VERBOSE"`` ...
+    ``"FATAL"``) make :class:`ORTTrainer`'s :class:`~onnxtrain.torch.DebugOptions` where none is
+    given; ``use_module_with_loss`` is accepted and changes nothing: a Hugging Face model given
+    labels computes its loss in its forward, which runs in ONNX Runtime already.
 
     Example:
         >>> args = ORTTrainingArguments("out", optim="adamw_ort_fused", learning_rate=5e-5,
         ...                             weight_decay=0.01, report_to="none")
     """
 
+    use_module_with_loss: bool = False
+    save_onnx: bool = False
+    onnx_prefix: str | None = None
+    onnx_log_level: str | None = None
+
     def __post_init__(self):
+        if self.onnx_log_level is not None and str(self.onnx_log_level).upper() not in LogLevel.__members__:
+            raise ValueError(f"onnx_log_level must be one of {list(LogLevel.__members__)}, got {self.onnx_log_level!r}")
         ort_optim = _ort_optimizer(self.optim)
         if ort_optim is not None:
             # TrainingArguments only knows its own names: check the rest against adamw_torch,
@@ -145,8 +159,22 @@ class ORTTrainer(transformers.Trainer):
 
     def _ortmodule_for(self, model: torch.nn.Module) -> ORTModule:
         if self.ort_module is None or self._ort_module.module is not model:
-            self._ort_module = ORTModule(model, self._ort_debug_options, **self._ort_options)
+            self._ort_module = ORTModule(model, self._debug_options(), **self._ort_options)
         return self._ort_module
+
+    def _debug_options(self) -> DebugOptions | None:
+        """The ``debug_options`` given, else those Optimum's arguments ask for (or the defaults)."""
+        if self._ort_debug_options is not None:
+            return self._ort_debug_options
+        args = self.args
+        options = {}
+        if getattr(args, "save_onnx", False):
+            options.update(save_onnx=True, save_path=args.output_dir)
+            if args.onnx_prefix:
+                options["onnx_prefix"] = args.onnx_prefix
+        if getattr(args, "onnx_log_level", None):
+            options["log_level"] = LogLevel[str(args.onnx_log_level).upper()]
+        return DebugOptions(**options) if options else None
 
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         # Trainer passes the plain model here for training (model_wrapped) and evaluation

@@ -375,6 +375,15 @@ class ORTModule(torch.nn.Module):
 
     register_module = add_module
 
+    def _get_name(self) -> str:
+        # the wrapped module's class name, where libraries identify a model by it (transformers'
+        # Trainer shifts the labels of a causal LM for label smoothing by that name)
+        return self._original_module._get_name()
+
+    def __repr__(self) -> str:
+        inner = repr(self._original_module).replace("\n", "\n  ")
+        return f"ORTModule(\n  {inner}\n)"
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
 

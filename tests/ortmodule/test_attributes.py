@@ -35,6 +35,15 @@ class Scaled(torch.nn.Module):
         return y + x[:, :4] if self.residual else y
 
 
+def _scaled_pair(debug_options: DebugOptions | None = None):
+    """``Scaled`` eager and wrapped in ORTModule, with the same weights."""
+    torch.manual_seed(0)
+    eager = Scaled()
+    wrapped = ORTModule(Scaled(), debug_options)
+    wrapped.module.load_state_dict(eager.state_dict())
+    return eager, wrapped
+
+
 def _trained_step(model, x):
     model.zero_grad()
     out = model(x)
@@ -54,10 +63,7 @@ def _assert_matches_eager(wrapped, eager, x):
     ("scale", 0.5), ("residual", True), ("activation", "relu"), ("inner.repeats", 3),
 ], ids=["float", "bool", "str", "submodule-int"])
 def test_a_changed_attribute_runs_a_graph_exported_for_it(change):
-    torch.manual_seed(0)
-    eager = Scaled()
-    wrapped = ORTModule(Scaled())
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = _scaled_pair()
     x = torch.randn(5, 6)
     _assert_matches_eager(wrapped, eager, x)
     path, value = change
@@ -111,10 +117,7 @@ def test_a_forward_that_sets_attributes_exports_once():
 
 @pytest.mark.parametrize("fallback", [True, False])
 def test_a_graph_changing_attribute_past_the_limit_runs_in_pytorch(fallback):
-    torch.manual_seed(0)
-    eager = Scaled()
-    wrapped = ORTModule(Scaled(), DebugOptions(fallback=fallback))
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = _scaled_pair(DebugOptions(fallback=fallback))
     x = torch.randn(5, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
@@ -247,10 +250,7 @@ def test_saving_a_hugging_face_model_does_not_export_again(tmp_path):
 
 
 def test_an_attribute_that_becomes_unhashable_exports_again():
-    torch.manual_seed(0)
-    eager = Scaled()
-    wrapped = ORTModule(Scaled())
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = _scaled_pair()
     x = torch.randn(5, 6)
     eager.tag = wrapped.module.tag = None
     _assert_matches_eager(wrapped, eager, x)
@@ -298,10 +298,7 @@ def _double(module, inputs, output):
 def test_forward_hooks_added_or_removed_after_an_export_run_a_graph_exported_for_them():
     """A hook is part of the traced forward: adding or removing one after the export changes
     what the forward computes, as a changed attribute does."""
-    torch.manual_seed(0)
-    eager = Scaled()
-    wrapped = ORTModule(Scaled(), DebugOptions(fallback=False))
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = _scaled_pair(DebugOptions(fallback=False))
     x = torch.randn(5, 6)
     _assert_matches_eager(wrapped, eager, x)
     with pytest.warns(UserWarning, match="forward hooks"):
@@ -323,10 +320,7 @@ def test_forward_hooks_added_or_removed_after_an_export_run_a_graph_exported_for
 
 
 def test_a_backward_hook_added_after_an_export_runs_the_module_in_pytorch():
-    torch.manual_seed(0)
-    eager = Scaled()
-    wrapped = ORTModule(Scaled())
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = _scaled_pair()
     x = torch.randn(5, 6)
     _assert_matches_eager(wrapped, eager, x)
     for model in (eager, wrapped.module):

@@ -262,9 +262,26 @@ def test_parameters_the_loss_does_not_reach_are_named_in_a_warning(tmp_path):
         helper.make_node("Cast", ["shift_int"], ["shift_back"], to=TensorProto.FLOAT),
         helper.make_node("Add", ["y_float", "shift_back"], ["y"]),
     ])
-    with pytest.warns(NoGradientWarning, match=r"\['unused', 'shift'\]"):
+    with pytest.warns(NoGradientWarning, match=r"\['unused', 'shift'\].*become frozen"):
         artifacts.generate_artifacts(model, requires_grad=["w1", "b2", "unused", "shift"],
-                                     loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+                                     loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path,
+                                     optimizer=onnxblock.optim.AdamW(weight_decay=0.1))
+    # frozen, as PyTorch's optimizers skip a parameter without gradient: weight decay leaves them alone
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert [n for n, p in state.parameters if p.requires_grad] == ["w1", "b2"]
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(0.1)
+    before = {n: p.data.copy() for n, p in state.parameters}
+    for x, y in batches(1, 3):
+        module(x, y)
+        optimizer.step()
+        module.lazy_reset_grad()
+    for name in ("unused", "shift"):
+        np.testing.assert_array_equal(state.parameters[name].data, before[name])
+    assert not np.array_equal(state.parameters["w1"].data, before["w1"])
+    module.eval()
+    module(*next(batches(2, 1)))  # the eval model takes the parameters in the same order
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoGradientWarning)  # every parameter reached: no warning
         artifacts.generate_artifacts(regression_model(), requires_grad=["w1", "b2"],

@@ -60,5 +60,6 @@ class ExportError(OnnxTrainError):
 
 
 class NoGradientWarning(UserWarning):
-    """Parameters to train whose gradient is identically zero: the loss does not depend on them
-    through differentiable ops (unused, or behind an integer cast, a comparison, a rounding)."""
+    """Parameters named to train that have no gradient: the loss does not depend on them through
+    differentiable ops (unused, or behind an integer cast, a comparison, a rounding). The
+    artifacts keep them as frozen parameters."""

@@ -125,6 +125,21 @@ def _lift_parameters(model: ir.Model, params: Parameters) -> None:
         graph.inputs.append(value)
 
 
+def _order_parameter_inputs(graph: ir.Graph, params: Parameters) -> None:
+    """Put the parameter inputs (contiguous after the user's) in ``params``' order again:
+    trainable, then frozen."""
+    names = [*params.trainable, *params.frozen]
+    wanted = set(names)
+    positions = [i for i, v in enumerate(graph.inputs) if v.name in wanted]
+    if not positions:
+        return
+    by_name = {graph.inputs[i].name: graph.inputs[i] for i in positions}
+    others = [v for v in graph.inputs if v.name not in wanted]
+    ordered = [*others[:positions[0]], *(by_name[n] for n in names if n in by_name), *others[positions[0]:]]
+    graph.inputs.clear()
+    graph.inputs.extend(ordered)
+
+
 def _clean(model: ir.Model) -> ir.Model:
     return pipeline.run(model, pipeline.training_model())
 
@@ -269,8 +284,18 @@ def build_training_and_eval(
         warnings.warn(NoGradientWarning(
             f"the loss {loss_name!r} does not depend on the trainable parameter(s) "
             f"{[v.name for v in unreached]} through differentiable ops (unused, or behind an integer cast, a "
-            f"comparison or a rounding): their gradient is zero and training leaves them as they are; "
-            f"freeze them (requires_grad) or check the graph"), stacklevel=2)
+            f"comparison or a rounding): they have no gradient, so they become frozen parameters (kept in the "
+            f"checkpoint, never updated: PyTorch's optimizers skip a parameter without gradient, weight decay "
+            f"included); check the graph if they should train"), stacklevel=2)
+        # frozen in both models: no gradient buffer, no optimizer state, no weight decay
+        gone = {v.name for v in unreached}
+        params.frozen.update((n, params.trainable.pop(n)) for n in [n for n in params.trainable if n in gone])
+        trainable = [v for v in trainable if v.name not in gone]
+        for parameterized in (graph, eval_model.graph):
+            _order_parameter_inputs(parameterized, params)
+        eval_model.metadata_props[TRAINING_METADATA_KEY] = _metadata(
+            params, user_inputs, loss_inputs, loss_name, additional_output_names, extra=extra)
+        model.metadata_props[TRAINING_METADATA_KEY] = eval_model.metadata_props[TRAINING_METADATA_KEY]
     if loss_scale is not None:  # unscale: the accumulated gradients are the true ones
         inverse = b.op.Reciprocal(scale)
         grads = {p: b.op.Mul(g, b.cast_to(inverse, g.dtype)) for p, g in grads.items()}

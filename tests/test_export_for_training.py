@@ -93,6 +93,48 @@ def test_names_and_path(tmp_path):
         export_for_training(model, torch.randn(4, 3))
 
 
+class _PartlyFrozen(torch.nn.Module):
+    """A frozen feature layer, a trainable head, and a float buffer (a fixed scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features, self.head = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+        self.features.requires_grad_(False)
+        self.register_buffer("scale", torch.full((6,), 0.5))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.features(x)) * self.scale)
+
+
+def test_artifacts_train_what_pytorch_trains_by_default(tmp_path):
+    """Parameters with requires_grad=False stay frozen (they were trained), buffers stay constants."""
+    torch.manual_seed(0)
+    model = _PartlyFrozen()
+    export_for_training(model, (torch.randn(5, 4),), tmp_path / "model.onnx", input_names=["x"],
+                        dynamic_shapes=BATCH)
+    artifacts.generate_artifacts(str(tmp_path / "model.onnx"), loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert {n: p.requires_grad for n, p in state.parameters} == {
+        "head.weight": True, "head.bias": True, "features.weight": False, "features.bias": False}
+    from onnxtrain.api import Optimizer
+
+    module = Module(tmp_path / "training_model.onnx", state)
+    optimizer = Optimizer(tmp_path / "optimizer_model.onnx", module)
+    optimizer.set_learning_rate(0.5)
+    reference = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    x, labels = torch.randn(5, 4), torch.tensor([0, 2, 1, 1, 0])
+    for _ in range(2):
+        module(x.numpy(), labels.numpy().astype(np.int32))
+        optimizer.step()
+        module.lazy_reset_grad()
+        reference.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), labels).backward()
+        reference.step()
+    for name, param in model.named_parameters():
+        np.testing.assert_allclose(state.parameters[name].data, param.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 def test_t5_attention_exports():
     """torch.onnx.export fails on Hugging Face T5 (a view after SDPA); export_for_training does not."""
     transformers = pytest.importorskip("transformers")

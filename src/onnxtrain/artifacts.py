@@ -131,7 +131,10 @@ def generate_artifacts(
             parameters are its initializers.
         requires_grad: initializers to train. Default (None): every floating-point
             initializer of rank >= 1 not in ``frozen_params`` (upstream trains none by
-            default; naming them explicitly behaves identically in both).
+            default; naming them explicitly behaves identically in both); for a model from
+            :func:`onnxtrain.torch.export_for_training`, the parameters that required grad in
+            PyTorch, those that did not being frozen (its buffers, but BatchNorm's running
+            statistics, stay constants).
         frozen_params: initializers kept fixed but stored in the checkpoint.
         loss: a :class:`LossType` or a custom ``onnxblock.Block`` returning the loss name;
             None when the model's (only) output already is the loss.

@@ -31,6 +31,10 @@ PADDING_IDX_METADATA = "onnxtrain.padding_idx"
 # Node metadata on an Identity whose output carries no gradient (PyTorch's ``detach()`` and the
 # outputs of a ``torch.no_grad()`` region): the autodiff does not differentiate through it.
 STOP_GRADIENT_METADATA = "onnxtrain.stop_gradient"
+# metadata_props key of a model exported from PyTorch: a JSON object, {"trainable": [...],
+# "frozen": [...]}, its parameters that required grad there and those that did not;
+# generate_artifacts trains the first and keeps the second frozen by default
+PARAMETERS_METADATA = "onnxtrain.parameters"
 # Node metadata on a Clip translating PyTorch's hardtanh or relu6, whose gradient passes strictly
 # inside the bounds (clamp's includes them, as an unmarked Clip's does).
 OPEN_CLIP_METADATA = "onnxtrain.open_clip"

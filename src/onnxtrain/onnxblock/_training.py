@@ -46,14 +46,26 @@ def _batch_norm_statistics(graph: ir.Graph) -> list[str]:
     return stats
 
 
+def declared_parameters(model: ir.Model) -> dict[str, list[str]] | None:
+    """``{"trainable": [...], "frozen": [...]}``: the parameters of a model exported from
+    PyTorch (``onnxtrain.torch.export_for_training``) that required grad there and those that
+    did not; None for other models."""
+    declared = model.metadata_props.get(names.PARAMETERS_METADATA)
+    return json.loads(declared) if declared else None
+
+
 def default_trainable(model: ir.Model, frozen: Sequence[str] = ()) -> list[str]:
     """Float initializers of rank >= 1 that are not exporter constants, statistics, quantization
-    scales or frozen."""
+    scales or frozen; for a model exported from PyTorch those among the parameters that
+    required grad there (not its buffers, nor what it froze)."""
     stats = set(_batch_norm_statistics(model.graph)) | quantization_parameters(model.graph)
+    declared = declared_parameters(model)
+    required = set(declared["trainable"]) if declared else None
     return [
         name for name, value in model.graph.initializers.items()
         if value.dtype in FLOAT_TYPES and value.const_value is not None and len(value.const_value.shape) >= 1
         and not _EXPORTER_CONSTANT.match(name) and name not in frozen and name not in stats
+        and (required is None or name in required)
     ]
 
 
@@ -72,6 +84,9 @@ def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
     if requires_grad is None:
         requires_grad = [n for n in default_trainable(model, frozen_params) if n not in constants]
         frozen_params += [n for n in _batch_norm_statistics(model.graph) if n not in frozen_params]
+        # what PyTorch froze stays a parameter (in the checkpoint), not trained
+        declared = declared_parameters(model) or {"frozen": []}
+        frozen_params += [n for n in declared["frozen"] if n not in frozen_params and n in model.graph.initializers]
     requires_grad = list(requires_grad)
     requires_grad += [n for n in added if n not in requires_grad and n not in frozen_params]
     inits = model.graph.initializers

@@ -13,6 +13,7 @@ functions without overflow, and custom ``torch.autograd.Function``s refused unle
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any
 import onnx
 import torch
 
+from onnxtrain import names
 from onnxtrain.errors import ExportError
 from onnxtrain.ir import io
 from onnxtrain.torch._export import (
@@ -94,6 +96,14 @@ def _check_batch_norm_momenta(model: torch.nn.Module) -> None:
                           f"has a fixed momentum; set a momentum (PyTorch's default is 0.1)")
 
 
+def _set_metadata(proto: onnx.ModelProto, key: str, value: str) -> None:
+    for entry in proto.metadata_props:
+        if entry.key == key:
+            entry.value = value
+            return
+    proto.metadata_props.add(key=key, value=value)
+
+
 def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.PathLike | None = None, *,
                         input_names: Sequence[str] | None = None,
                         output_names: Sequence[str] | None = None, dynamic_shapes: Any = None,
@@ -162,6 +172,12 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
         raise export_failure(f"torch.onnx.export could not export {type(model).__name__}", exc) from exc
     _canonical_state_names(model, proto)
     initializers = {t.name for t in proto.graph.initializer}
+    # what generate_artifacts trains and freezes by default: PyTorch's parameters that require
+    # grad, and those that do not (buffers other than BatchNorm's statistics stay constants)
+    parameters = [(name, p.requires_grad) for name, p in model.named_parameters() if name in initializers]
+    _set_metadata(proto, names.PARAMETERS_METADATA, json.dumps({
+        "trainable": [name for name, required in parameters if required],
+        "frozen": [name for name, required in parameters if not required]}))
     _rename([i for i in proto.graph.input if i.name not in initializers], input_names, "input", proto)
     _rename(list(proto.graph.output), output_names, "output", proto)
     _check_gradient_paths(model, proto, traced.leaves)

@@ -135,6 +135,22 @@ def test_artifacts_train_what_pytorch_trains_by_default(tmp_path):
         np.testing.assert_allclose(state.parameters[name].data, param.detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
+class _NeedsThreeSteps(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.layer(x[:, 2:]).sum(1)  # a sequence of 2 would leave nothing
+
+
+def test_a_dynamic_dim_the_model_cannot_take_is_explained():
+    """torch's reason (the violated guard) reaches the message, not only its first line."""
+    seq = torch.export.Dim("seq", min=2, max=32)
+    with pytest.raises(ExportError, match=r"Constraints violated \(seq\).*Not all values of seq"):
+        export_for_training(_NeedsThreeSteps(), (torch.randn(2, 5, 4),), dynamic_shapes=({1: seq},))
+
+
 def test_t5_attention_exports():
     """torch.onnx.export fails on Hugging Face T5 (a view after SDPA); export_for_training does not."""
     transformers = pytest.importorskip("transformers")

@@ -502,6 +502,9 @@ def export_failure(what: str, exc: Exception) -> ExportError:
     text = _TERMINAL_COLOR.sub("", str(exc)).strip()
     first_line = text.splitlines()[0].removesuffix("Next steps:").strip() if text else type(exc).__name__
     details = []
+    constraints = _constraint_details(text)
+    if constraints:
+        details.append(constraints)
     summary = _exporter_summary(text)
     if summary is not None:
         details.append(summary)
@@ -510,6 +513,25 @@ def export_failure(what: str, exc: Exception) -> ExportError:
         details.append(str(refusal))
     detail = "".join(f" ({d})" for d in details)
     return ExportError(f"{what}: {type(exc).__name__}: {first_line}{detail}")
+
+
+def _constraint_details(text: str, most: int = 4) -> str | None:
+    """For torch.export's "Constraints violated" (a dynamic dim the model does not allow over
+    its whole range): the violated guards and torch's suggested fixes, which say which range
+    would export."""
+    if "Constraints violated" not in text:
+        return None
+    lines = text.splitlines()
+    guards = [line.strip().removeprefix("- ") for line in lines if line.strip().startswith("- Not all values")]
+    fixes: list[str] = []
+    if "Suggested fixes:" in text:
+        start = next(i for i, line in enumerate(lines) if "Suggested fixes:" in line) + 1
+        for line in lines[start:start + most]:
+            if not line.strip():
+                break  # the block ends at a blank line
+            fixes.append(line.strip())
+    parts = guards[:most] + ([f"suggested fixes: {'; '.join(fixes)}"] if fixes else [])
+    return "; ".join(parts) if parts else None
 
 
 def _check_functions(module: torch.nn.Module, found: Sequence[type], inline: frozenset[type] | bool,

@@ -151,6 +151,40 @@ def test_a_dynamic_dim_the_model_cannot_take_is_explained():
         export_for_training(_NeedsThreeSteps(), (torch.randn(2, 5, 4),), dynamic_shapes=({1: seq},))
 
 
+class _LastStepGru(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = torch.nn.GRU(8, 12, batch_first=True), torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0][:, -1])
+
+
+def test_a_recurrent_model_trains_at_sequence_lengths_other_than_the_examples(tmp_path):
+    """The exporter typed the GRU's output with the example's length: the gradient of the last
+    step's selection then only ran at that length. Shapes come from the inputs' dims instead."""
+    torch.manual_seed(0)
+    model = _LastStepGru()
+    dims = ({0: torch.export.Dim("batch", min=2), 1: torch.export.Dim("seq", min=2, max=32)},)
+    export_for_training(model, (torch.randn(4, 5, 8),), tmp_path / "model.onnx", input_names=["x"],
+                        dynamic_shapes=dims)
+    artifacts.generate_artifacts(str(tmp_path / "model.onnx"), loss=artifacts.LossType.CrossEntropyLoss,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    for batch, length in ((4, 5), (3, 7)):
+        x, labels = torch.randn(batch, length, 8), torch.randint(0, 3, (batch,))
+        loss = float(module(x.numpy(), labels.numpy().astype(np.int32)))
+        model.zero_grad()
+        expected = torch.nn.functional.cross_entropy(model(x), labels)
+        expected.backward()
+        assert loss == pytest.approx(expected.item(), rel=1e-5)
+        for name, param in model.named_parameters():
+            np.testing.assert_allclose(state.parameters[name].grad, param.grad.numpy(), rtol=1e-4, atol=1e-6,
+                                       err_msg=name)
+        module.lazy_reset_grad()
+
+
 def test_t5_attention_exports():
     """torch.onnx.export fails on Hugging Face T5 (a view after SDPA); export_for_training does not."""
     transformers = pytest.importorskip("transformers")

@@ -96,6 +96,17 @@ def _check_batch_norm_momenta(model: torch.nn.Module) -> None:
                           f"has a fixed momentum; set a momentum (PyTorch's default is 0.1)")
 
 
+def _shapes_from_the_inputs(proto: onnx.ModelProto) -> None:
+    """Replace the exporter's shapes of intermediate values with ONNX shape inference's from the
+    graph inputs' (symbolic) dims. Torch's trace can fix a dim the inputs leave dynamic (a GRU's
+    output keeps the example's sequence length), and a gradient built from that static shape
+    only runs at the example's length; where inference cannot tell a dim, the gradient graph
+    reads it at run time."""
+    del proto.graph.value_info[:]
+    inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    proto.graph.value_info.extend(inferred.graph.value_info)
+
+
 def _set_metadata(proto: onnx.ModelProto, key: str, value: str) -> None:
     for entry in proto.metadata_props:
         if entry.key == key:
@@ -181,6 +192,8 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     _rename([i for i in proto.graph.input if i.name not in initializers], input_names, "input", proto)
     _rename(list(proto.graph.output), output_names, "output", proto)
     _check_gradient_paths(model, proto, traced.leaves)
+    if dynamic_shapes is not None:
+        _shapes_from_the_inputs(proto)
     if path is not None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         onnx.save(proto, str(path))

@@ -355,6 +355,24 @@ def test_dropout_masks_outputs_and_gradients_consistently_and_is_off_in_eval():
     _assert_close(wrapped(x), model(x), "eval output")
 
 
+def test_dropout_drops_in_a_forward_only_run_of_a_training_module():
+    """Under torch.no_grad() a module in train() mode runs a forward-only graph, where
+    onnxruntime would remove a Dropout whose mask nothing reads: it must still drop, as eager."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 4))
+    wrapped = ORTModule(net, STRICT)
+    x = torch.randn(64, 16)
+    with torch.no_grad():
+        net.eval()
+        undropped = net(x)
+        net.train()
+        first, second = wrapped(x), wrapped(x)
+    assert not torch.allclose(first, undropped, atol=1e-3) and not torch.allclose(first, second, atol=1e-3)
+    net.eval()
+    with torch.no_grad():
+        _assert_close(wrapped(x), undropped, "eval output")
+
+
 def test_module_behaviour_state_dict_copy_pickle_save():
     torch.manual_seed(0)
     model = CNN()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import onnx_ir as ir
 from onnx_ir.passes.common import (
-    CommonSubexpressionEliminationPass,
     InlinePass,
     RemoveUnusedNodesPass,
     RemoveUnusedOpsetsPass,
@@ -14,6 +13,7 @@ from onnx_ir.passes.common import (
 from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.batch_norm import TrainingBatchNormPass
 from onnxtrain.passes.column_product import ColumnVectorProductPass
+from onnxtrain.passes.cse import DistinctDrawsCSEPass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
@@ -56,7 +56,7 @@ def after_autodiff() -> list[ir.passes.PassBase]:
         LeadingAxesSumPass(),
         RemoveUnusedNodesPass(),
         FoldConstantsPass(),
-        CommonSubexpressionEliminationPass(),
+        DistinctDrawsCSEPass(),
         RemoveUnusedNodesPass(),
         RemoveUnusedOpsetsPass(),
         TopologicalSortPass(),

@@ -99,7 +99,10 @@ class SessionRunner:
             providers = providers_for(device)
         except ValueError as exc:  # e.g. CUDA tensors with the CPU-only onnxruntime package
             raise ModelError(f"cannot run the {what} on {device}: {exc}") from exc
-        disabled = TRAINING_CPU_DISABLED_ORT_OPTIMIZERS if training and device.type == "cpu" else None
+        disabled = TRAINING_CPU_DISABLED_ORT_OPTIMIZERS if training and device.type == "cpu" else []
+        # onnxruntime drops a Dropout whose mask nothing reads as if the session were inference:
+        # a forward-only run of a module in train() mode (under torch.no_grad()) must still drop
+        disabled = [*disabled, "EliminateDropout"]
         # denormals as zero (onnxtrain.runtime.denormals): onnxruntime sets the flags on its pool
         # threads and on this one; create_session gives this thread its own back, and the runs
         # set them for their length only

@@ -170,21 +170,25 @@ def test_new_shapes_and_new_values_export_once_each():
     assert wrapped.export_count == 3
 
 
-def test_the_record_holds_scalars_and_tuples_only():
+def test_the_record_holds_scalars_tuples_and_small_flat_containers_only():
     module = Scaled()
-    module.table = [1, 2]  # a list: not recorded
+    module.table = [1, 2]  # a list of scalars: recorded (a copy)
+    module.nested = [[1], [2]]  # nested: not recorded
+    module.big = list(range(100))  # past 64 items: not recorded
     module.kernel = (3, 3)
     module.nan = float("nan")
     record = AttributeRecord(module)
     names = set(record.names())
     assert ("", "kernel") in names and ("", "scale") in names and ("inner", "repeats") in names
-    assert ("", "table") not in names and ("linear", "weight") not in names
+    assert ("", "table") in names and ("", "nested") not in names and ("", "big") not in names
+    assert ("linear", "weight") not in names
     module.nan = float("nan")  # another NaN object: the same value
     module.scale = 2  # int for float: a different constant
     assert [(c.name, c.current) for c in record.changes()] == [("scale", 2)]
     del module.activation
     assert "activation: 'tanh' -> deleted" in [str(c) for c in record.changes()]
-
+    module.table.append(3)  # changed in place
+    assert ("table", [1, 2, 3]) in [(c.name, c.current) for c in record.changes()]
 
 
 def test_a_replaced_submodule_runs_a_graph_exported_for_it():
@@ -328,3 +332,44 @@ def test_a_backward_hook_added_after_an_export_runs_the_module_in_pytorch():
     with pytest.warns(ORTModuleFallbackWarning, match="backward hook"):
         _assert_matches_eager(wrapped, eager, x)
     assert wrapped.fallback_reason is not None
+
+
+class _Adapters(torch.nn.Module):
+    """PEFT's LoRA layers keep their state so: a dict of scales per adapter, a list of the
+    adapters merged into the base weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(4, 4)
+        self.delta = torch.nn.Linear(4, 4, bias=False)
+        self.scaling = {"default": 2.0}
+        self.merged = []
+
+    def forward(self, x):
+        y = self.base(x)
+        return y if "default" in self.merged else y + self.delta(x) * self.scaling["default"]
+
+
+def test_lists_and_dicts_changed_in_place_run_a_graph_exported_for_them():
+    torch.manual_seed(0)
+    eager = _Adapters()
+    wrapped = ORTModule(_Adapters(), DebugOptions(fallback=False))
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(3, 4)
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        out.square().sum().backward()
+        return [out.detach()] + [p.grad for p in model.parameters()]
+
+    for change in (None, lambda m: m.scaling.update(default=0.5), lambda m: m.merged.append("default"),
+                   lambda m: m.merged.clear()):
+        if change is not None:
+            change(eager)
+            change(wrapped.module)
+        for ours, theirs in zip(step(wrapped), step(eager)):  # merged: the delta gets no gradient
+            assert (ours is None) == (theirs is None)
+            if theirs is not None:
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert wrapped.export_count == 3  # the last change returns to the second graph's values

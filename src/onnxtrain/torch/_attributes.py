@@ -8,10 +8,11 @@ look changed on the next call); a call whose values differ from a graph's is ser
 graph, exported for them, as ``torch.compile`` recompiles when a guarded attribute changes.
 
 Only instance attributes holding ``bool``, ``int``, ``float``, ``str``, ``None``, enums or tuples
-of those are recorded, and those of the Hugging Face configs the modules hold (a model reads
+of those, and lists and dicts of those (up to 64 items: PEFT keeps its merged adapters and
+scales so), are recorded, and those of the Hugging Face configs the modules hold (a model reads
 ``config.output_hidden_states``, ``config.use_cache``, ... in its forward): tensors that are
-neither parameters nor buffers, lists, dicts and other objects are not, nor are attributes first
-set after the export.
+neither parameters nor buffers, larger or nested containers and other objects are not, nor are
+attributes first set after the export.
 """
 
 from __future__ import annotations
@@ -38,10 +39,25 @@ _CONFIG_METADATA = frozenset({"architectures", "_name_or_path", "name_or_path", 
                               "torch_dtype", "_commit_hash"})
 
 
+# lists and dicts of scalars are recorded up to this many items (a copy, compared every call)
+_MAX_CONTAINER_ITEMS = 64
+
+
 def _recordable(value) -> bool:
     if isinstance(value, tuple):
         return all(isinstance(v, _SCALARS) for v in value)
+    if isinstance(value, list):  # PEFT's merged_adapters, a list of active adapters
+        return len(value) <= _MAX_CONTAINER_ITEMS and all(_recordable(v) and not isinstance(v, list) for v in value)
+    if isinstance(value, dict):  # PEFT's scaling per adapter
+        return len(value) <= _MAX_CONTAINER_ITEMS and all(
+            isinstance(k, (str, int)) and _recordable(v) and not isinstance(v, (list, dict)) for k, v in value.items())
     return isinstance(value, _SCALARS)
+
+
+def _kept(value):
+    """What a record keeps of ``value``: a copy of a list or dict (changed in place, the module's
+    own would always look unchanged), the value itself otherwise."""
+    return list(value) if isinstance(value, list) else dict(value) if isinstance(value, dict) else value
 
 
 def _is_config(value) -> bool:
@@ -115,14 +131,14 @@ class AttributeRecord:
         self._modules = []
         configs: set[int] = set()
         for prefix, sub in module.named_modules(remove_duplicate=False):
-            values = [(name, value) for name, value in vars(sub).items()
+            values = [(name, _kept(value)) for name, value in vars(sub).items()
                       if name not in _MODULE_BOOKKEEPING and _recordable(value)]
             self._modules.append((weakref.ref(sub), prefix, values, True))
             for name, value in vars(sub).items():  # a config is shared by many submodules: once
                 if _is_config(value) and id(value) not in configs:
                     configs.add(id(value))
                     where = f"{prefix}.{name}" if prefix else name
-                    fields = [(field, v) for field, v in vars(value).items()
+                    fields = [(field, _kept(v)) for field, v in vars(value).items()
                               if field not in _CONFIG_METADATA and _recordable(v)]
                     self._modules.append((weakref.ref(value), where, fields, False))
         self._hooks = {prefix: _hook_fingerprint(sub) for prefix, sub in module.named_modules(remove_duplicate=False)}

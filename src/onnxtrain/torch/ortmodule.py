@@ -253,9 +253,11 @@ class ORTModule(torch.nn.Module):
     no longer watched after that one export. One that changes the graph and takes more than
     ``ATTRIBUTE_EXPORT_LIMIT`` new values (a schedule stepped every call) makes the module run
     in PyTorch, as a fallback does (or raise ``ExportError`` without fallback): register it as
-    a buffer or pass it as a tensor to make it a graph input instead. Other objects (tensors
-    that are neither parameters nor buffers, lists, dicts) and attributes set after the export
-    are not watched: changing what the forward reads there needs a new ORTModule.
+    a buffer or pass it as a tensor to make it a graph input instead. Lists and dicts of such
+    values (up to 64 items; PEFT's adapter state) are watched by a copy; hooks added or removed
+    are noticed the same way. Other objects (tensors that are neither parameters nor buffers,
+    larger or nested containers) and attributes set after the export are not watched: changing
+    what the forward reads there needs a new ORTModule.
 
     Custom ``torch.autograd.Function``s: the export traces through their forward, and ONNX
     Runtime cannot call their own backward, so a module whose forward runs one on tensors that

@@ -330,6 +330,9 @@ def test_central_evaluation_matches_the_plain_model(artifacts, digits):
     assert metrics == {"accuracy": pytest.approx(np.mean(np.argmax(logits, axis=1) == y_test))}
     with pytest.raises(fl.ParameterMismatchError, match="received 1 arrays"):
         evaluate(1, fl.read_parameters(artifacts)[:1], {})
+    # int64 labels (numpy's and scikit-learn's default) for the int32 labels input, as onnxtrain.api takes them
+    wide = fl.make_evaluate_fn(artifacts, (x_test, y_test.astype(np.int64)), accuracy_output="logits")
+    assert wide(0, fl.read_parameters(artifacts), {}) == (loss, metrics)
 
 
 def _fit_res(arrays, count, loss):

@@ -27,6 +27,8 @@ import numpy as np
 
 from onnxtrain import checkpoint as ckpt
 from onnxtrain.errors import CheckpointError, InputMismatchError
+from onnxtrain.runtime.inputs import as_input_array
+from onnxtrain.runtime.session import input_specs
 
 try:
     from flwr.client import ClientApp, NumPyClient
@@ -376,7 +378,11 @@ class _CentralEvaluator:
         self.session = ort.InferenceSession(str(artifact_dir / "eval_model.onnx"),
                                             providers=providers or ["CPUExecutionProvider"])
         self.data_names = [i.name for i in self.session.get_inputs() if i.name not in records]
-        self.data = _as_data(data, self.data_names, "evaluation data")
+        # the eval model's element types, integers converted where they fit (int64 labels for
+        # int32 ones), as onnxtrain.api's Module takes them
+        specs = {spec.name: spec for spec in input_specs(self.session)}
+        self.data = [as_input_array(specs[name], array)
+                     for name, array in zip(self.data_names, _as_data(data, self.data_names, "evaluation data"))]
         self.outputs = [o.name for o in self.session.get_outputs()]
         if accuracy_output is not None and accuracy_output not in self.outputs:
             raise InputMismatchError(f"accuracy_output {accuracy_output!r} is not an eval-model output; "

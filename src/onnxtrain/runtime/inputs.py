@@ -51,13 +51,15 @@ def to_ortvalues(specs: Sequence[IOSpec], values: Sequence) -> tuple[list[ort.Or
             result.append(value)
             continue
         all_ortvalues = False
-        array = _as_array(spec, value)
+        array = as_input_array(spec, value)
         _check_shape(spec, array.shape, symbols)
         result.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array)))
     return result, all_ortvalues
 
 
-def _as_array(spec: IOSpec, value) -> np.ndarray:
+def as_input_array(spec: IOSpec, value) -> np.ndarray:
+    """``value`` as an array for the input ``spec``: its dtype, or integers of another integer
+    type converted where every value fits; ``InputMismatchError`` naming the input otherwise."""
     if isinstance(value, np.ndarray) or hasattr(value, "__array__") or hasattr(value, "__dlpack__"):
         array = value if isinstance(value, np.ndarray) else np.asarray(value)  # e.g. a torch tensor
         if spec.dtype is not None and array.dtype != spec.dtype:

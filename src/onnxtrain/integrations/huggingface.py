@@ -54,7 +54,6 @@ def _ort_optimizer(name) -> ORTOptimizerNames | None:
 
 
 @dataclass
-@dataclass
 class ORTTrainingArguments(transformers.TrainingArguments):
     """``transformers.TrainingArguments`` that also accept ``optim="adamw_ort_fused"`` and
     Optimum's ORTModule arguments.

@@ -37,10 +37,10 @@ _MISSING = object()
 # sets architectures and dtype): not recorded, so saving does not make the next call export again
 _CONFIG_METADATA = frozenset({"architectures", "_name_or_path", "name_or_path", "transformers_version", "dtype",
                               "torch_dtype", "_commit_hash"})
-
-
 # lists and dicts of scalars are recorded up to this many items (a copy, compared every call)
 _MAX_CONTAINER_ITEMS = 64
+# the hook fingerprint of a record's entry that is a Hugging Face config, not a module
+_NOT_A_MODULE = object()
 
 
 def _recordable(value) -> bool:
@@ -127,21 +127,20 @@ class AttributeRecord:
     """
 
     def __init__(self, module: torch.nn.Module):
-        # (weak reference, qualified name, [(attribute, value), ...], whether it is a module)
+        # (weak reference, qualified name, [(attribute, value), ...], hook fingerprint)
         self._modules = []
         configs: set[int] = set()
         for prefix, sub in module.named_modules(remove_duplicate=False):
             values = [(name, _kept(value)) for name, value in vars(sub).items()
                       if name not in _MODULE_BOOKKEEPING and _recordable(value)]
-            self._modules.append((weakref.ref(sub), prefix, values, True))
+            self._modules.append((weakref.ref(sub), prefix, values, _hook_fingerprint(sub)))
             for name, value in vars(sub).items():  # a config is shared by many submodules: once
                 if _is_config(value) and id(value) not in configs:
                     configs.add(id(value))
                     where = f"{prefix}.{name}" if prefix else name
                     fields = [(field, _kept(v)) for field, v in vars(value).items()
                               if field not in _CONFIG_METADATA and _recordable(v)]
-                    self._modules.append((weakref.ref(value), where, fields, False))
-        self._hooks = {prefix: _hook_fingerprint(sub) for prefix, sub in module.named_modules(remove_duplicate=False)}
+                    self._modules.append((weakref.ref(value), where, fields, _NOT_A_MODULE))
         self._global_hooks = _hook_fingerprint(None)
 
     def names(self) -> list[tuple[str, str]]:
@@ -151,8 +150,7 @@ class AttributeRecord:
     def changes(self, ignored: frozenset[tuple[str, str]] | set = frozenset()) -> list[AttributeChange]:
         """The recorded attributes whose values differ now, but for ``ignored`` (module, name) pairs."""
         found = []
-        hooks = self._hooks
-        for ref, prefix, values, is_module in self._modules:
+        for ref, prefix, values, hooks in self._modules:
             sub = ref()
             current_values = sub.__dict__ if sub is not None else {}
             for name, value in values:
@@ -161,12 +159,12 @@ class AttributeRecord:
                     continue
                 if not _same(value, current) and (prefix, name) not in ignored:
                     found.append(AttributeChange(prefix, name, value, current))
-            if is_module and sub is not None and (hooks[prefix] is not None or sub._forward_hooks
-                                                  or sub._forward_pre_hooks or sub._backward_hooks
-                                                  or sub._backward_pre_hooks):
+            if hooks is not _NOT_A_MODULE and sub is not None and (
+                    hooks is not None or sub._forward_hooks or sub._forward_pre_hooks or sub._backward_hooks
+                    or sub._backward_pre_hooks):  # the usual module has none: kept cheap
                 now = _hook_fingerprint(sub)
-                if now != hooks[prefix] and (prefix, HOOKS) not in ignored:
-                    found.append(AttributeChange(prefix, HOOKS, hooks[prefix], now))
+                if now != hooks and (prefix, HOOKS) not in ignored:
+                    found.append(AttributeChange(prefix, HOOKS, hooks, now))
         now = _hook_fingerprint(None)
         if now != self._global_hooks and ("", GLOBAL_HOOKS) not in ignored:
             found.append(AttributeChange("", GLOBAL_HOOKS, self._global_hooks, now))

@@ -191,6 +191,14 @@ class GradScaler:
             return 1.0
         return self._init_scale if self._scale is None else self._scale.item()
 
+    def set_scale(self, new_scale: float) -> None:
+        """Set the scale from now on (before the first :meth:`scale`: the scale it starts with)."""
+        _check_arguments(new_scale, self._growth_factor, self._backoff_factor, self._growth_interval)
+        if self._scale is None:
+            self._init_scale = float(new_scale)
+        else:
+            self._scale.fill_(float(new_scale))
+
     def get_growth_factor(self) -> float:
         return self._growth_factor
 

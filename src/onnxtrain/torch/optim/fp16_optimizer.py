@@ -127,10 +127,7 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
             raise OptimizerConfigError(f"FP16_Optimizer: loss_scale must be a finite number > 0, got {value!r}")
         if not self.dynamic_loss_scale:
             self.static_loss_scale = float(value)
-        if self.scaler._scale is None:  # before the first backward: the scale starts there
-            self.scaler._init_scale = float(value)
-        else:
-            self.scaler._scale.fill_(float(value))
+        self.scaler.set_scale(value)
 
     def backward(self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False) -> None:
         """``(loss * loss_scale).backward()``. ``update_master_grads`` (apex's) changes nothing:

@@ -111,7 +111,7 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
         for g in grads:
             by_device[g.device].append(g)
         first = grads[0].device
-        wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+        wide = _accumulation_dtype(grads)
         squares = [torch.stack(_norms(gs)).square().sum().to(first, wide) for gs in by_device.values()]
         total = torch.stack(squares).sum().sqrt()
         divisor = torch.where(total > self.max_grad_norm, total / self.max_grad_norm, torch.ones_like(total))
@@ -160,10 +160,15 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
         check_gradients("LAMB", self.param_groups)
 
 
+def _accumulation_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    """What norms of ``tensors`` accumulate in: float32 (an fp16 norm overflows at 65504), float64
+    if any tensor is float64 (a float32 norm of it would be a narrowing torch refuses)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def _norms(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """L2 norm of each tensor, accumulated in float32 (float64 if any tensor is float64)."""
-    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    return torch._foreach_norm(tensors, 2, dtype=wide)
+    """L2 norm of each tensor, accumulated in :func:`_accumulation_dtype`."""
+    return torch._foreach_norm(tensors, 2, dtype=_accumulation_dtype(tensors))
 
 
 def _check_group(group: dict) -> None:

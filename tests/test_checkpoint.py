@@ -104,14 +104,6 @@ def test_missing_file_and_directory(tmp_path):
         write_checkpoint(tmp_path, {"w": np.ones(2, np.float32)}, set())
 
 
-def test_an_upstream_checkpoint_is_named_as_such(tmp_path):
-    # onnxruntime-training 1.19.2's checkpoint starts with a flatbuffer root offset and "ODTC"
-    path = tmp_path / "checkpoint"
-    path.write_bytes(b"\x08\x00\x00\x00ODTC\xf4\xff\xff\xff\x10\x00\x00\x00" + bytes(64))
-    with pytest.raises(CheckpointError, match="onnxruntime-training's .*generate the artifacts again"):
-        read_checkpoint(path)
-
-
 @pytest.mark.parametrize("damage", ["truncate_header", "truncate_data", "truncate_one_byte", "garbage", "empty",
                                     "flip_header_length"])
 def test_corrupt_file(tmp_path, damage):

@@ -247,15 +247,21 @@ def _fsync_dir(folder: Path) -> None:
 # --------------------------------------------------------------------------- reading
 
 def read_checkpoint(path: str | os.PathLike) -> CheckpointData:
-    """Read and validate the checkpoint at ``path``; raise CheckpointError if it is unusable."""
+    """Read and validate the checkpoint at ``path``; raise CheckpointError if it is unusable.
+
+    A checkpoint onnxruntime-training saved (file identifier ``ODTC``) is read too
+    (:mod:`onnxtrain.upstream_checkpoint`)."""
     from safetensors import safe_open
 
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
     if path.is_dir():
-        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, expected an onnxtrain checkpoint file "
-                              f"(upstream onnxruntime checkpoints are not readable)")
+        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, expected a checkpoint file")
+    from onnxtrain import upstream_checkpoint
+
+    if upstream_checkpoint.is_upstream_checkpoint(path):
+        return upstream_checkpoint.read_upstream_checkpoint(path)
     try:
         with safe_open(str(path), framework="numpy") as f:
             metadata = f.metadata() or {}
@@ -266,24 +272,8 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointData:
     except CheckpointError:
         raise
     except Exception as exc:  # safetensors raises its own error type and OSError/ValueError
-        if _is_upstream_checkpoint(path):
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} is onnxruntime-training's (a flatbuffer, file identifier ODTC), not "
-                f"onnxtrain's: generate the artifacts again with onnxtrain.artifacts.generate_artifacts, or "
-                f"move the parameter values over with Module.get_contiguous_parameters / "
-                f"copy_buffer_to_parameters") from exc
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or not a safetensors file: {exc}") from exc
     return _build(path, state, tensors)
-
-
-def _is_upstream_checkpoint(path: Path) -> bool:
-    """Whether ``path`` starts like onnxruntime-training's checkpoint: a flatbuffer whose file
-    identifier (bytes 4-8) is ``ODTC``."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(8)[4:8] == b"ODTC"
-    except OSError:
-        return False
 
 
 def _check_header(path: Path, metadata: Mapping[str, str]) -> None:

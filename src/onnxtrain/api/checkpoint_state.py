@@ -264,7 +264,8 @@ class CheckpointState:
 
     @classmethod
     def load_checkpoint(cls, checkpoint_uri: str | os.PathLike) -> CheckpointState:
-        """Load a checkpoint file (complete or nominal). Raises CheckpointError if unusable."""
+        """Load a checkpoint file (complete or nominal; onnxtrain's, or a complete one that
+        onnxruntime-training saved). Raises CheckpointError if unusable."""
         return cls(ckpt.read_checkpoint(os.fspath(checkpoint_uri)))
 
     @classmethod

@@ -255,3 +255,17 @@ def test_a_missing_or_short_external_data_file_is_named(tmp_path):
     (tmp_path / "checkpoint.data").write_bytes(data[:-1])
     with pytest.raises(CheckpointError, match=r"tensor 'tail' needs bytes .*checkpoint\.data"):
         read_checkpoint(tmp_path / "checkpoint")
+
+
+def test_load_checkpoint_to_model_takes_an_upstream_checkpoint():
+    """onnxblock.load_checkpoint_to_model (upstream's way to an inference model with trained
+    weights) accepts upstream's checkpoint as upstream's own function did."""
+    import onnx
+    from onnx import numpy_helper
+
+    from onnxtrain import onnxblock
+
+    model = onnxblock.load_checkpoint_to_model(DATA / "checkpoint_trained", onnx.load(DATA / "model.onnx"))
+    weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    for name, value in EXPECTED["saved_parameters"].items():
+        np.testing.assert_array_equal(weights[name], np.array(value, np.float32))

@@ -3,6 +3,7 @@
 Importing this package needs PyTorch (``pip install torch``); ``import onnxtrain`` does not.
 """
 
+from onnxtrain.torch._environment import IgnoredSettingWarning, ORTModuleEnvironmentError
 from onnxtrain.torch._export import ForwardHookWarning
 from onnxtrain.torch._translations import artifacts_translation_table as onnx_translation_table
 from onnxtrain.torch.memory import MemoryEstimate, estimate_memory
@@ -10,4 +11,4 @@ from onnxtrain.torch.ortmodule import DebugOptions, LogLevel, MemoryOptionsError
 from onnxtrain.torch.training_export import export_for_training
 
 __all__ = ["ORTModule", "DebugOptions", "LogLevel", "ORTModuleFallbackWarning", "ForwardHookWarning",
-           "MemoryOptionsError", "MemoryEstimate", "estimate_memory", "onnx_translation_table", "export_for_training"]
+           "MemoryOptionsError", "ORTModuleEnvironmentError", "IgnoredSettingWarning", "MemoryEstimate", "estimate_memory", "onnx_translation_table", "export_for_training"]

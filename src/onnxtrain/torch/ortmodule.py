@@ -26,6 +26,7 @@ from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.denormals import ask_for_flushing
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._attributes import AttributeChange, AttributeRecord
+from onnxtrain.torch._environment import FALLBACK_POLICY_ENV, IgnoredSettingWarning, read_environment
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import (CallSchema, ExportedGraph, constant_argument_names, export_call, flatten_call,
                                      positions_requiring_grad)
@@ -307,9 +308,18 @@ class ORTModule(torch.nn.Module):
             raise TypeError(f"ORTModule dynamic must be None (automatic), True or False, got {dynamic!r}")
         if memory_budget is not None and not (isinstance(memory_budget, int) and memory_budget >= 0):
             raise MemoryOptionsError(f"ORTModule memory_budget must be a number of bytes >= 0, got {memory_budget!r}")
+        environment = read_environment()
+        for name, why in environment.ignored.items():
+            warnings.warn(f"{name} is set: upstream ORTModule's setting has no effect in onnxtrain ({why})",
+                          IgnoredSettingWarning, stacklevel=2)
+        debug_options = debug_options or DebugOptions()
+        if environment.fallback is not None:  # upstream's variables win over its DebugOptions
+            debug_options = dataclasses.replace(debug_options, fallback=environment.fallback)
+        if environment.log_level is not None:
+            debug_options = dataclasses.replace(debug_options, log_level=environment.log_level)
         super().__init__()
         self._original_module = module
-        self._debug = debug_options or DebugOptions()
+        self._debug = debug_options
         self._dynamic = dynamic
         self._inline_functions = inline_functions
         self._memory_options = MemoryOptions(memory_opt_level, memory_budget)
@@ -321,6 +331,9 @@ class ORTModule(torch.nn.Module):
         # keyed on the call's schema, the autocast state (see _autocast) and grad mode
         self._variants: dict[tuple[CallSchema, tuple | None, bool], list[_Variant]] = {}
         self._fallback_reason: str | None = None
+        if environment.force_torch:
+            self._fall_back(ExportError(f"{FALLBACK_POLICY_ENV}={os.environ[FALLBACK_POLICY_ENV]!r} asks for "
+                                        f"PyTorch's forward and backward"), stacklevel=2)
         self.export_count = 0
         # the new values each (submodule name, attribute) took, and those no longer watched
         self._attribute_values: dict[tuple[str, str], set] = {}
@@ -499,12 +512,12 @@ class ORTModule(torch.nn.Module):
                 call.tensors[position].copy_(value)
         return graph.rebuild_output(outputs[:graph.num_user_outputs])
 
-    def _fall_back(self, exc: Exception) -> None:
+    def _fall_back(self, exc: Exception, stacklevel: int = 3) -> None:
         self._fallback_reason = f"{type(exc).__name__}: {exc}"
         self._variants.clear()  # their graphs and sessions serve no call any more
         warnings.warn(
             f"ORTModule runs {type(self._original_module).__name__} in PyTorch: {self._fallback_reason}",
-            ORTModuleFallbackWarning, stacklevel=3,
+            ORTModuleFallbackWarning, stacklevel=stacklevel + 1,
         )
 
     def _count_attribute_values(self, changes: list[AttributeChange]) -> None:

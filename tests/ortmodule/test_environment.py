@@ -1,0 +1,118 @@
+"""Upstream ORTModule's environment variables (ORTMODULE_FALLBACK_POLICY, ORTMODULE_LOG_LEVEL,
+and the ones without effect here), as migrated training scripts set them."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+
+from tests.torch_models import MLP, torch
+
+from onnxtrain.errors import OnnxTrainError
+from onnxtrain.logs import LogLevel
+from onnxtrain.torch import (DebugOptions, IgnoredSettingWarning, ORTModule, ORTModuleEnvironmentError,
+                             ORTModuleFallbackWarning)
+from onnxtrain.torch._environment import read_environment
+
+
+class _WithoutRule(torch.nn.Module):
+    """torch.fft.hfft's one-sided inverse DFT has no gradient rule: the gradient graph cannot be built."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        return torch.fft.hfft(self.linear(x).to(torch.complex64))
+
+
+@pytest.fixture(autouse=True)
+def _no_upstream_variables(monkeypatch):
+    for name in ("ORTMODULE_FALLBACK_POLICY", "ORTMODULE_LOG_LEVEL", "ORTMODULE_ONNX_OPSET_VERSION",
+                 "ORTMODULE_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_fallback_disable_raises_where_the_default_falls_back(monkeypatch):
+    x = torch.randn(3, 6)
+    with pytest.warns(ORTModuleFallbackWarning):
+        ORTModule(_WithoutRule())(x).sum().backward()
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLE")
+    with pytest.raises(OnnxTrainError):
+        ORTModule(_WithoutRule())(x).sum().backward()
+
+
+def test_the_variable_wins_over_debug_options(monkeypatch):
+    """As upstream: a job's environment decides, whatever the script's DebugOptions say."""
+    x = torch.randn(3, 6)
+    options = DebugOptions(fallback=False, log_level=LogLevel.FATAL)
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_UNSUPPORTED_ONNX_MODEL|FALLBACK_UNSUPPORTED_TORCH_MODEL")
+    monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "warning")
+    model = ORTModule(_WithoutRule(), options)
+    with pytest.warns(ORTModuleFallbackWarning):
+        model(x).sum().backward()
+    assert model.fallback_reason is not None
+    assert model._debug.log_level == LogLevel.WARNING
+    assert model._debug.resolved_session_options().log_severity_level == int(LogLevel.WARNING)
+    assert options.fallback is False and options.log_level == LogLevel.FATAL  # the caller's object is left as it was
+
+
+def test_force_torch_forward_runs_in_pytorch_from_the_first_call(monkeypatch):
+    torch.manual_seed(0)
+    eager = MLP()
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_FORCE_TORCH_FORWARD")
+    with pytest.warns(ORTModuleFallbackWarning, match="ORTMODULE_FALLBACK_POLICY='FALLBACK_FORCE_TORCH_FORWARD'"):
+        model = ORTModule(copy.deepcopy(eager))
+    x = torch.randn(5, 12)
+    out = model(x)
+    out.sum().backward()
+    reference = eager(x)
+    reference.sum().backward()
+    assert model.export_count == 0
+    torch.testing.assert_close(out, reference, rtol=0, atol=0)
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+
+
+def test_disable_wins_over_force(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_FORCE_TORCH_FORWARD | FALLBACK_DISABLE")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = ORTModule(MLP())
+        model(torch.randn(5, 12)).sum().backward()
+    assert model.export_count == 1 and model.fallback_reason is None
+
+
+def test_unknown_values_are_named(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "FALLBACK_DISABLED")
+    with pytest.raises(ORTModuleEnvironmentError, match="unknown policy FALLBACK_DISABLED.*FALLBACK_DISABLE"):
+        ORTModule(MLP())
+    monkeypatch.setenv("ORTMODULE_FALLBACK_POLICY", "")
+    monkeypatch.setenv("ORTMODULE_LOG_LEVEL", "LOUD")
+    with pytest.raises(ORTModuleEnvironmentError, match="ORTMODULE_LOG_LEVEL='LOUD'.*VERBOSE"):
+        ORTModule(MLP())
+
+
+def test_upstream_settings_without_effect_say_so_and_training_goes_on(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_ONNX_OPSET_VERSION", "14")
+    monkeypatch.setenv("ORTMODULE_CACHE_DIR", "/tmp/cache")
+    with pytest.warns(IgnoredSettingWarning) as caught:
+        model = ORTModule(MLP())
+    messages = sorted(str(w.message) for w in caught)
+    assert messages[0].startswith("ORTMODULE_CACHE_DIR is set") and "not cached" in messages[0]
+    assert messages[1].startswith("ORTMODULE_ONNX_OPSET_VERSION is set") and "opset" in messages[1]
+    model(torch.randn(5, 12)).sum().backward()
+    assert model.export_count == 1
+
+
+def test_read_environment_values():
+    assert read_environment({}) == read_environment({"ORTMODULE_FALLBACK_POLICY": " ", "ORTMODULE_LOG_LEVEL": ""})
+    settings = read_environment({"ORTMODULE_FALLBACK_POLICY": "fallback_force_torch_backward",
+                                 "ORTMODULE_LOG_LEVEL": "DEVINFO", "ORTMODULE_USE_TRITON": "1",
+                                 "ORTMODULE_SAVE_ONNX_PATH": "/x", "ORTMODULE_MEMORY_OPT_LEVEL": "1"})
+    assert settings.fallback is True and settings.force_torch
+    assert settings.log_level == LogLevel.INFO
+    assert list(settings.ignored) == ["ORTMODULE_USE_TRITON"]  # the two read elsewhere take effect
+    assert read_environment({"ORTMODULE_FALLBACK_POLICY": "FALLBACK_UNSUPPORTED_DEVICE"}).force_torch is False

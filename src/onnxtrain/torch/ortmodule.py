@@ -474,21 +474,7 @@ class ORTModule(torch.nn.Module):
         call = flatten_call(module, args, kwargs)
         state = call.state
         try:  # building: export, gradient graph, sessions; a failure here may fall back
-            variant = self._variant(call, _autocast(call.tensors))
-            inputs, wrt = _graph_inputs(call, variant)
-            training = torch.is_grad_enabled() and bool(wrt)
-            if training and not variant.graph.traced_grads.issuperset(wrt):
-                self._trace_new_gradients(call, variant)
-            changed = variant.graph.input_updates
-            requiring = [i for i in changed if call.tensors[i].requires_grad]
-            if requiring:
-                raise ExportError(f"{type(module).__name__} changes its tensor argument "
-                                  f"{', '.join(map(str, requiring))} in place, and it requires grad: ORTModule "
-                                  f"cannot give autograd that history")
-            if training and changed:  # the runs read (and the backward keeps) the values from before
-                inputs = [t.clone() if i in changed else t for i, t in enumerate(inputs)]
-            runner = self._training_programs(variant, wrt, inputs) if training else \
-                self._inference_runner(variant, inputs)
+            variant, inputs, training, runner = self._prepare(call)
         except OnnxTrainError as exc:
             if not self._debug.fallback:
                 raise
@@ -511,6 +497,27 @@ class ORTModule(torch.nn.Module):
             for position, value in zip(graph.input_updates, updates):  # as the forward changed them in place
                 call.tensors[position].copy_(value)
         return graph.rebuild_output(outputs[:graph.num_user_outputs])
+
+    def _prepare(self, call) -> tuple[_Variant, list[torch.Tensor], bool, SessionRunner | TrainingPrograms]:
+        """Build what ``call`` runs (export, gradient graph, sessions; each kept for later
+        calls): ``(variant, inputs, training, runner)``. Runs nothing; an OnnxTrainError says
+        why the call cannot run in ONNX Runtime."""
+        variant = self._variant(call, _autocast(call.tensors))
+        inputs, wrt = _graph_inputs(call, variant)
+        training = torch.is_grad_enabled() and bool(wrt)
+        if training and not variant.graph.traced_grads.issuperset(wrt):
+            self._trace_new_gradients(call, variant)
+        changed = variant.graph.input_updates
+        requiring = [i for i in changed if call.tensors[i].requires_grad]
+        if requiring:
+            raise ExportError(f"{type(self._original_module).__name__} changes its tensor argument "
+                              f"{', '.join(map(str, requiring))} in place, and it requires grad: ORTModule "
+                              f"cannot give autograd that history")
+        if training and changed:  # the runs read (and the backward keeps) the values from before
+            inputs = [t.clone() if i in changed else t for i, t in enumerate(inputs)]
+        runner = self._training_programs(variant, wrt, inputs) if training else \
+            self._inference_runner(variant, inputs)
+        return variant, inputs, training, runner
 
     def _fall_back(self, exc: Exception, stacklevel: int = 3) -> None:
         self._fallback_reason = f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,138 @@
+"""HierarchicalORTModule: the parts of a model ORTModule can run go to ONNX Runtime, the rest
+stays in PyTorch, and training is eager's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.torch_models import MLP, torch
+
+from onnxtrain.torch import HierarchicalORTModule, ORTModule, ORTModuleFallbackWarning
+
+
+class _Spectral(torch.nn.Module):
+    """torch.fft.hfft's one-sided inverse DFT has no gradient rule: ORTModule cannot build it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 6)
+
+    def forward(self, x):
+        return torch.fft.hfft(self.proj(x).to(torch.complex64))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(torch.relu(self.fc(x))) + x
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.nn.Sequential(_Block(), _Block())
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.act = torch.nn.GELU()
+        self.spectral = _Spectral()
+        self.head = torch.nn.Linear(10, 3)
+        self.shared = _Block()  # called twice per forward
+        self.drop = torch.nn.Dropout(0.3)  # stays in PyTorch: draws from torch's generator
+
+    def forward(self, x):
+        h = self.shared(self.shared(self.act(self.bn(self.encoder(x)))))
+        return self.head(self.drop(self.spectral(h)))
+
+
+def _close_gradients(model, eager):
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        # a bias right before a training-mode BatchNorm has a zero gradient: compare to the scale of all
+        scale = max(r.grad.abs().max() for r in eager.parameters())
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5 * scale, msg=name)
+
+
+def test_the_parts_that_build_run_in_onnx_runtime_and_training_is_eagers():
+    torch.manual_seed(0)
+    eager = _Net()
+    model = HierarchicalORTModule(copy.deepcopy(eager))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, eager)]  # made before the first call
+    x = torch.randn(8, 16)
+    for step in range(3):
+        # the same dropout masks: recording the calls at the first one left torch's generator as it was
+        torch.manual_seed(step)
+        out = model(x)
+        torch.manual_seed(step)
+        ref = eager(x)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        out.square().mean().backward()
+        ref.square().mean().backward()
+        _close_gradients(model, eager)
+        for optimizer in optimizers:
+            optimizer.step()
+
+    assert model.wrapped == ["encoder", "bn", "spectral.proj", "head", "shared"]
+    assert set(model.unsupported) == {"", "spectral"}
+    assert all(r.startswith("UnsupportedOpError: ") and "DFT" in r for r in model.unsupported.values())
+    net = model.module
+    assert isinstance(net.encoder, ORTModule) and isinstance(net.shared, ORTModule)
+    assert isinstance(net.act, torch.nn.GELU)  # no parameters: a session call would cost more than the op
+    assert not isinstance(net.spectral, ORTModule) and isinstance(net.spectral.proj, ORTModule)
+    assert net.shared.export_count == 1 and net.encoder.export_count == 1  # built once, at the first call
+    # the first call's recording left the BatchNorm statistics as one call leaves them
+    for key in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        torch.testing.assert_close(model.state_dict()[key], eager.state_dict()[key], msg=key)
+
+
+def test_a_whole_module_that_builds_becomes_one_ortmodule():
+    model = HierarchicalORTModule(MLP())
+    model(torch.randn(4, 12)).sum().backward()
+    assert model.wrapped == [""] and model.unsupported == {}
+    assert isinstance(model.module, ORTModule) and model.module.export_count == 1
+
+
+def test_plain_ortmodule_of_the_same_model_falls_back_entirely():
+    """What HierarchicalORTModule is for: ORTModule runs none of _Net in ONNX Runtime."""
+    model = ORTModule(_Net())
+    with pytest.warns(ORTModuleFallbackWarning, match="DFT"):
+        model(torch.randn(8, 16)).sum().backward()
+    assert model.fallback_reason is not None  # every later call runs in PyTorch
+
+
+def test_names_and_state_dict_are_the_models():
+    torch.manual_seed(0)
+    eager = _Net()
+    model = HierarchicalORTModule(copy.deepcopy(eager))
+    model(torch.randn(8, 16))
+    assert list(model.state_dict()) == list(eager.state_dict())
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in eager.named_parameters()]
+    assert "encoder" in dict(model.named_modules())
+    eager.head.weight.data.fill_(0.5)
+    model.load_state_dict(eager.state_dict())
+    torch.testing.assert_close(model.module.head.module.weight, eager.head.weight)
+    assert model.head is model.module.head  # attributes are the model's
+
+
+def test_a_forward_that_changes_its_input_in_place_changes_it_once():
+    class Doubling(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x.mul_(2)
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    eager = Doubling()
+    model = HierarchicalORTModule(copy.deepcopy(eager))
+    x = torch.randn(3, 4)
+    x_model, x_eager = x.clone(), x.clone()
+    torch.testing.assert_close(model(x_model), eager(x_eager))
+    torch.testing.assert_close(x_model, x_eager)

@@ -19,6 +19,7 @@ from onnxtrain.api import CheckpointState, Module, Optimizer
 from onnxtrain.checkpoint import read_checkpoint
 from onnxtrain.errors import CheckpointError, ModelError
 from onnxtrain.upstream_checkpoint import read_upstream_checkpoint
+from tests.upstream_odtc import external_fixture, odtc_bytes
 
 DATA = Path(__file__).parent / "data" / "upstream"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -159,84 +160,14 @@ def test_upstream_training_graphs_are_named_with_the_way_out(tmp_path):
 # bytes or more; every tensor when CheckpointState.save_checkpoint writes it) at an absolute
 # offset aligned to its element size, dims and type in the flatbuffer, raw_data absent. A
 # 2.04 GB checkpoint upstream wrote that way was read back exactly, once (too large for the
-# suite); these files are built in upstream's layout with the flatbuffers package
-# (onnxruntime's dependency).
-
-_CODES = {np.dtype(np.float32): 1, np.dtype(np.int8): 3, np.dtype(np.int64): 7, np.dtype(np.float64): 11}
-
-
-def _odtc(trainable: dict, frozen: dict, inline: set[str]) -> tuple[bytes, bytes]:
-    """An ODTC checkpoint (version 2) and its .data bytes: tensors not in ``inline`` go to the
-    data file in order, each aligned to its element size."""
-    import flatbuffers
-
-    data = bytearray()
-    offsets = {}
-    for name, array in [*trainable.items(), *frozen.items()]:
-        if name not in inline:
-            data += bytes(-len(data) % array.dtype.itemsize)
-            offsets[name] = len(data)
-            data += array.astype(array.dtype.newbyteorder("<")).tobytes()
-    b = flatbuffers.Builder(1024)
-
-    def tensor(name, array):
-        name_offset = b.CreateString(name)
-        b.StartVector(8, array.ndim, 8)
-        for d in reversed(array.shape):
-            b.PrependInt64(d)
-        dims = _end_vector(b, array.ndim)
-        raw = b.CreateByteVector(array.tobytes()) if name in inline else None
-        b.StartObject(7)
-        b.PrependUOffsetTRelativeSlot(0, name_offset, 0)
-        b.PrependUOffsetTRelativeSlot(2, dims, 0)
-        b.PrependInt32Slot(3, _CODES[array.dtype], 0)
-        if raw is not None:
-            b.PrependUOffsetTRelativeSlot(4, raw, 0)
-        else:
-            b.PrependInt64Slot(6, offsets[name], -1)
-        return b.EndObject()
-
-    def table_vector(items):
-        b.StartVector(4, len(items), 4)
-        for item in reversed(items):
-            b.PrependUOffsetTRelative(item)
-        return _end_vector(b, len(items))
-
-    requires_grad = table_vector([tensor(n, a) for n, a in trainable.items()])
-    frozen_params = table_vector([tensor(n, a) for n, a in frozen.items()])
-    b.StartObject(4)
-    b.PrependUOffsetTRelativeSlot(0, requires_grad, 0)
-    b.PrependUOffsetTRelativeSlot(1, frozen_params, 0)
-    b.PrependBoolSlot(3, True, False)
-    module_state = b.EndObject()
-    b.StartObject(4)
-    b.PrependInt32Slot(0, 2, 0)
-    b.PrependUOffsetTRelativeSlot(1, module_state, 0)
-    b.Finish(b.EndObject(), file_identifier=b"ODTC")
-    return bytes(b.Output()), bytes(data)
-
-
-def _end_vector(builder, count: int):
-    try:
-        return builder.EndVector()  # flatbuffers >= 2
-    except TypeError:
-        return builder.EndVector(count)
-
-
-def _external_fixture():
-    rng = np.random.default_rng(3)
-    trainable = {"w": rng.standard_normal((5, 7)).astype(np.float32), "b": np.arange(3, dtype=np.float32),
-                 "codes": np.arange(-2, 3, dtype=np.int8), "scale": rng.standard_normal(3)}
-    frozen = {"ids": np.array([[1, 2**40], [-3, 4]], np.int64), "tail": rng.standard_normal((2, 9)).astype(np.float32)}
-    return trainable, frozen
-
+# suite); these files are built in upstream's layout (tests/upstream_odtc.py).
 
 def test_tensors_in_the_external_data_file_are_read_at_their_offsets(tmp_path):
-    trainable, frozen = _external_fixture()
-    checkpoint, data = _odtc(trainable, frozen, inline={"b"})
+    trainable, frozen = external_fixture()
+    checkpoint, data = odtc_bytes(trainable, frozen, inline={"b"})
     (tmp_path / "checkpoint").write_bytes(checkpoint)
     (tmp_path / "checkpoint.data").write_bytes(data)
-    assert len(data) == 140 + 5 + 7 + 24 + 32 + 72  # int8 after float32, then float64 aligned to 8
+    assert len(data) == 140 + 5 + 7 + 24 + 32 + 72 + 8 + 3  # int8 after float32, then float64 aligned to 8
     record = read_checkpoint(tmp_path / "checkpoint")
     assert list(record.parameters) == [*trainable, *frozen]
     for name, array in [*trainable.items(), *frozen.items()]:
@@ -247,13 +178,13 @@ def test_tensors_in_the_external_data_file_are_read_at_their_offsets(tmp_path):
 
 
 def test_a_missing_or_short_external_data_file_is_named(tmp_path):
-    trainable, frozen = _external_fixture()
-    checkpoint, data = _odtc(trainable, frozen, inline=set())
+    trainable, frozen = external_fixture()
+    checkpoint, data = odtc_bytes(trainable, frozen, inline=set())
     (tmp_path / "checkpoint").write_bytes(checkpoint)
     with pytest.raises(CheckpointError, match=r"keeps its tensors in .*checkpoint\.data"):
         read_checkpoint(tmp_path / "checkpoint")
     (tmp_path / "checkpoint.data").write_bytes(data[:-1])
-    with pytest.raises(CheckpointError, match=r"tensor 'tail' needs bytes .*checkpoint\.data"):
+    with pytest.raises(CheckpointError, match=r"tensor 'mask' needs bytes .*checkpoint\.data"):
         read_checkpoint(tmp_path / "checkpoint")
 
 

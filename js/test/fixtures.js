@@ -30,6 +30,12 @@ export function fixtureDir() {
 /** @param {string} name */
 export const fixturePath = (name) => join(fixtureDir(), name);
 
+/**
+ * A file of tests/data/upstream (written by onnxruntime-training 1.19.2; in the repository).
+ * @param {string} name
+ */
+export const upstreamData = (name) => join(REPO, 'tests', 'data', 'upstream', name);
+
 /** The run's settings (batch size, learning rate, steps, tolerance). */
 export const settings = () => JSON.parse(readFileSync(fixturePath('fixture.json'), 'utf8'));
 

@@ -85,13 +85,19 @@ export interface SaveOptions {
   includeOptimizerState?: boolean;
 }
 
+export interface LoadOptions {
+  /** The bytes of `<checkpoint>.data`, for an onnxruntime-training checkpoint that keeps its
+   * tensors there (loading from a path or URL reads that file itself). */
+  externalData?: ArrayBuffer | ArrayBufferView | null;
+}
+
 /** Parameters, gradients, optimizer state and user properties (the Python side's checkpoint format). */
 export class CheckpointState {
   static platform: Platform | null;
-  /** Load a checkpoint (complete or nominal) from a path, URL or bytes. */
-  static load(source: Source): Promise<CheckpointState>;
-  /** Read a checkpoint from its bytes. */
-  static fromBytes(bytes: ArrayBuffer | ArrayBufferView, source?: string): CheckpointState;
+  /** Load a checkpoint (complete or nominal) from a path, URL or bytes: onnxtrain's format or onnxruntime-training's (`ODTC`). */
+  static load(source: Source, options?: LoadOptions): Promise<CheckpointState>;
+  /** Read a checkpoint from its bytes (either format). */
+  static fromBytes(bytes: ArrayBuffer | ArrayBufferView, source?: string, options?: LoadOptions): CheckpointState;
   /** Serialize `state`, write it to `target` when given (atomically, Node only), return the bytes. */
   static save(state: CheckpointState, target?: string | URL | null, options?: SaveOptions): Promise<Uint8Array>;
   toBytes(options?: SaveOptions): Uint8Array;
@@ -173,8 +179,8 @@ export interface CheckpointData {
   optimizer: { step: number; learningRate: number; states: string[]; values: Map<string, Map<string, TypedArray>> } | null;
   properties: Record<string, number | string>;
 }
-/** Parse and validate checkpoint bytes (the format of src/onnxtrain/checkpoint.py). */
-export function readCheckpoint(bytes: Uint8Array, source?: string): CheckpointData;
+/** Parse and validate checkpoint bytes (the format of src/onnxtrain/checkpoint.py, or onnxruntime-training's `ODTC`). */
+export function readCheckpoint(bytes: Uint8Array, source?: string, options?: { externalData?: Uint8Array | null }): CheckpointData;
 /** Serialize a checkpoint record. */
 export function encodeCheckpoint(data: CheckpointData): Uint8Array;
 

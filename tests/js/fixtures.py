@@ -14,7 +14,12 @@ rest of the contract, with Python runs of ``SMALL["steps"]`` steps (``small/<nam
 and ``fp16`` (``precision="fp16"``: dynamic loss scaling, with an overflowing scale forced
 before step ``OVERFLOW_STEP`` so that the step is skipped and the scale backs off). The Node test trains the first 20 steps itself and must match
 ``python_step20``; its checkpoint ``node_step20`` is then resumed by Python (``resume``) and
-must match ``python_step40``.
+must match ``python_step40``. ``upstream/`` serves the reading of onnxruntime-training's
+checkpoints (the files in tests/data/upstream, written by upstream 1.19.2): ``artifacts/``, made
+by onnxtrain from upstream's ``model.onnx``, resume its ``checkpoint_trained``; ``external/``
+holds a checkpoint in upstream's layout with its tensors in ``checkpoint.data`` (tests/upstream_odtc.py) and ``values.json``, its tensors; and
+``float32.json`` pairs float32 bit patterns with what Python reads for them
+(``float(str(np.float32(x)))``, upstream's learning rate and float properties).
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ def make_fixtures(out_dir: str | pathlib.Path) -> pathlib.Path:
     train(out_dir, initial, 0, 2 * steps, out_dir / "python_step40")
     write_ort_format(out_dir / "artifacts", out_dir / "ort_format")
     write_small_models(out_dir / "small")
+    write_upstream(out_dir / "upstream")
     return out_dir
 
 
@@ -142,6 +148,49 @@ def write_small_models(out: pathlib.Path) -> None:
             optimizer.step()
             module.lazy_reset_grad()
         CheckpointState.save_checkpoint(state, folder / "python_steps", include_optimizer_state=True)
+
+
+UPSTREAM_DATA = ROOT / "tests" / "data" / "upstream"
+UPSTREAM_TRAINABLE = ["fc1.weight", "fc1.bias", "fc2.weight"]
+
+
+def write_upstream(out: pathlib.Path) -> None:
+    """Artifacts of upstream's model.onnx, an external-data checkpoint and float32 roundings."""
+    from onnxtrain import artifacts
+    from tests.upstream_odtc import external_fixture, odtc_bytes
+
+    out.mkdir(parents=True, exist_ok=True)
+    artifacts.generate_artifacts(str(UPSTREAM_DATA / "model.onnx"), requires_grad=UPSTREAM_TRAINABLE,
+                                 frozen_params=["fc2.bias"], loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=out / "artifacts")
+
+    trainable, frozen = external_fixture()
+    checkpoint, data = odtc_bytes(trainable, frozen, inline={"b"})
+    folder = out / "external"
+    folder.mkdir(exist_ok=True)
+    (folder / "checkpoint").write_bytes(checkpoint)
+    (folder / "checkpoint.data").write_bytes(data)
+
+    def values(array: np.ndarray) -> list:
+        flat = array.reshape(-1)
+        if array.dtype == np.float16:
+            return flat.view(np.uint16).tolist()  # onnxruntime's JavaScript float16: the bit patterns
+        if array.dtype == np.int64:
+            return [str(v) for v in flat.tolist()]  # BigInt64Array
+        return flat.astype(np.uint8).tolist() if array.dtype == np.bool_ else flat.tolist()
+
+    (folder / "values.json").write_text(json.dumps(
+        [{"name": name, "requires_grad": name in trainable, "dtype": str(array.dtype), "shape": list(array.shape),
+          "values": values(array)} for name, array in [*trainable.items(), *frozen.items()]]))
+
+    # float32 values read the way Python reads upstream's learning rate and float properties
+    rng = np.random.default_rng(5)
+    bits = np.concatenate([rng.integers(0, 2 ** 32, 1500, dtype=np.uint64).astype(np.uint32),
+                           np.array([(e << 23) | m for e in range(0, 255, 7) for m in (0, 1, 0x7FFFFF)], np.uint32),
+                           np.array([0.1, 1e-3, 0.05, 3e-3, 343126.125, -64311768.0, 1e-45], np.float32).view(np.uint32)])
+    floats = bits.view(np.float32)
+    (out / "float32.json").write_text(json.dumps(
+        [[int(b), float(str(f))] for b, f in zip(bits, floats) if np.isfinite(f)]))
 
 
 def write_ort_format(artifacts: pathlib.Path, out: pathlib.Path) -> None:

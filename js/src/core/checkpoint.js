@@ -4,13 +4,16 @@
  * `param/<name>` and `optimizer/<param>/<state>`, and metadata `format` =
  * `onnxtrain.checkpoint`, `version` = `1` and `state`, a JSON object holding the parameter
  * list (name, requires_grad, dtype, shape), `nominal`, the optional `optimizer` section
- * (step, learning_rate, states) and the user `properties`.
+ * (step, learning_rate, states) and the user `properties`. Checkpoints saved by
+ * onnxruntime-training (`ODTC` flatbuffers) read into the same record
+ * (upstream_checkpoint.js); saving always writes onnxtrain's format.
  * @module
  */
 
 import { CheckpointError } from './errors.js';
 import { dtypeInfo, formatShape } from './dtypes.js';
 import { encodeSafetensors, parseSafetensors } from './safetensors.js';
+import { isUpstreamCheckpoint, readUpstreamCheckpoint } from './upstream_checkpoint.js';
 
 export const FORMAT = 'onnxtrain.checkpoint';
 export const VERSION = 1;
@@ -43,12 +46,15 @@ export const OPTIMIZER_PREFIX = 'optimizer/';
  */
 
 /**
- * Read and validate checkpoint bytes.
+ * Read and validate checkpoint bytes: onnxtrain's format, or onnxruntime-training's (`ODTC`
+ * at bytes 4-8), whose tensors may be in a separate `<checkpoint>.data` file.
  * @param {Uint8Array} bytes
  * @param {string} [source]  a name for the messages (path or URL)
+ * @param {{externalData?: Uint8Array | null}} [options]  onnxruntime-training's `<checkpoint>.data` bytes, where it has one
  * @returns {CheckpointData}
  */
-export function readCheckpoint(bytes, source = '<bytes>') {
+export function readCheckpoint(bytes, source = '<bytes>', { externalData = null } = {}) {
+  if (isUpstreamCheckpoint(bytes)) return readUpstreamCheckpoint(bytes, source, { externalData });
   const where = `checkpoint ${JSON.stringify(source)}`;
   const { metadata, tensors } = parseSafetensors(bytes, where);
   if (metadata.format !== FORMAT) {

@@ -9,6 +9,18 @@ import { CheckpointError, InputMismatchError, OnnxTrainError } from './errors.js
 import { copyOf, elementCount, formatShape, zerosOf, dtypeInfo } from './dtypes.js';
 import { checkProperty, encodeCheckpoint, readCheckpoint } from './checkpoint.js';
 import { describeSource, platformOf, readSource } from './platform.js';
+import { EXTERNAL_DATA_SUFFIX, externalDataName, needsExternalData } from './upstream_checkpoint.js';
+
+/**
+ * A Uint8Array over `bytes` (no copy), or a TypeError naming `what`.
+ * @param {unknown} bytes
+ * @param {string} what
+ */
+function asBytes(bytes, what) {
+  if (bytes instanceof ArrayBuffer) return new Uint8Array(bytes);
+  if (ArrayBuffer.isView(bytes)) return new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  throw new TypeError(`${what}: expected bytes (Uint8Array or ArrayBuffer), got ${bytes === null ? 'null' : typeof bytes}`);
+}
 
 /** Upstream's learning rate when neither the checkpoint nor the user set one. */
 export const DEFAULT_LEARNING_RATE = 1e-3;
@@ -218,27 +230,47 @@ export class CheckpointState {
   }
 
   /**
-   * Load a checkpoint (complete or nominal) from a path, a URL or its bytes.
+   * Load a checkpoint (complete or nominal) from a path, a URL or its bytes: onnxtrain's
+   * format or onnxruntime-training's (`ODTC`). An onnxruntime-training checkpoint that keeps
+   * its tensors in `<checkpoint>.data` reads that file too (from a path or URL; given bytes,
+   * pass the file's bytes as `externalData`).
    * @param {string | URL | ArrayBuffer | ArrayBufferView} source
+   * @param {{externalData?: ArrayBuffer | ArrayBufferView | null}} [options]
    * @returns {Promise<CheckpointState>}
    */
-  static async load(source) {
-    const bytes = await readSource(platformOf(this), source, 'checkpoint');
-    return this.fromBytes(bytes, describeSource(source));
+  static async load(source, { externalData = null } = {}) {
+    const platform = platformOf(this);
+    const bytes = await readSource(platform, source, 'checkpoint');
+    const name = describeSource(source);
+    if (externalData === null && (typeof source === 'string' || source instanceof URL) && needsExternalData(bytes, name)) {
+      // next to the checkpoint: "<path>.data", or the URL's path plus ".data" (its query kept)
+      let dataSource;
+      if (source instanceof URL || /^(https?|file):/i.test(source)) {
+        dataSource = new URL(source instanceof URL ? source.href : source);
+        dataSource.pathname += EXTERNAL_DATA_SUFFIX;
+      } else {
+        dataSource = externalDataName(source);
+      }
+      try {
+        externalData = await platform.readBytes(dataSource, 'checkpoint');
+      } catch (error) {
+        throw new CheckpointError(`onnxruntime-training checkpoint ${JSON.stringify(name)} keeps its tensors in ` +
+          `${JSON.stringify(describeSource(dataSource))}, which cannot be read: ${/** @type {Error} */ (error).message}`);
+      }
+    }
+    return this.fromBytes(bytes, name, { externalData });
   }
 
   /**
    * Read a checkpoint from its bytes (synchronous; needs no platform).
    * @param {ArrayBuffer | ArrayBufferView} bytes
    * @param {string} [source]  a name for error messages
+   * @param {{externalData?: ArrayBuffer | ArrayBufferView | null}} [options]  the bytes of
+   *   `<checkpoint>.data`, for an onnxruntime-training checkpoint that has one
    */
-  static fromBytes(bytes, source = '<bytes>') {
-    if (!(bytes instanceof ArrayBuffer) && !ArrayBuffer.isView(bytes)) {
-      throw new TypeError(`checkpoint: expected bytes (Uint8Array or ArrayBuffer), got ${typeof bytes}`);
-    }
-    const view = bytes instanceof ArrayBuffer ? new Uint8Array(bytes)
-      : new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
-    return new this(readCheckpoint(view, source));
+  static fromBytes(bytes, source = '<bytes>', { externalData = null } = {}) {
+    return new this(readCheckpoint(asBytes(bytes, 'checkpoint'), source,
+      { externalData: externalData === null ? null : asBytes(externalData, 'externalData') }));
   }
 
   /**

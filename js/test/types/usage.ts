@@ -19,9 +19,11 @@ export async function documentedUsage(): Promise<number> {
   state.properties.set('epoch', 1);
   const bytes: Uint8Array = await CheckpointState.save(state, null, { includeOptimizerState: true });
   const again = await web.CheckpointState.load(bytes);
+  // an onnxruntime-training checkpoint whose tensors are in its .data file
+  const upstream = CheckpointState.fromBytes(bytes, 'upstream', { externalData: new Uint8Array(0) });
   const inference: Uint8Array = await module.exportModelForInferencing(['logits']);
   const error: Error = new CheckpointError('x');
-  return state.parameters.get('fc.bias').dims[0] + optimizer.stepCount + inference.length + Number(again.nominal) +
+  return state.parameters.get('fc.bias').dims[0] + optimizer.stepCount + inference.length + Number(again.nominal) + upstream.parameters.size +
     Number(loss.data) + error.message.length;
 }
 
@@ -29,6 +31,8 @@ export async function misuse(): Promise<void> {
   // @ts-expect-error a checkpoint source is a path, URL or bytes
   await CheckpointState.load(5);
   const state = CheckpointState.fromBytes(new Uint8Array(0));
+  // @ts-expect-error externalData is bytes
+  CheckpointState.fromBytes(new Uint8Array(0), 'upstream', { externalData: 'checkpoint.data' });
   // @ts-expect-error properties are numbers or strings
   state.properties.set('flag', true);
   // @ts-expect-error the learning rate is a number

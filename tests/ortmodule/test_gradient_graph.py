@@ -1,0 +1,94 @@
+"""export_gradient_graph (upstream's onnxruntime.training.experimental.export_gradient_graph):
+the loss's gradients from a plain inference session, equal to PyTorch's."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+from tests.torch_models import torch
+
+from onnxtrain.errors import ExportError
+from onnxtrain.torch import export_gradient_graph
+
+
+class _NeuralNet(torch.nn.Module):
+    """Upstream's test model: a frozen layer (no gradient output for it), then an MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen_layer = torch.nn.Linear(10, 20, bias=False)
+        self.frozen_layer.requires_grad_(False)
+        self.fc1 = torch.nn.Linear(20, 5)
+        self.relu = torch.nn.ReLU()
+        self.fc2 = torch.nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.fc2(self.relu(self.fc1(self.frozen_layer(x))))
+
+
+def _binary_cross_entropy(output, target):
+    probabilities = torch.softmax(output, dim=1)
+    return -torch.sum(target * torch.log2(probabilities[:, 0]) + (1 - target) * torch.log2(probabilities[:, 1]))
+
+
+def _run(path, model, x, y):
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {"input": x.numpy(), "labels": y.numpy(), **{n: p.detach().numpy() for n, p in model.named_parameters()}}
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+@pytest.mark.parametrize("loss_fn", [_binary_cross_entropy, torch.nn.CrossEntropyLoss()], ids=["function", "module"])
+def test_outputs_loss_and_gradients_are_pytorchs_at_any_batch(tmp_path, loss_fn):
+    torch.manual_seed(0)
+    model = _NeuralNet()
+    path = tmp_path / "gradient_graph.onnx"
+    export_gradient_graph(model, loss_fn, torch.randn(4, 10, requires_grad=True), torch.tensor([1, 0, 1, 1]), path)
+
+    proto = onnx.load(path)
+    onnx.checker.check_model(proto)
+    names = [n for n, _ in model.named_parameters()]
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert [i.name for i in proto.graph.input] == ["input", "labels", *names]
+    assert [o.name for o in proto.graph.output] == ["output", "loss", *(f"{n}_grad" for n in trainable)]
+    assert {node.domain for node in proto.graph.node} <= {""}  # standard ops: any onnxruntime runs it
+
+    for batch in (4, 7):
+        x, y = torch.randn(batch, 10), torch.randint(0, 2, (batch,))
+        outputs = _run(path, model, x, y)
+        model.zero_grad()
+        output = model(x)
+        loss = loss_fn(output, y)
+        loss.backward()
+        np.testing.assert_allclose(outputs["output"], output.detach().numpy(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(outputs["loss"], loss.item(), rtol=1e-5)
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                np.testing.assert_allclose(outputs[f"{name}_grad"], param.grad.numpy(), rtol=1e-4, atol=1e-6,
+                                           err_msg=name)
+
+
+def test_batch_norm_in_train_mode_differentiates_through_the_batch_statistics(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    path = tmp_path / "bn.onnx"
+    running_mean = model[1].running_mean.clone()
+    export_gradient_graph(model, torch.nn.CrossEntropyLoss(), torch.randn(5, 6), torch.randint(0, 3, (5,)), path)
+    torch.testing.assert_close(model[1].running_mean, running_mean)  # exporting changed no statistic
+    x, y = torch.randn(9, 6), torch.randint(0, 3, (9,))
+    outputs = _run(path, model, x, y)
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    np.testing.assert_allclose(outputs["loss"], loss.item(), rtol=1e-5)
+    for name, param in model.named_parameters():
+        np.testing.assert_allclose(outputs[f"{name}_grad"], param.grad.numpy(), rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_opset_version(tmp_path):
+    model, x, y = _NeuralNet(), torch.randn(2, 10), torch.tensor([0, 1])
+    with pytest.warns(UserWarning, match="the graph has opset \\d+ .*not 12"):
+        export_gradient_graph(model, torch.nn.CrossEntropyLoss(), x, y, tmp_path / "a.onnx", opset_version=12)
+    with pytest.raises(ExportError, match="opset_version=99: the exporter writes opset"):
+        export_gradient_graph(model, torch.nn.CrossEntropyLoss(), x, y, tmp_path / "b.onnx", opset_version=99)

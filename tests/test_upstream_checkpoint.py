@@ -200,3 +200,37 @@ def test_load_checkpoint_to_model_takes_an_upstream_checkpoint():
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     for name, value in EXPECTED["saved_parameters"].items():
         np.testing.assert_array_equal(weights[name], np.array(value, np.float32))
+
+
+def test_an_sgd_checkpoint_resumes_at_upstreams_learning_rate_and_step(tmp_path):
+    """Upstream's SGD saves an all-zero momentum0 (its SGD keeps none: dropped here, the step
+    kept), and resumes at its default learning rate, not the scheduler's initial one it saved."""
+    data = read_checkpoint(DATA / "checkpoint_sgd")
+    assert data.optimizer.step == 2 and data.optimizer.states == ["momentum0"]
+    artifacts.generate_artifacts(str(DATA / "model.onnx"), requires_grad=TRAINABLE, frozen_params=["fc2.bias"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(DATA / "checkpoint_sgd")
+    module = Module(str(tmp_path / "training_model.onnx"), state)
+    optimizer = Optimizer(str(tmp_path / "optimizer_model.onnx"), module)
+    expected = EXPECTED["sgd"]
+    assert optimizer.get_learning_rate() == pytest.approx(expected["resumed_learning_rate"], rel=1e-7)
+    assert optimizer.step_count == 2
+    module.train()
+    loss = float(module(np.array(EXPECTED["input"], np.float32), np.array(EXPECTED["labels"], np.int64)))
+    optimizer.step()
+    assert loss == pytest.approx(expected["resumed_loss"], rel=1e-5)
+    for name, value in expected["resumed_parameters"].items():
+        np.testing.assert_allclose(state.parameters[name].data, np.array(value, np.float32), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_optimizer_state_the_model_does_not_use_is_refused_unless_it_is_all_zero(tmp_path):
+    artifacts.generate_artifacts(str(DATA / "model.onnx"), requires_grad=TRAINABLE, frozen_params=["fc2.bias"],
+                                 loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(DATA / "checkpoint_trained")  # AdamW's moments, not zero
+    module = Module(str(tmp_path / "training_model.onnx"), state)
+    with pytest.raises(CheckpointError, match=r"holds optimizer state \['momentum0', 'momentum1'\] but the optimizer "
+                                              r"model uses \[\]"):
+        Optimizer(str(tmp_path / "optimizer_model.onnx"), module)

@@ -41,7 +41,7 @@ test('an upstream checkpoint reads with its parameters, optimizer state and prop
     assert.deepEqual(parameter.dims, [value.length, ...(Array.isArray(value[0]) ? [value[0].length] : [])]);
     assert.deepEqual(parameter.data, Float32Array.from(value.flat()), name);
   }
-  // upstream saves its initial learning rate, a float32: 0.001 reads back as 0.001
+  // the learning rate upstream resumes with: its default, whatever the file holds
   assert.deepEqual(state.optimizerState, { step: 3, learningRate: 0.001, states: ['momentum0', 'momentum1'] });
   const data = readCheckpoint(trained());
   assert.deepEqual([...data.optimizer.values.keys()].sort(), [...TRAINABLE].sort());
@@ -50,6 +50,23 @@ test('an upstream checkpoint reads with its parameters, optimizer state and prop
   }
   assert.deepEqual(state.properties.toObject(), { epoch: 7, best_loss: 0.1, device: 'device-a' });
   assert.equal(state.nominal, false);
+});
+
+test('an SGD checkpoint resumes at upstream\'s learning rate and step (its all-zero momentum0 dropped)', async () => {
+  const artifact = (name) => fixturePath(`upstream/artifacts_sgd/${name}`);
+  const state = await CheckpointState.load(upstreamData('checkpoint_sgd'));
+  const module = await Module.create(artifact('training_model.onnx'), state);
+  const optimizer = await Optimizer.create(artifact('optimizer_model.onnx'), module);
+  assert.equal(optimizer.stepCount, 2);
+  assertClose([optimizer.getLearningRate()], [EXPECTED.sgd.resumed_learning_rate], 1e-7, 0, 'learning rate');
+  const x = new ort.Tensor('float32', Float32Array.from(EXPECTED.input.flat()), [EXPECTED.input.length, EXPECTED.input[0].length]);
+  const y = new ort.Tensor('int32', Int32Array.from(EXPECTED.labels), [EXPECTED.labels.length]);
+  const { loss } = await module.trainStep(x, y);
+  await optimizer.step();
+  assertClose([loss.data[0]], [EXPECTED.sgd.resumed_loss], 1e-5, 0, 'loss');
+  for (const [name, value] of Object.entries(EXPECTED.sgd.resumed_parameters)) {
+    assertClose(state.parameters.get(name).data, value.flat(), 1e-5, 1e-6, name);
+  }
 });
 
 test('training resumes from an upstream checkpoint as upstream does', async () => {

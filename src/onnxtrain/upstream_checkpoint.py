@@ -3,8 +3,8 @@ training (or is exported) with onnxtrain.
 
 onnxruntime-training saves a checkpoint as one flatbuffer whose file identifier (bytes 4-8) is
 ``ODTC`` (schema ``ort_training_checkpoint.fbs``; checked against 1.19.2's files): the trainable and frozen
-parameters, optionally the optimizer state (one group, ``group0``: its step, its initial
-learning rate and each parameter's ``momentum0``/``momentum1``) and the user properties. Past
+parameters, optionally the optimizer state (one group, ``group0``: its step, its scheduler's
+initial learning rate and each parameter's ``momentum0``/``momentum1``) and the user properties. Past
 a size threshold upstream writes the tensors' bytes to ``<checkpoint>.data`` and keeps their
 offsets in the flatbuffer.
 
@@ -40,6 +40,8 @@ EXTERNAL_DATA_SUFFIX = ".data"
 # Checkpoint format versions read here (1.19.2 writes 2; version 1 has the same tables, without
 # the nominal and external-data flags, which then read as absent).
 SUPPORTED_VERSIONS = (1, 2)
+# The learning rate upstream's Optimizer resumes with, whatever the checkpoint holds.
+UPSTREAM_LEARNING_RATE = 1e-3
 
 # ONNX TensorProto element type -> numpy type (little-endian on disk), the ones a checkpoint keeps.
 _ELEMENT_TYPES = {
@@ -70,8 +72,9 @@ def read_upstream_checkpoint(path: str | os.PathLike) -> CheckpointData:
     """Read onnxruntime-training's checkpoint at ``path`` (and its ``.data`` file, if any).
 
     Trainable parameters come first, then the frozen ones, each in the file's order; the
-    optimizer state, when saved, becomes the record's step, learning rate (upstream's initial
-    learning rate, the one upstream resumes with) and ``momentum0``/``momentum1`` tensors; int,
+    optimizer state, when saved, becomes the record's step and ``momentum0``/``momentum1``
+    tensors, with the learning rate upstream resumes with (its default, 0.001: the file's
+    initial learning rate is its scheduler's, which upstream does not restore either); int,
     float and string properties are kept (upstream stores floats as float32).
     """
     path = Path(path)
@@ -165,8 +168,9 @@ def _optimizer(root: _Table, parameters: dict[str, ParameterRecord], external: _
         raise CheckpointError(f"{where} holds {len(groups)} optimizer groups {names}; onnxtrain keeps one "
                               f"(upstream's Optimizer writes group0 only)")
     group = groups[0]
-    record = OptimizerRecord(step=group.scalar(_OPTIMIZER_GROUP["step"], "<q", 0),
-                             learning_rate=_float32(group.scalar(_OPTIMIZER_GROUP["initial_learning_rate"], "<f", 0.0)))
+    # upstream keeps its scheduler's initial learning rate here and resumes at its default
+    # learning rate (0.001) whatever the file says: so does this state
+    record = OptimizerRecord(step=group.scalar(_OPTIMIZER_GROUP["step"], "<q", 0), learning_rate=UPSTREAM_LEARNING_RATE)
     for entry in group.tables(_OPTIMIZER_GROUP["optimizer_states"]):
         param = entry.string(_PARAMETER_OPTIMIZER_STATE["param_name"])
         if param not in parameters:
@@ -208,8 +212,8 @@ def _properties(bag: _Table | None, where: str) -> dict[str, int | float | str]:
 
 
 def _float32(value: float) -> float:
-    """The shortest decimal that rounds to the same float32: upstream stores learning rates and
-    float properties as float32, so a saved 0.1 reads back as 0.1 (not 0.10000000149011612)."""
+    """The shortest decimal that rounds to the same float32: upstream stores float properties
+    as float32, so a saved 0.1 reads back as 0.1 (not 0.10000000149011612)."""
     return float(str(np.float32(value)))
 
 

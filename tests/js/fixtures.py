@@ -16,7 +16,8 @@ before step ``OVERFLOW_STEP`` so that the step is skipped and the scale backs of
 ``python_step20``; its checkpoint ``node_step20`` is then resumed by Python (``resume``) and
 must match ``python_step40``. ``upstream/`` serves the reading of onnxruntime-training's
 checkpoints (the files in tests/data/upstream, written by upstream 1.19.2): ``artifacts/``, made
-by onnxtrain from upstream's ``model.onnx``, resume its ``checkpoint_trained``; ``external/``
+by onnxtrain from upstream's ``model.onnx``, resume its ``checkpoint_trained`` (``artifacts_sgd/``: its
+``checkpoint_sgd``); ``external/``
 holds a checkpoint in upstream's layout with its tensors in ``checkpoint.data`` (tests/upstream_odtc.py) and ``values.json``, its tensors; and
 ``float32.json`` pairs float32 bit patterns with what Python reads for them
 (``float(str(np.float32(x)))``, upstream's learning rate and float properties).
@@ -163,6 +164,9 @@ def write_upstream(out: pathlib.Path) -> None:
     artifacts.generate_artifacts(str(UPSTREAM_DATA / "model.onnx"), requires_grad=UPSTREAM_TRAINABLE,
                                  frozen_params=["fc2.bias"], loss=artifacts.LossType.CrossEntropyLoss,
                                  optimizer=artifacts.OptimType.AdamW, artifact_directory=out / "artifacts")
+    artifacts.generate_artifacts(str(UPSTREAM_DATA / "model.onnx"), requires_grad=UPSTREAM_TRAINABLE,
+                                 frozen_params=["fc2.bias"], loss=artifacts.LossType.CrossEntropyLoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=out / "artifacts_sgd")
 
     trainable, frozen = external_fixture()
     checkpoint, data = odtc_bytes(trainable, frozen, inline={"b"})

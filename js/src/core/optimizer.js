@@ -60,8 +60,14 @@ export class Optimizer {
     if (opt === null) {
       opt = state._optimizer = { step: 0, learningRate: DEFAULT_LEARNING_RATE, states: [...this._states], values: new Map() };
     } else if (opt.values.size && JSON.stringify(opt.states) !== JSON.stringify(this._states)) {
-      throw new CheckpointError(`the checkpoint holds optimizer state ${JSON.stringify(opt.states)} but the optimizer ` +
-        `model uses ${JSON.stringify(this._states)}`);
+      const unused = opt.states.filter((s) => !this._states.includes(s));
+      if (unused.length !== opt.states.length || !allZero(opt.values, unused)) {
+        throw new CheckpointError(`the checkpoint holds optimizer state ${JSON.stringify(opt.states)} but the optimizer ` +
+          `model uses ${JSON.stringify(this._states)}`);
+      }
+      // state the model does not use and that holds nothing (onnxruntime-training's SGD saves an
+      // all-zero momentum0 per parameter): dropped, the step count kept
+      opt.values = new Map();
     }
     if (opt.values.size) {
       const missing = this._params.filter((p) => !opt?.values.has(p));
@@ -199,4 +205,21 @@ export class Optimizer {
   async release() {
     await this._model.session.release?.();
   }
+}
+
+/**
+ * Whether every tensor of `states` in `values` (param -> state -> typed array or Tensor) is all zeros.
+ * @param {Map<string, Map<string, any>>} values
+ * @param {string[]} states
+ */
+function allZero(values, states) {
+  for (const perState of values.values()) {
+    for (const name of states) {
+      const value = perState.get(name);
+      if (value === undefined) continue;
+      const data = ArrayBuffer.isView(value) ? value : value.data;
+      for (let i = 0; i < data.length; i++) if (Number(data[i]) !== 0) return false;
+    }
+  }
+  return true;
 }

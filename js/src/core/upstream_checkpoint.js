@@ -6,8 +6,9 @@
  * this module: same field slots, checks and messages).
  *
  * Trainable parameters come first, then the frozen ones, each in the file's order; the
- * optimizer group (one allowed) gives the step, the learning rate (upstream's initial learning
- * rate, the one upstream resumes with) and each parameter's `momentum0`/`momentum1`; int, float
+ * optimizer group (one allowed) gives the step and each parameter's `momentum0`/`momentum1`,
+ * with the learning rate upstream resumes with (its default, 0.001: the file's initial learning
+ * rate is its scheduler's, which upstream does not restore either); int, float
  * and string properties are kept (floats are float32 on disk: 0.1 reads back as 0.1). Past a
  * size threshold upstream keeps the tensors' bytes in `<checkpoint>.data` and their offsets in
  * the flatbuffer; those bytes are passed in as `externalData`. The flatbuffer is read with a
@@ -23,6 +24,8 @@ export const FILE_IDENTIFIER = 'ODTC';
 export const EXTERNAL_DATA_SUFFIX = '.data';
 // 1.19.2 writes 2; version 1 has the same tables, without the nominal and external-data flags.
 export const SUPPORTED_VERSIONS = [1, 2];
+/** The learning rate upstream's Optimizer resumes with, whatever the checkpoint holds. */
+export const UPSTREAM_LEARNING_RATE = 1e-3;
 
 /** ONNX TensorProto element type -> dtype name, the ones a checkpoint keeps. */
 const ELEMENT_TYPES = new Map([
@@ -229,7 +232,9 @@ function readOptimizer(root, parameters, external, where) {
   }
   return {
     step: Number(group.int64(OPTIMIZER_GROUP.step, 0n)),
-    learningRate: shortestFloat32(group.float32(OPTIMIZER_GROUP.initialLearningRate)),
+    // upstream keeps its scheduler's initial learning rate in the file and resumes at its
+    // default learning rate whatever the file says: so does this state
+    learningRate: UPSTREAM_LEARNING_RATE,
     states: names,
     values,
   };

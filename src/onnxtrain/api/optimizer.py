@@ -79,8 +79,13 @@ class Optimizer:
         if opt is None:
             opt = state._optimizer = _OptimizerState(states=self._states)
         elif opt.states != self._states and (opt.pending or opt.buffers):
-            raise CheckpointError(f"the checkpoint holds optimizer state {opt.states} but the optimizer model "
-                                  f"uses {self._states}")
+            unused = [s for s in opt.states if s not in self._states]
+            if any(s in self._states for s in opt.states) or not _all_zero(opt, unused):
+                raise CheckpointError(f"the checkpoint holds optimizer state {opt.states} but the optimizer model "
+                                      f"uses {self._states}")
+            # state the model does not use and that holds nothing (onnxruntime-training's SGD saves an
+            # all-zero momentum0 per parameter): dropped, the step count kept
+            opt.pending, opt.buffers = {}, {}
         opt.states = list(self._states)
         self._opt = opt
         self._adopt_state_buffers()
@@ -274,3 +279,9 @@ class Optimizer:
     def get_learning_rate(self) -> float:
         """The learning rate the next step will use."""
         return self._opt.learning_rate
+
+
+def _all_zero(opt: _OptimizerState, states: list[str]) -> bool:
+    """Whether every tensor of ``states`` in ``opt`` (loaded or adopted) is all zeros."""
+    values = opt.values()
+    return all(not np.any(per[s]) for per in values.values() for s in states if s in per)

@@ -10,7 +10,8 @@ three properties, then loads that file into a fresh upstream state and trains 2 
 ``expected.json`` holds the data, the parameters saved, and the losses and parameters of the
 resumed steps, which onnxtrain must reproduce from the same file. ``nominal_checkpoint``,
 ``training_model.onnx`` and ``optimizer_model.onnx`` are upstream's artifacts (their graphs
-need upstream's training build: onnxtrain names them as such).
+need upstream's training build: onnxtrain names them as such). ``checkpoint_sgd`` is an SGD
+run's (with a LinearLRScheduler), ``expected.json["sgd"]`` what upstream resumed from it with.
 """
 
 import json
@@ -54,6 +55,37 @@ def build_model(rng):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 14)])
     model.ir_version = 8
     return model
+
+
+def sgd_checkpoint(api, artifacts, model, x, y, out: str) -> dict:
+    """SGD with a LinearLRScheduler(initial_lr=0.1): ``checkpoint_sgd`` after 2 steps, with the
+    optimizer state (upstream's SGD saves an all-zero momentum0), and what upstream resumes with."""
+    with tempfile.TemporaryDirectory() as art:
+        artifacts.generate_artifacts(model, requires_grad=["fc1.weight", "fc1.bias", "fc2.weight"],
+                                     frozen_params=["fc2.bias"], loss=artifacts.LossType.CrossEntropyLoss,
+                                     optimizer=artifacts.OptimType.SGD, artifact_directory=art)
+
+        def open_training(checkpoint):
+            state = api.CheckpointState.load_checkpoint(checkpoint)
+            module = api.Module(os.path.join(art, "training_model.onnx"), state)
+            module.train()
+            return state, module, api.Optimizer(os.path.join(art, "optimizer_model.onnx"), module)
+
+        state, module, optimizer = open_training(os.path.join(art, "checkpoint"))
+        scheduler = api.LinearLRScheduler(optimizer, warmup_step_count=0, total_step_count=10, initial_lr=0.1)
+        for _ in range(2):
+            module(x, y)
+            optimizer.step()
+            scheduler.step()
+            module.lazy_reset_grad()
+        saved = os.path.join(out, "checkpoint_sgd")
+        api.CheckpointState.save_checkpoint(state, saved, include_optimizer_state=True)
+        state, module, optimizer = open_training(saved)
+        resumed_lr = optimizer.get_learning_rate()
+        loss = float(module(x, y))
+        optimizer.step()
+        return {"resumed_learning_rate": resumed_lr, "resumed_loss": loss,
+                "resumed_parameters": {n: p.data.tolist() for n, p in state.parameters}}
 
 
 def main(out: str) -> None:
@@ -102,7 +134,9 @@ def main(out: str) -> None:
         resumed_losses = train(module, optimizer, 2)
         resumed_params = {n: p.data.tolist() for n, p in state.parameters}
 
-    expected = {"onnxruntime_training": onnxruntime.__version__, "learning_rate": lr,
+        sgd = sgd_checkpoint(api, artifacts, model, x, y, out)
+
+    expected = {"onnxruntime_training": onnxruntime.__version__, "learning_rate": lr, "sgd": sgd,
                 "input": x.tolist(), "labels": y.tolist(), "first_losses": first_losses,
                 "saved_parameters": saved_params, "resumed_losses": resumed_losses,
                 "resumed_parameters": resumed_params}

@@ -254,3 +254,38 @@ def test_accepts_onnx_ir_tensors(tmp_path):
     write_checkpoint(tmp_path / "n", {"w": tensor}, {"w"}, nominal=True)
     rec = read_checkpoint(tmp_path / "n").parameters["w"]
     assert rec.value is None and rec.shape == (2, 3) and rec.dtype == np.float32
+
+
+def test_inf_and_nan_properties_round_trip_as_valid_json(tmp_path):
+    """JSON has no inf or nan (the JavaScript runtime's JSON.parse refuses Python's Infinity):
+    they are null in "properties", their values in "nonfinite_properties"."""
+    path = tmp_path / "checkpoint"
+    properties = {"epoch": 3, "best_loss": float("inf"), "floor": float("-inf"), "ratio": float("nan"), "note": "x"}
+    write_checkpoint(path, _params(), requires_grad=set(), properties=properties)
+    header = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])
+    state_text = header["__metadata__"]["state"]
+    assert "Infinity" not in state_text and "NaN" not in state_text
+    state = json.loads(state_text)
+    assert list(state["properties"]) == list(properties) and state["properties"]["best_loss"] is None
+    assert state["nonfinite_properties"] == {"best_loss": "inf", "floor": "-inf", "ratio": "nan"}
+    read = read_checkpoint(path).properties
+    assert list(read) == list(properties)
+    assert read["best_loss"] == float("inf") and read["floor"] == float("-inf") and np.isnan(read["ratio"])
+    assert read["epoch"] == 3 and read["note"] == "x"
+
+
+@pytest.mark.parametrize("nonfinite", [{"best": "infinity"}, {"epoch": "inf"}, {"absent": "nan"}])
+def test_a_malformed_nonfinite_property_is_refused(tmp_path, nonfinite):
+    path = tmp_path / "checkpoint"
+    write_checkpoint(path, _params(), requires_grad=set(), properties={"epoch": 3, "best": float("inf")})
+    data = path.read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    state = json.loads(header["__metadata__"]["state"])
+    state["nonfinite_properties"] = nonfinite
+    header["__metadata__"]["state"] = json.dumps(state)
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    path.write_bytes(len(blob).to_bytes(8, "little") + blob + data[8 + size:])
+    with pytest.raises(CheckpointError, match="nonfinite|null"):
+        read_checkpoint(path)

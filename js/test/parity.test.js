@@ -47,9 +47,13 @@ test('20 AdamW steps on onnxruntime-node match the Python runtime within the tol
   t.diagnostic(`largest |node - python| over all parameters after ${steps} steps: ${worst.toExponential(2)}`);
   // Python -> Node -> Python: pytest resumes this checkpoint in Python and compares with an
   // uninterrupted 40-step Python run
+  // (with properties JSON has no numbers for: Python must read them back as floats)
+  state.properties.set('best_loss', Infinity);
+  state.properties.set('ratio', NaN);
   await node.CheckpointState.save(state, fixturePath('node_step20'), { includeOptimizerState: true });
   const reread = await node.CheckpointState.load(fixturePath('node_step20'));
   assert.deepEqual(reread.optimizerState, { step: steps, learningRate: settings().learning_rate, states: ['momentum0', 'momentum1'] });
+  assert.deepEqual([reread.properties.get('best_loss'), reread.properties.get('ratio')], [Infinity, NaN]);
 });
 
 test('the web entry point (onnxruntime-web, wasm backend) trains like onnxruntime-node', async (t) => {

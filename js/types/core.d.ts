@@ -67,7 +67,7 @@ export class Parameters implements Iterable<[string, Parameter]> {
   [Symbol.iterator](): Iterator<[string, Parameter]>;
 }
 
-/** User properties (finite numbers or strings), saved with the checkpoint. */
+/** User properties (numbers, inf and nan included, or strings), saved with the checkpoint. */
 export class Properties implements Iterable<[string, number | string]> {
   get(name: string): number | string | undefined;
   set(name: string, value: number | string): void;

@@ -4,7 +4,9 @@ Format (docs/artifacts.md): one safetensors file. Tensors are ``param/<name>`` f
 each parameter and ``optimizer/<param>/<state>`` for optimizer state; the header
 metadata holds ``format`` = ``onnxtrain.checkpoint``, ``version`` = ``1`` and ``state``,
 a JSON object with the parameter list (name, requires_grad, dtype, shape), ``nominal``,
-the optional ``optimizer`` section (step, learning_rate, states) and ``properties``.
+the optional ``optimizer`` section (step, learning_rate, states) and ``properties`` (an inf or
+nan float is null there, and its value, ``"inf"``, ``"-inf"`` or ``"nan"``, is in
+``nonfinite_properties``: JSON has no such numbers).
 
 Public functions:
 
@@ -35,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 import tempfile
@@ -55,6 +58,9 @@ OPTIMIZER_PREFIX = "optimizer/"
 # Tensor bytes are written in slices of this size: bounded syscall sizes, and a natural
 # point at which an interrupted write stops (the atomic-write tests simulate that).
 WRITE_CHUNK_BYTES = 64 * 1024 * 1024
+
+# How an inf or nan float property is written in "nonfinite_properties" (Python's repr).
+_NONFINITE = frozenset({"inf", "-inf", "nan"})
 
 # numpy dtype name <-> safetensors dtype tag (little-endian on disk).
 _SAFETENSORS_DTYPES = {
@@ -152,8 +158,14 @@ def save_checkpoint_data(path: str | os.PathLike, data: CheckpointData) -> None:
         for param, per_state in opt.values.items():
             for state_name, value in per_state.items():
                 tensors.append((f"{OPTIMIZER_PREFIX}{param}/{state_name}", np.asarray(value)))
-    state["properties"] = {k: _check_property(k, v) for k, v in data.properties.items()}
-    metadata = {"format": FORMAT, "version": str(VERSION), "state": json.dumps(state)}
+    properties = {k: _check_property(k, v) for k, v in data.properties.items()}
+    # JSON has no inf or nan: such a float is null in "properties" (keeping the order) and its
+    # value, as text, in "nonfinite_properties"
+    nonfinite = {k: repr(v) for k, v in properties.items() if isinstance(v, float) and not math.isfinite(v)}
+    state["properties"] = {k: None if k in nonfinite else v for k, v in properties.items()}
+    if nonfinite:
+        state["nonfinite_properties"] = nonfinite
+    metadata = {"format": FORMAT, "version": str(VERSION), "state": json.dumps(state, allow_nan=False)}
     _atomic_write(Path(path), lambda f: _write_safetensors(f, tensors, metadata))
 
 
@@ -351,9 +363,19 @@ def _build(path: Path, state: dict, tensors: dict[str, np.ndarray]) -> Checkpoin
     if extra:
         raise CheckpointError(f"{where} holds tensors its metadata does not describe: {extra[:8]}")
     properties = state.get("properties") or {}
-    if not isinstance(properties, dict):
-        raise CheckpointError(f"{where}: 'properties' must be a JSON object")
-    return CheckpointData(params, nominal, optimizer, dict(properties))
+    nonfinite = state.get("nonfinite_properties") or {}
+    if not isinstance(properties, dict) or not isinstance(nonfinite, dict):
+        raise CheckpointError(f"{where}: 'properties' and 'nonfinite_properties' must be JSON objects")
+    properties = dict(properties)
+    for name, text in nonfinite.items():
+        if properties.get(name, 0) is not None or text not in _NONFINITE:
+            raise CheckpointError(f"{where}: nonfinite property {name!r} = {text!r} is not one of {sorted(_NONFINITE)} "
+                                  f"with a null in 'properties'")
+        properties[name] = float(text)
+    missing = [name for name, value in properties.items() if value is None]
+    if missing:
+        raise CheckpointError(f"{where}: properties {missing} are null without a nonfinite value")
+    return CheckpointData(params, nominal, optimizer, properties)
 
 
 def _checked(where: str, key: str, value: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

@@ -4,7 +4,8 @@
  * `param/<name>` and `optimizer/<param>/<state>`, and metadata `format` =
  * `onnxtrain.checkpoint`, `version` = `1` and `state`, a JSON object holding the parameter
  * list (name, requires_grad, dtype, shape), `nominal`, the optional `optimizer` section
- * (step, learning_rate, states) and the user `properties`. Checkpoints saved by
+ * (step, learning_rate, states) and the user `properties` (an inf or nan is null there, its
+ * value in `nonfinite_properties`, as Python writes it). Checkpoints saved by
  * onnxruntime-training (`ODTC` flatbuffers) read into the same record
  * (upstream_checkpoint.js); saving always writes onnxtrain's format.
  * @module
@@ -136,12 +137,33 @@ export function readCheckpoint(bytes, source = '<bytes>', { externalData = null 
     throw new CheckpointError(`${where} holds tensors its metadata does not describe: ${JSON.stringify(extra.slice(0, 8))}`);
   }
   const properties = state.properties ?? {};
-  if (typeof properties !== 'object' || Array.isArray(properties)) {
-    throw new CheckpointError(`${where}: 'properties' must be a JSON object`);
+  const nonfinite = state.nonfinite_properties ?? {};
+  for (const [key, value] of [['properties', properties], ['nonfinite_properties', nonfinite]]) {
+    if (value === null || typeof value !== 'object' || Array.isArray(value)) {
+      throw new CheckpointError(`${where}: '${key}' must be a JSON object`);
+    }
   }
-  for (const [name, value] of Object.entries(properties)) checkProperty(name, value, CheckpointError);
-  return { parameters, nominal, optimizer, properties: { ...properties } };
+  const read = { ...properties };
+  for (const [name, text] of Object.entries(nonfinite)) {
+    if (properties[name] !== null || !Object.hasOwn(NONFINITE, text)) {
+      throw new CheckpointError(`${where}: nonfinite property ${JSON.stringify(name)} = ${JSON.stringify(text)} is not ` +
+        `one of ${JSON.stringify(Object.keys(NONFINITE))} with a null in 'properties'`);
+    }
+    Object.defineProperty(read, name, { value: NONFINITE[text], enumerable: true, writable: true, configurable: true });
+  }
+  for (const [name, value] of Object.entries(read)) {
+    if (value === null) throw new CheckpointError(`${where}: property ${JSON.stringify(name)} is null without a nonfinite value`);
+    checkProperty(name, value, CheckpointError);
+  }
+  return { parameters, nominal, optimizer, properties: read };
 }
+
+/**
+ * How an inf or nan property is written in the metadata's `nonfinite_properties` (JSON has no
+ * such numbers; the property itself is null in `properties`, which keeps the order), as Python's.
+ * @type {Record<string, number>}
+ */
+const NONFINITE = { inf: Infinity, '-inf': -Infinity, nan: NaN };
 
 /**
  * @param {string} where
@@ -166,11 +188,10 @@ function checked(where, key, tensor, record) {
  * @returns {number | string}
  */
 export function checkProperty(name, value, ErrorClass) {
-  if (typeof value === 'string') return value;
-  if (typeof value === 'number' && Number.isFinite(value)) return value;
+  if (typeof value === 'string' || typeof value === 'number') return value;
   if (typeof value === 'bigint') return Number(value);
   const got = value === null ? 'null' : typeof value;
-  throw new ErrorClass(`property ${JSON.stringify(name)} must be a finite number or a string, got ${got}`);
+  throw new ErrorClass(`property ${JSON.stringify(name)} must be a number or a string, got ${got}`);
 }
 
 /**
@@ -208,7 +229,20 @@ export function encodeCheckpoint(data) {
       }
     }
   }
-  state.properties = Object.fromEntries(Object.entries(data.properties)
-    .map(([name, value]) => [name, checkProperty(name, value, CheckpointError)]));
+  /** @type {Array<[string, number | string | null]>} */
+  const properties = [];
+  /** @type {Array<[string, string]>} */
+  const nonfinite = [];
+  for (const [name, given] of Object.entries(data.properties)) {
+    const value = checkProperty(name, given, CheckpointError);
+    if (typeof value === 'number' && !Number.isFinite(value)) {
+      nonfinite.push([name, Number.isNaN(value) ? 'nan' : value > 0 ? 'inf' : '-inf']);
+      properties.push([name, null]);
+    } else {
+      properties.push([name, value]);
+    }
+  }
+  state.properties = Object.fromEntries(properties); // own keys, "__proto__" included
+  if (nonfinite.length) state.nonfinite_properties = Object.fromEntries(nonfinite);
   return encodeSafetensors(tensors, { format: FORMAT, version: String(VERSION), state: JSON.stringify(state) });
 }

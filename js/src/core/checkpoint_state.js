@@ -137,7 +137,7 @@ export class Parameters {
 }
 
 /**
- * User properties (finite numbers or strings), saved with the checkpoint. Note: JSON does
+ * User properties (numbers, inf and nan included, or strings), saved with the checkpoint. Note: JSON does
  * not keep the difference between 3 and 3.0, so the Python side reads an integral float
  * written here as an int.
  */

@@ -261,10 +261,6 @@ function readProperties(bag, where) {
       const name = table.string(PROPERTY.name);
       if (!name) throw new CheckpointError(`${where} holds a property without a name`);
       const value = read(table);
-      if (typeof value === 'number' && !Number.isFinite(value)) {
-        // CheckpointState's properties are finite numbers or strings (JSON in onnxtrain's format)
-        throw new CheckpointError(`${where}: property ${JSON.stringify(name)} is ${value}; properties must be finite numbers or strings`);
-      }
       // an own property even for "__proto__"
       Object.defineProperty(properties, name, { value, enumerable: true, writable: true, configurable: true });
     }

@@ -333,3 +333,4 @@ def test_the_ctc_loss_and_packed_sequences_export_with_pytorchs_gradients(case):
     ours = training_gradients(exported, list(expected), {n: a.numpy() for n, a in zip(names, args)}, weight)
     for name in expected:
         np.testing.assert_allclose(ours[name], expected[name], rtol=1e-4, atol=1e-5)
+

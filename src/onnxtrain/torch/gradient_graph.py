@@ -16,6 +16,7 @@ from typing import Any
 
 import onnx_ir as ir
 import torch
+from torch.utils import _pytree as pytree
 
 from onnxtrain.autodiff.builder import build_gradients
 from onnxtrain.errors import ExportError
@@ -36,7 +37,21 @@ class _ModelWithLoss(torch.nn.Module):
 
     def forward(self, input, labels):  # noqa: A002 - the graph input's name, as upstream's
         output = self.model(input)
-        return output, self.loss_fn(output, labels)
+        name = type(self.model).__name__
+        tensors = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+        if len(tensors) != 1:
+            raise ExportError(f"export_gradient_graph: {name} returned {len(tensors)} tensors "
+                              f"({type(output).__name__}); the graph has one 'output': wrap the model to return the "
+                              f"tensor the loss reads")
+        loss = self.loss_fn(output, labels)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = f"shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ExportError(f"export_gradient_graph: loss_fn must return one number as a tensor (loss.backward() "
+                              f"needs a scalar), it returned {got}: reduce it (reduction='mean' or 'sum')")
+        if any(loss is t for t in tensors):
+            raise ExportError(f"export_gradient_graph: loss_fn returned {name}'s output itself; the graph's 'output' "
+                              f"and 'loss' are two values: compute the loss from the output")
+        return output, loss
 
 
 def export_gradient_graph(model: torch.nn.Module, loss_fn: Callable[[Any, Any], Any], example_input: torch.Tensor,
@@ -74,6 +89,7 @@ def export_gradient_graph(model: torch.nn.Module, loss_fn: Callable[[Any, Any], 
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"export_gradient_graph takes a torch.nn.Module, got {type(model).__name__}")
     parameters = dict(model.named_parameters())
+    _check_names(parameters)
     proto = export_for_training(_ModelWithLoss(model, loss_fn), (example_input, example_labels),
                                 input_names=[INPUT, LABELS], output_names=[OUTPUT, LOSS],
                                 dynamic_shapes=(_batch_dim(example_input), _batch_dim(example_labels)))
@@ -87,15 +103,15 @@ def export_gradient_graph(model: torch.nn.Module, loss_fn: Callable[[Any, Any], 
                       f"{opset_version}: onnxruntime 1.17 or later runs it", UserWarning, stacklevel=2)
     graph = exported.graph
     _strip_prefix(graph, "model.")
-    missing = [name for name in parameters if name not in graph.initializers]
-    if missing:
-        raise ExportError(f"the export holds no initializer for the parameter(s) {missing}")
     outputs = {v.name: v for v in graph.outputs}
     graph.outputs.clear()
     graph.outputs.extend([outputs[OUTPUT], outputs[LOSS]])  # buffer updates are not outputs here
-    for name in parameters:  # inputs, not constants: nothing folds them
-        value = graph.initializers.pop(name)
-        value.const_value = None
+    for name, param in parameters.items():  # inputs, not constants: nothing folds them
+        if name in graph.initializers:
+            value = graph.initializers.pop(name)
+            value.const_value = None
+        else:  # a parameter the forward does not use (the exporter drops it): an input all the same
+            value = ir.Value(name=name, type=ir.TensorType(_ir_dtype(param, name)), shape=ir.Shape(list(param.shape)))
         graph.inputs.append(value)
     pipeline.run(exported, pipeline.before_autodiff())
     loss = graph.outputs[1]
@@ -109,6 +125,25 @@ def export_gradient_graph(model: torch.nn.Module, loss_fn: Callable[[Any, Any], 
         graph.outputs.append(gradient)
     pipeline.run(exported, pipeline.training_model())
     io.save_model(exported, gradient_graph_path)
+
+
+def _check_names(parameters: dict[str, torch.nn.Parameter]) -> None:
+    """The graph's names are upstream's: a parameter may not take one of them."""
+    taken = {INPUT, LABELS, OUTPUT, LOSS} | {n + GRADIENT_SUFFIX for n, p in parameters.items() if p.requires_grad}
+    clashes = sorted(set(parameters) & taken)
+    if clashes:
+        raise ExportError(f"export_gradient_graph: parameter name(s) {clashes} clash with the graph's names "
+                          f"('{INPUT}', '{LABELS}', '{OUTPUT}', '{LOSS}', '<parameter>{GRADIENT_SUFFIX}'): rename them")
+
+
+_IR_TYPES = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.float64: ir.DataType.DOUBLE,
+             torch.bfloat16: ir.DataType.BFLOAT16}
+
+
+def _ir_dtype(param: torch.Tensor, name: str) -> ir.DataType:
+    if param.dtype not in _IR_TYPES:
+        raise ExportError(f"export_gradient_graph: parameter {name!r} has dtype {param.dtype}")
+    return _IR_TYPES[param.dtype]
 
 
 def _batch_dim(example: torch.Tensor):

@@ -103,8 +103,19 @@ def _shapes_from_the_inputs(proto: onnx.ModelProto) -> None:
     only runs at the example's length; where inference cannot tell a dim, the gradient graph
     reads it at run time."""
     del proto.graph.value_info[:]
+    declared = {}
+    for output in proto.graph.output:  # the trace's output shapes too (a batch-1 example's GRU: [1, 3])
+        if output.type.tensor_type.HasField("shape"):
+            declared[output.name] = onnx.TypeProto()
+            declared[output.name].CopyFrom(output.type)
+            output.type.tensor_type.ClearField("shape")
     inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     proto.graph.value_info.extend(inferred.graph.value_info)
+    for output, found in zip(proto.graph.output, inferred.graph.output):
+        if found.type.tensor_type.HasField("shape"):
+            output.type.CopyFrom(found.type)
+        elif output.name in declared:  # inference cannot tell: the trace's shape stays
+            output.type.CopyFrom(declared[output.name])
 
 
 def _set_metadata(proto: onnx.ModelProto, key: str, value: str) -> None:

@@ -136,3 +136,46 @@ def test_a_forward_that_changes_its_input_in_place_changes_it_once():
     x_model, x_eager = x.clone(), x.clone()
     torch.testing.assert_close(model(x_model), eager(x_eager))
     torch.testing.assert_close(x_model, x_eager)
+
+
+class _MomentumEncoder(torch.nn.Module):
+    """MoCo/BYOL style: the key encoder follows the query encoder under torch.no_grad()."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+        self.k = torch.nn.Linear(8, 8)
+        self.k.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pk, pq in zip(self.k.parameters(), self.q.parameters()):
+                pk.mul_(0.5).add_(pq, alpha=0.5)
+        return (self.q(x) * self.k(x)).sum(-1)
+
+
+@pytest.mark.parametrize("wrapper", [ORTModule, HierarchicalORTModule])
+def test_parameters_the_forward_changes_in_place_change_as_in_eager(wrapper):
+    """ORTModule wrote buffers back but not frozen parameters (the key encoder stayed as it
+    was); HierarchicalORTModule's recording run updated them once more."""
+    torch.manual_seed(0)
+    eager = _MomentumEncoder()
+    model = wrapper(copy.deepcopy(eager))
+    x = torch.randn(4, 8)
+    for _ in range(3):
+        torch.testing.assert_close(model(x), eager(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dict(model.named_parameters())["k.weight"], eager.k.weight)
+
+
+def test_a_parent_loads_its_own_state_dict_and_the_wrapper_passes_attributes_on():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    parent = torch.nn.ModuleDict({"h": HierarchicalORTModule(net)})
+    parent.load_state_dict(parent.state_dict())  # before the first call
+    model = parent["h"]
+    model(torch.randn(3, 4)).sum().backward()
+    parent.load_state_dict(parent.state_dict())  # and after
+    assert isinstance(model.module, ORTModule) and model[0] is net[0]  # the wrapped Sequential still indexes
+    model.scale = 2.0
+    model.register_buffer("offset", torch.zeros(2))
+    assert net.scale == 2.0 and "offset" in dict(net.named_buffers()) and "offset" in model.state_dict()

@@ -38,6 +38,8 @@ derived.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import logging
 import re
 import sys
@@ -338,7 +340,15 @@ class _FlatModule(torch.nn.Module):
         self.gradient_reaches.extend(keys[id(t)] for t in traced.leaves if id(t) in keys)
         # then the call's own tensors: one the forward changed in place comes out changed
         return (*[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
-                *[module.get_buffer(n) for n in self._buffer_names], *tensors)
+                *[_state_tensor(module, n) for n in self._buffer_names], *tensors)
+
+
+def _state_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """The buffer or parameter ``name`` of ``module``."""
+    try:
+        return module.get_buffer(name)
+    except AttributeError:
+        return module.get_parameter(name)
 
 
 @dataclass
@@ -597,20 +607,60 @@ def _check_output_leaves(module: torch.nn.Module, output: TracedOutput) -> None:
     if symbolic:
         raise ExportError(f"{type(module).__name__} returns Python numbers computed from its tensors "
                           f"({', '.join(symbolic)}): an exported graph cannot return them for other inputs")
-    hidden = [type(leaf).__name__ for leaf in output.leaves if _holds_tensors(leaf)]
+    tensor_places = set(output.positions)
+    hidden = [i for i, leaf in enumerate(output.leaves) if i not in tensor_places and _holds_tensors(leaf)]
     if hidden:
-        raise ExportError(f"{type(module).__name__} returns tensors inside {', '.join(hidden)} objects, which "
-                          f"torch.utils._pytree does not flatten: register the type as a pytree node")
+        # the trace's object holds the exporter's placeholder tensors: returned as it is, it would
+        # hand the caller FakeTensors (a Hugging Face model's DynamicCache with use_cache=True)
+        kinds = ", ".join(sorted({type(output.leaves[i]).__name__ for i in hidden}))
+        warnings.warn(f"ORTModule returns None in place of the {kinds} in {type(module).__name__}'s output: it holds "
+                      f"tensors inside objects torch.utils._pytree does not flatten, which an exported graph cannot "
+                      f"return (for a Hugging Face cache pass use_cache=False; or register the type as a pytree "
+                      f"node)", DroppedOutputWarning, stacklevel=5)
+        for i in hidden:
+            output.leaves[i] = None
 
 
-def _holds_tensors(value) -> bool:
-    """Whether a plain object keeps tensors among its attributes (one level down)."""
-    attributes = getattr(value, "__dict__", None)
-    if not isinstance(attributes, dict) or isinstance(value, (torch.nn.Module, type)):
+def _copied_object(leaf):
+    """A deep copy of a call's object argument (``leaf`` itself for plain values, or where it
+    cannot be copied)."""
+    if leaf is None or isinstance(leaf, (str, bytes, int, float, bool, complex, type, torch.nn.Module, torch.dtype,
+                                         torch.device, slice, range, Ellipsis.__class__)):
+        return leaf
+    if getattr(leaf, "__dict__", None) is None and not isinstance(leaf, (list, dict, set)):
+        return leaf
+    try:
+        return copy.deepcopy(leaf)
+    except Exception:  # noqa: BLE001 - an object that does not copy is traced as it is
+        return leaf
+
+
+class DroppedOutputWarning(UserWarning):
+    """Part of a module's output ORTModule cannot return (tensors inside objects that
+    torch.utils._pytree does not flatten) comes back as None."""
+
+
+def _holds_tensors(value, depth: int = 4, seen: set[int] | None = None) -> bool:
+    """Whether a plain object keeps tensors among its attributes, in lists, tuples or dicts of
+    them, or in objects it holds (``depth`` levels down: a DynamicCache's layers hold its tensors)."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth == 0 or isinstance(value, (torch.nn.Module, type, str, bytes, int, float, bool)) or value is None:
         return False
-    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(isinstance(i, torch.Tensor)
-                                                                                   for i in v))
-               for v in attributes.values())
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return False
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        attributes = getattr(value, "__dict__", None)
+        if not isinstance(attributes, dict):
+            return False
+        items = list(attributes.values())
+    return any(_holds_tensors(item, depth - 1, seen) for item in items)
 
 
 def _unchanged(value: ir.Value) -> bool:
@@ -660,8 +710,16 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         raise ExportError(f"{type(module).__name__} is called with tensors inside {', '.join(hidden)} objects, which "
                           f"torch.utils._pytree does not flatten (the export would bake them in as constants): "
                           f"pass the tensors as arguments, or register the type as a pytree node")
-    buffer_names = list(dict(module.named_buffers()))
-    wrapper = _FlatModule(module, call, buffer_names)
+    # what the forward may change in place: its buffers, and its frozen parameters (a momentum
+    # encoder's, updated under torch.no_grad()); unchanged ones drop out of the graph below
+    buffer_names = [*dict(module.named_buffers()), *(n for n, p in module.named_parameters() if not p.requires_grad)]
+    # the trace calls the forward with copies of the call's objects: a forward that writes into
+    # one (a Hugging Face cache given as an argument) must not leave the exporter's placeholder
+    # tensors in the caller's object, and what it writes there, a graph cannot write
+    objects = {i: copied for i, leaf in enumerate(call.leaves)
+               if (copied := _copied_object(leaf)) is not leaf}
+    traced_call = dataclasses.replace(call, leaves=[objects.get(i, leaf) for i, leaf in enumerate(call.leaves)])
+    wrapper = _FlatModule(module, traced_call, buffer_names)
     dynamic_shapes = (tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors),) \
         if dynamic else None
     try:
@@ -684,6 +742,10 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         raise ExportError(f"torch.onnx.export did not trace {type(module).__name__}'s forward for this call "
                           f"({len(call.tensors)} tensor arguments)")
     _check_functions(module, wrapper.autograd_functions, inline_functions)
+    written = sorted({type(copied).__name__ for copied in objects.values() if _holds_tensors(copied)})
+    if written:
+        raise ExportError(f"{type(module).__name__}'s forward stores tensors in its {', '.join(written)} argument: an "
+                          f"exported graph cannot (for a Hugging Face cache pass use_cache=False)")
     traced_output = wrapper.traced_outputs[-1]
     _check_output_leaves(module, traced_output)
     if wrapper.stored_tensors:

@@ -16,17 +16,19 @@ from torch.utils import _pytree as pytree
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.torch._export import flatten_call
+from onnxtrain.torch._wrapper import WRAPPED, ModuleWrapper
 from onnxtrain.torch.ortmodule import DebugOptions, ORTModule
 
 logger = logging.getLogger(__name__)
 
 
-class HierarchicalORTModule(torch.nn.Module):
+class HierarchicalORTModule(ModuleWrapper):
     """Wrap, top-down, each submodule of ``module`` that ORTModule can run as an ORTModule.
 
     The first call runs ``module`` once in PyTorch to record every submodule's arguments
-    (on copies of the call's tensors; buffers such as BatchNorm's running statistics and the
-    random generators are restored afterwards, so that this run leaves no trace), then
+    (on copies of the call's tensors; buffers such as BatchNorm's running statistics,
+    parameters the forward changes in place and the random generators are restored afterwards;
+    Python-side effects of the forward, a counter or a forward hook, do happen twice), then
     builds, from the root down, ORTModule's graphs and sessions for each called submodule
     with the arguments it was called with: a submodule that builds for all of its calls is
     replaced by an ORTModule (which keeps what it built); one that does not is searched in
@@ -55,18 +57,13 @@ class HierarchicalORTModule(torch.nn.Module):
     def __init__(self, module: torch.nn.Module, debug_options: DebugOptions | None = None, **ortmodule_options):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"HierarchicalORTModule wraps a torch.nn.Module, got {type(module).__name__}")
-        super().__init__()
-        self._original_module = module
+        super().__init__(module)
         self._debug = debug_options or DebugOptions()
         self._ortmodule_options = ortmodule_options
         self._initialized = False
         self.wrapped: list[str] = []
         self.unsupported: dict[str, str] = {}
-
-    @property
-    def module(self) -> torch.nn.Module:
-        """The wrapped model (with ORTModules in place of the submodules that run in ONNX Runtime)."""
-        return self._original_module
+        self._wrapper_ready()  # from here on, new attributes go to the wrapped model
 
     def forward(self, *args, **kwargs):
         if not self._initialized:
@@ -79,7 +76,7 @@ class HierarchicalORTModule(torch.nn.Module):
         built: dict[int, torch.nn.Module] = {}  # a submodule used in several places gets one ORTModule
         root = self._wrap("", self._original_module, calls, built)
         if root is not self._original_module:
-            self._original_module = root
+            self._modules[WRAPPED] = root
         self._initialized = True
         logger.info("HierarchicalORTModule: %d part(s) in ONNX Runtime (%s); %d not (%s)", len(self.wrapped),
                     ", ".join(self.wrapped) or "none", len(self.unsupported),
@@ -95,7 +92,11 @@ class HierarchicalORTModule(torch.nn.Module):
             calls.setdefault(id(submodule), []).append(pytree.tree_map(_detached, (call_args, call_kwargs)))
 
         handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in module.modules()]
-        buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+        # buffers (BatchNorm's statistics) and parameters (a momentum encoder's, updated under
+        # torch.no_grad()) as they were before this run (batch_norm updates its statistics
+        # without bumping their version counters: every tensor is put back)
+        state = [*module.buffers(), *module.parameters()]
+        saved = [t.detach().clone() for t in state]
         devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
         try:
             with torch.random.fork_rng(devices=devices):
@@ -104,9 +105,9 @@ class HierarchicalORTModule(torch.nn.Module):
             for handle in handles:
                 handle.remove()
             with torch.no_grad():
-                for name, value in module.named_buffers():
-                    if name in buffers and buffers[name].shape == value.shape:
-                        value.copy_(buffers[name])
+                for tensor, value in zip(state, saved):
+                    if tensor.shape == value.shape:
+                        tensor.copy_(value)
         return calls
 
     def _wrap(self, name: str, module: torch.nn.Module, calls: dict, built: dict) -> torch.nn.Module:
@@ -144,35 +145,6 @@ class HierarchicalORTModule(torch.nn.Module):
             text = " ".join(str(exc).split())
             return None, f"{type(exc).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
         return wrapper, ""
-
-    # -- the wrapped module's names ------------------------------------------------
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["_original_module"], name)
-
-    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
-        # the wrapped model sits at this module's own prefix, as with ORTModule
-        if memo is None:
-            memo = set()
-        if self not in memo:
-            if remove_duplicate:
-                memo.add(self)
-            yield prefix, self
-        yield from self._original_module.named_modules(memo, prefix, remove_duplicate)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
-
-    def state_dict(self, *args, **kwargs):
-        return self._original_module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def _detached(value):

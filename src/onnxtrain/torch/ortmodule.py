@@ -26,6 +26,7 @@ from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.denormals import ask_for_flushing
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._attributes import AttributeChange, AttributeRecord
+from onnxtrain.torch._wrapper import ModuleWrapper
 from onnxtrain.torch._environment import FALLBACK_POLICY_ENV, IgnoredSettingWarning, read_environment
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import (CallSchema, ExportedGraph, constant_argument_names, export_call, flatten_call,
@@ -195,15 +196,6 @@ class _Variant:
     attributes: AttributeRecord | None = None
 
 
-def _load_keys_into_wrapped_module(module, state_dict, prefix, *_):
-    """Load-state-dict pre-hook: ``<prefix><name>`` (what ``ORTModule.state_dict`` writes under
-    a parent) becomes ``<prefix>_original_module.<name>`` (where ``nn.Module.load_state_dict``
-    looks, walking ``_modules``)."""
-    inner = prefix + "_original_module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
-
-
 def _hashable(value):
     """``value``, or a stand-in that is hashable where it is not (a list that replaced a number)."""
     try:
@@ -219,7 +211,7 @@ def _parameters_swapped(module: torch.nn.Module) -> bool:
                for sub in module.modules() for p in sub._parameters.values())
 
 
-class ORTModule(torch.nn.Module):
+class ORTModule(ModuleWrapper):
     """Wrap a ``torch.nn.Module`` so that its forward and backward run in ONNX Runtime.
 
     The rest of the training script stays as it is: the same optimizer on
@@ -317,8 +309,7 @@ class ORTModule(torch.nn.Module):
             debug_options = dataclasses.replace(debug_options, fallback=environment.fallback)
         if environment.log_level is not None:
             debug_options = dataclasses.replace(debug_options, log_level=environment.log_level)
-        super().__init__()
-        self._original_module = module
+        super().__init__(module)
         self._debug = debug_options
         self._dynamic = dynamic
         self._inline_functions = inline_functions
@@ -340,88 +331,7 @@ class ORTModule(torch.nn.Module):
         self._unwatched_attributes: set[tuple[str, str]] = set()
         # the values each non-tensor argument (by its place among them) took, where it changed
         self._argument_values: dict[int, set] = {}
-        # a parent's load_state_dict walks _modules: route its keys into the wrapped module
-        self._register_load_state_dict_pre_hook(_load_keys_into_wrapped_module, with_module=True)
-        self.__dict__["_wrapper_ready"] = True  # from here on, new attributes go to the wrapped module
-
-    # -- the wrapped module ------------------------------------------------------
-    @property
-    def module(self) -> torch.nn.Module:
-        """The wrapped ``torch.nn.Module``."""
-        return self._original_module
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["_original_module"], name)
-
-    def _own_attribute(self, name: str) -> bool:
-        """Whether ``name`` belongs to this wrapper (its state, or anything its class defines)
-        rather than to the wrapped module."""
-        return not self.__dict__.get("_wrapper_ready") or name in self.__dict__ or hasattr(type(self), name)
-
-    def __setattr__(self, name: str, value) -> None:
-        # As upstream's: attributes set through the wrapper (a flag the forward reads, a new
-        # parameter or submodule) are the wrapped module's, where the forward sees them and
-        # the attribute watch re-exports for them.
-        if self._own_attribute(name):
-            super().__setattr__(name, value)
-        else:
-            setattr(self._original_module, name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if self._own_attribute(name):
-            super().__delattr__(name)
-        else:
-            delattr(self._original_module, name)
-
-    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
-        """Register a buffer on the wrapped module (where ``state_dict()`` and the export see it)."""
-        self._original_module.register_buffer(name, tensor, persistent)
-
-    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
-        """Register a parameter on the wrapped module (where ``parameters()`` and the export see it)."""
-        self._original_module.register_parameter(name, param)
-
-    def add_module(self, name: str, module: torch.nn.Module | None) -> None:
-        """Add a submodule to the wrapped module."""
-        self._original_module.add_module(name, module)
-
-    register_module = add_module
-
-    def _get_name(self) -> str:
-        # the wrapped module's class name, where libraries identify a model by it (transformers'
-        # Trainer shifts the labels of a causal LM for label smoothing by that name)
-        return self._original_module._get_name()
-
-    def __repr__(self) -> str:
-        inner = repr(self._original_module).replace("\n", "\n  ")
-        return f"ORTModule(\n  {inner}\n)"
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
-
-    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
-
-    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
-        # the wrapped module sits at this module's own prefix, so that a parent (DDP, a
-        # Sequential) names parameters as state_dict() does: "module.net.0.weight", not
-        # "module._original_module.net.0.weight" (DDP's params_and_buffers_to_ignore)
-        if memo is None:
-            memo = set()
-        if self not in memo:
-            if remove_duplicate:
-                memo.add(self)
-            yield prefix, self
-        yield from self._original_module.named_modules(memo, prefix, remove_duplicate)
-
-    def state_dict(self, *args, **kwargs):
-        return self._original_module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)
+        self._wrapper_ready()  # from here on, new attributes go to the wrapped module
 
     def __getstate__(self):
         state = self.__dict__.copy()

@@ -1,0 +1,117 @@
+"""What a module that wraps another (ORTModule, HierarchicalORTModule) shares: the wrapped
+module's names, state, attributes and container access, so that code written against the
+wrapped module (a parent's ``state_dict``, DDP, an optimizer, ``model.layers[0]``) sees no
+difference."""
+
+from __future__ import annotations
+
+import torch
+
+WRAPPED = "_original_module"
+
+
+def _load_keys_into_wrapped_module(module, state_dict, prefix, *_):
+    """Load-state-dict pre-hook: ``<prefix><name>`` (what the wrapper's ``state_dict`` writes under
+    a parent) becomes ``<prefix>_original_module.<name>`` (where ``nn.Module.load_state_dict``
+    looks, walking ``_modules``)."""
+    inner = prefix + WRAPPED + "."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
+
+
+class ModuleWrapper(torch.nn.Module):
+    """A module whose names, state and attributes are those of the module it wraps.
+
+    Subclasses call ``super().__init__(module)`` first and :meth:`_wrapper_ready` at the end of
+    their own ``__init__``: from then on, attributes set on the wrapper that it does not own
+    (a flag the forward reads, a new parameter or submodule) go to the wrapped module.
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self._original_module = module
+        # a parent's load_state_dict walks _modules: route its keys into the wrapped module
+        self._register_load_state_dict_pre_hook(_load_keys_into_wrapped_module, with_module=True)
+
+    def _wrapper_ready(self) -> None:
+        self.__dict__["_wrapper_ready"] = True
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The wrapped ``torch.nn.Module``."""
+        return self._original_module
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules[WRAPPED], name)
+
+    def _own_attribute(self, name: str) -> bool:
+        """Whether ``name`` belongs to this wrapper (its state, or anything its class defines)
+        rather than to the wrapped module."""
+        return not self.__dict__.get("_wrapper_ready") or name in self.__dict__ or hasattr(type(self), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        # as upstream's ORTModule: attributes set through the wrapper are the wrapped module's
+        if self._own_attribute(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._original_module, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._own_attribute(name):
+            super().__delattr__(name)
+        else:
+            delattr(self._original_module, name)
+
+    def __getitem__(self, index):
+        # a wrapped container (Sequential, ModuleList, ModuleDict) indexes as it did
+        return self._original_module[index]
+
+    def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
+        """Register a buffer on the wrapped module (where ``state_dict()`` and the export see it)."""
+        self._original_module.register_buffer(name, tensor, persistent)
+
+    def register_parameter(self, name: str, param: torch.nn.Parameter | None) -> None:
+        """Register a parameter on the wrapped module (where ``parameters()`` and the export see it)."""
+        self._original_module.register_parameter(name, param)
+
+    def add_module(self, name: str, module: torch.nn.Module | None) -> None:
+        """Add a submodule to the wrapped module."""
+        self._original_module.add_module(name, module)
+
+    register_module = add_module
+
+    def _get_name(self) -> str:
+        # the wrapped module's class name, where libraries identify a model by it (transformers'
+        # Trainer shifts the labels of a causal LM for label smoothing by that name)
+        return self._original_module._get_name()
+
+    def __repr__(self) -> str:
+        inner = repr(self._original_module).replace("\n", "\n  ")
+        return f"{type(self).__name__}(\n  {inner}\n)"
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._original_module.named_parameters(prefix, recurse, remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self._original_module.named_buffers(prefix, recurse, remove_duplicate)
+
+    def named_modules(self, memo: set | None = None, prefix: str = "", remove_duplicate: bool = True):
+        # the wrapped module sits at this module's own prefix, so that a parent (DDP, a
+        # Sequential) names parameters as state_dict() does: "module.net.0.weight", not
+        # "module._original_module.net.0.weight" (DDP's params_and_buffers_to_ignore)
+        if memo is None:
+            memo = set()
+        if self not in memo:
+            if remove_duplicate:
+                memo.add(self)
+            yield prefix, self
+        yield from self._original_module.named_modules(memo, prefix, remove_duplicate)
+
+    def state_dict(self, *args, **kwargs):
+        return self._original_module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self._original_module.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -1,0 +1,86 @@
+"""Objects that torch.utils._pytree does not flatten, in a call's arguments or output (a Hugging
+Face cache): the caller never gets the exporter's placeholder tensors."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+
+from tests.torch_models import torch
+
+from onnxtrain.torch import DroppedOutputWarning, ORTModule, ORTModuleFallbackWarning
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    config = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return config, transformers.GPT2LMHeadModel(config)
+
+
+def test_a_cache_in_the_output_comes_back_as_none_and_training_runs_in_onnx_runtime():
+    """GPT-2 with its default use_cache=True returns a DynamicCache: the trace's held FakeTensors."""
+    _, eager = _gpt2()
+    model = ORTModule(copy.deepcopy(eager))
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.warns(DroppedOutputWarning, match="None in place of the DynamicCache"):
+        out = model(ids, labels=ids)
+    ref = eager(ids, labels=ids)
+    assert out.past_key_values is None and model.fallback_reason is None
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-5)
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_a_cache_given_as_an_argument_is_never_written_with_placeholders():
+    """A block that writes into the caller's cache: the trace ran on a copy, and the block runs
+    in PyTorch (a graph cannot write into it), so the caller's cache gets eager's tensors."""
+    config, eager = _gpt2()
+    eager.eval()
+    block = eager.transformer.h[0]
+    model = ORTModule(copy.deepcopy(block))
+    x = torch.randn(2, 8, 32)
+    caches = [transformers.DynamicCache(config=config) for _ in range(2)]
+    with torch.no_grad(), pytest.warns(ORTModuleFallbackWarning, match="stores tensors in its DynamicCache argument"):
+        model(x, caches[0], use_cache=True, position_ids=torch.arange(8)[None])
+    with torch.no_grad():
+        block(x, caches[1], use_cache=True, position_ids=torch.arange(8)[None])
+    keys = [cache.layers[0].keys for cache in caches]
+    assert type(keys[0]) is torch.Tensor  # a real tensor, not a FakeTensor
+    torch.testing.assert_close(keys[0], keys[1])
+
+
+def test_tensors_deep_inside_an_argument_object_are_not_baked_in():
+    """Tensors two levels down in an argument object (list of objects): the export would have
+    baked them in as constants; the module runs in PyTorch instead."""
+
+    class Item:
+        def __init__(self, value):
+            self.value = value
+
+    class Holder:
+        def __init__(self, tensors):
+            self.items = [Item(t) for t in tensors]
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+
+        def forward(self, x, holder):
+            return self.fc(x) + holder.items[0].value
+
+    model = ORTModule(Net())
+    x = torch.randn(2, 3)
+    first, second = Holder([torch.zeros(3)]), Holder([torch.ones(3)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ORTModuleFallbackWarning)
+        a, b = model(x, first), model(x, second)
+    torch.testing.assert_close(b - a, torch.ones(2, 3))
+    assert model.fallback_reason is not None and "Holder" in model.fallback_reason

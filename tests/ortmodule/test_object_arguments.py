@@ -84,3 +84,27 @@ def test_tensors_deep_inside_an_argument_object_are_not_baked_in():
         a, b = model(x, first), model(x, second)
     torch.testing.assert_close(b - a, torch.ones(2, 3))
     assert model.fallback_reason is not None and "Holder" in model.fallback_reason
+
+
+def test_a_failed_dynamic_export_leaves_the_callers_tensors_unmarked():
+    """A dynamic capture marks its example tensors for dynamo; after it failed (a BertEncoder
+    given a 4-D bool mask), the static retry on the same tensors was traced dynamically again
+    and the module fell back to PyTorch for good."""
+    config = transformers.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    encoder = transformers.BertModel(config).encoder
+    model = ORTModule(copy.deepcopy(encoder))
+
+    def inputs(length):
+        mask = torch.ones(3, 1, length, length, dtype=torch.bool)
+        mask[1, :, :, length - 3:] = False
+        return torch.randn(3, length, 32), mask
+
+    for length in (10, 13):
+        hidden, mask = inputs(length)
+        out = model(hidden, attention_mask=mask)
+        assert model.fallback_reason is None, model.fallback_reason
+        assert not [key for key in vars(hidden) if "dynamo" in key]
+        torch.testing.assert_close(out.last_hidden_state, encoder(hidden, attention_mask=mask).last_hidden_state,
+                                   rtol=1e-4, atol=1e-5)

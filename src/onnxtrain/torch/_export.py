@@ -621,6 +621,22 @@ def _check_output_leaves(module: torch.nn.Module, output: TracedOutput) -> None:
             output.leaves[i] = None
 
 
+@contextlib.contextmanager
+def _dynamo_marks_kept(tensors: Sequence[torch.Tensor]):
+    """The call's tensors leave the capture with the dynamo dim markings they came with: a
+    dynamic capture marks its example tensors (``_dynamo_dynamic_indices``, ...), and a static
+    retry on the same tensors after a failed dynamic one would be traced dynamically again."""
+    before = [{k: v for k, v in vars(t).items() if "dynamo" in k} for t in tensors]
+    try:
+        yield
+    finally:
+        for tensor, marks in zip(tensors, before):
+            for key in [k for k in vars(tensor) if "dynamo" in k and k not in marks]:
+                delattr(tensor, key)
+            for key, value in marks.items():
+                setattr(tensor, key, value)
+
+
 def _copied_object(leaf):
     """A deep copy of a call's object argument (``leaf`` itself for plain values, or where it
     cannot be copied)."""
@@ -725,7 +741,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     try:
         # in the call's grad mode (ORTModule keys graphs on it): with grad, the traced outputs'
         # autograd graph shows which custom Functions the forward runs
-        with quiet_exporter():
+        with quiet_exporter(), _dynamo_marks_kept(call.tensors):
             captured = capture(wrapper, tuple(call.tensors), dynamic_shapes)
             # the forward's no-grad regions stop gradients; but a Function (a reentrant
             # checkpoint) that sets grad mode inside its forward leaves the capture believing grad

@@ -9,7 +9,7 @@ import pytest
 
 from tests.torch_models import MLP, torch
 
-from onnxtrain.torch import HierarchicalORTModule, ORTModule, ORTModuleFallbackWarning
+from onnxtrain.torch import DebugOptions, HierarchicalORTModule, ORTModule, ORTModuleFallbackWarning
 
 
 class _Spectral(torch.nn.Module):
@@ -179,3 +179,44 @@ def test_a_parent_loads_its_own_state_dict_and_the_wrapper_passes_attributes_on(
     model.scale = 2.0
     model.register_buffer("offset", torch.zeros(2))
     assert net.scale == 2.0 and "offset" in dict(net.named_buffers()) and "offset" in model.state_dict()
+
+
+class _RoundSTE(torch.autograd.Function):
+    """A straight-through rounding, not declared exact: ORTModule cannot train through it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Quantized(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16))
+        self.q = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(_RoundSTE.apply(self.q(self.enc(x)) * 4) / 4)
+
+
+def test_the_parts_are_chosen_for_training_even_when_the_first_call_is_a_validation_pass():
+    """Under torch.no_grad() the custom Function is no obstacle (an inference graph): choosing
+    there made the whole model one ORTModule, which fell back whole at the first training call."""
+    torch.manual_seed(0)
+    eager = _Quantized()
+    model = HierarchicalORTModule(copy.deepcopy(eager), DebugOptions(fallback=False))
+    x = torch.randn(6, 8)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), eager.eval()(x), rtol=1e-5, atol=1e-6)
+    model.train()
+    eager.train()
+    model(x).sum().backward()  # fallback=False: a part that cannot train would raise
+    eager(x).sum().backward()
+    assert model.wrapped == ["enc", "q", "head"]
+    _close_gradients(model, eager)

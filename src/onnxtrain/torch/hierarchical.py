@@ -30,7 +30,8 @@ class HierarchicalORTModule(ModuleWrapper):
     parameters the forward changes in place and the random generators are restored afterwards;
     Python-side effects of the forward, a counter or a forward hook, do happen twice), then
     builds, from the root down, ORTModule's graphs and sessions for each called submodule
-    with the arguments it was called with: a submodule that builds for all of its calls is
+    with the arguments it was called with, for training (with grad, whatever the first call's grad
+    mode): a submodule that builds for all of its calls is
     replaced by an ORTModule (which keeps what it built); one that does not is searched in
     its children. Submodules without parameters or children (activations, dropout) are left
     to PyTorch: a session call costs more than such an op. Then every call, the first one
@@ -72,9 +73,12 @@ class HierarchicalORTModule(ModuleWrapper):
 
     # -- the first call ----------------------------------------------------------
     def _initialize(self, args: tuple, kwargs: dict) -> None:
-        calls = self._record_calls(args, kwargs)
-        built: dict[int, torch.nn.Module] = {}  # a submodule used in several places gets one ORTModule
-        root = self._wrap("", self._original_module, calls, built)
+        # the parts are chosen for training (with grad), whatever the first call's grad mode:
+        # a validation pass first must not choose a part that has no gradient
+        with torch.enable_grad():
+            calls = self._record_calls(args, kwargs)
+            built: dict[int, torch.nn.Module] = {}  # a submodule used in several places gets one ORTModule
+            root = self._wrap("", self._original_module, calls, built)
         if root is not self._original_module:
             self._modules[WRAPPED] = root
         self._initialized = True

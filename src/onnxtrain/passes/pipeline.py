@@ -14,6 +14,7 @@ from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.batch_norm import TrainingBatchNormPass
 from onnxtrain.passes.column_product import ColumnVectorProductPass
 from onnxtrain.passes.cse import DistinctDrawsCSEPass
+from onnxtrain.passes.double_layer_norm import DoubleLayerNormPass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
@@ -37,9 +38,10 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     on the smaller tensor (passes/pool_first.py). A transposed matrix times a vector becomes a
     product with a column, which onnxruntime's fused kernel gets right (passes/column_product.py).
     The logarithm of a sigmoid becomes a softplus, which onnxruntime computes without underflow
-    (passes/log_sigmoid.py).
+    (passes/log_sigmoid.py). A float64 LayerNormalization becomes float64 primitives (onnxruntime
+    keeps its statistics in float32: passes/double_layer_norm.py).
     """
-    return [InlinePass(), DecomposePass(), FoldConstantsPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(),
+    return [InlinePass(), DoubleLayerNormPass(), DecomposePass(), FoldConstantsPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(),
             PoolBeforeReluPass(), ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 

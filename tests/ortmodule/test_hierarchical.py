@@ -7,6 +7,7 @@ import copy
 
 import pytest
 
+from tests.ortmodule.test_autograd_functions import RoundSTE
 from tests.torch_models import MLP, torch
 
 from onnxtrain.torch import DebugOptions, HierarchicalORTModule, ORTModule, ORTModuleFallbackWarning
@@ -181,18 +182,6 @@ def test_a_parent_loads_its_own_state_dict_and_the_wrapper_passes_attributes_on(
     assert net.scale == 2.0 and "offset" in dict(net.named_buffers()) and "offset" in model.state_dict()
 
 
-class _RoundSTE(torch.autograd.Function):
-    """A straight-through rounding, not declared exact: ORTModule cannot train through it."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return torch.round(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 class _Quantized(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -201,7 +190,7 @@ class _Quantized(torch.nn.Module):
         self.head = torch.nn.Linear(16, 3)
 
     def forward(self, x):
-        return self.head(_RoundSTE.apply(self.q(self.enc(x)) * 4) / 4)
+        return self.head(RoundSTE.apply(self.q(self.enc(x)) * 4) / 4)
 
 
 def test_the_parts_are_chosen_for_training_even_when_the_first_call_is_a_validation_pass():

@@ -22,10 +22,9 @@ import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
-from onnxtrain.passes.rewrite import NodeRewritePass
+from onnxtrain.passes.rewrite import NodeRewritePass, constant_maker, mean_maker
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
-_REDUCE_MEAN_AXES_INPUT_OPSET = 18
 
 
 class TrainingBatchNormPass(NodeRewritePass):
@@ -58,17 +57,8 @@ def _rewrite(graph: ir.Graph, node: ir.Node, opset: int) -> None:
     new_nodes = NewNodes(node, "batch_norm")
     add = new_nodes.add
 
-    def constant(value, value_dtype=dtype) -> ir.Value:
-        return add("Constant", [], attributes={"value": ir.tensor(np.asarray(value, value_dtype))})
-
-    if opset >= _REDUCE_MEAN_AXES_INPUT_OPSET:
-        axes_value = constant(axes, np.int64)
-
-        def mean(v: ir.Value) -> ir.Value:
-            return add("ReduceMean", [v, axes_value], {"keepdims": 1})
-    else:
-        def mean(v: ir.Value) -> ir.Value:
-            return add("ReduceMean", [v], {"keepdims": 1, "axes": axes})
+    constant = constant_maker(add, dtype)
+    mean = mean_maker(add, axes, opset)
 
     batch_mean = mean(x)
     centered = add("Sub", [x, batch_mean])

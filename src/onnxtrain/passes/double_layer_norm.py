@@ -20,9 +20,7 @@ import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
-from onnxtrain.passes.rewrite import NodeRewritePass
-
-_REDUCE_MEAN_AXES_INPUT_OPSET = 18
+from onnxtrain.passes.rewrite import NodeRewritePass, constant_maker, mean_maker
 
 
 class DoubleLayerNormPass(NodeRewritePass):
@@ -48,17 +46,8 @@ class DoubleLayerNormPass(NodeRewritePass):
         new_nodes = NewNodes(node, "layer_norm")
         add = new_nodes.add
 
-        def constant(value, dtype=np.float64) -> ir.Value:
-            return add("Constant", [], attributes={"value": ir.tensor(np.asarray(value, dtype))})
-
-        if opset >= _REDUCE_MEAN_AXES_INPUT_OPSET:
-            axes_value = constant(axes, np.int64)
-
-            def mean(v: ir.Value) -> ir.Value:
-                return add("ReduceMean", [v, axes_value], {"keepdims": 1})
-        else:
-            def mean(v: ir.Value) -> ir.Value:
-                return add("ReduceMean", [v], {"keepdims": 1, "axes": axes})
+        constant = constant_maker(add, np.float64)
+        mean = mean_maker(add, axes, opset)
 
         x_mean = mean(x)
         centered = add("Sub", [x, x_mean])

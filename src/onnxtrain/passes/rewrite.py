@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import onnx_ir as ir
+
+# ReduceMean takes its axes as an input from this opset on (an attribute before)
+REDUCE_MEAN_AXES_INPUT_OPSET = 18
 
 
 def default_opset(model: ir.Model) -> int:
@@ -32,3 +37,18 @@ class NodeRewritePass(ir.passes.InPlacePass):
                 self.rewrite(model.graph, node, plan)
                 modified = True
         return ir.passes.PassResult(model, modified)
+
+
+def constant_maker(add: Callable, dtype) -> Callable[..., ir.Value]:
+    """``constant(value, value_dtype=dtype)``: a Constant node made with ``add`` (NewNodes.add)."""
+    def constant(value, value_dtype=dtype) -> ir.Value:
+        return add("Constant", [], attributes={"value": ir.tensor(np.asarray(value, value_dtype))})
+    return constant
+
+
+def mean_maker(add: Callable, axes: Sequence[int], opset: int) -> Callable[[ir.Value], ir.Value]:
+    """``mean(v)``: ``ReduceMean(v)`` over ``axes``, kept, as ``opset`` writes it."""
+    if opset >= REDUCE_MEAN_AXES_INPUT_OPSET:
+        axes_value = constant_maker(add, np.int64)(list(axes))
+        return lambda v: add("ReduceMean", [v, axes_value], {"keepdims": 1})
+    return lambda v: add("ReduceMean", [v], {"keepdims": 1, "axes": list(axes)})

@@ -334,3 +334,27 @@ def test_the_ctc_loss_and_packed_sequences_export_with_pytorchs_gradients(case):
     for name in expected:
         np.testing.assert_allclose(ours[name], expected[name], rtol=1e-4, atol=1e-5)
 
+
+
+def test_exporting_leaves_parameters_the_forward_updates_in_place_as_they_were():
+    """A momentum encoder updates its key encoder under torch.no_grad() in the forward: the
+    export's own run of the module (to find custom Functions) updated it once more."""
+
+    class MomentumEncoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            self.k.requires_grad_(False)
+
+        def forward(self, x):
+            with torch.no_grad():
+                for pk, pq in zip(self.k.parameters(), self.q.parameters()):
+                    pk.mul_(0.5).add_(pq, alpha=0.5)
+            return (self.q(x) * self.k(x)).sum(-1)
+
+    torch.manual_seed(0)
+    model = MomentumEncoder()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    export_for_training(model, (torch.randn(3, 4),))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, before[name], rtol=0, atol=0, msg=name)

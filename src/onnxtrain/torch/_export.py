@@ -607,8 +607,7 @@ def _check_output_leaves(module: torch.nn.Module, output: TracedOutput) -> None:
     if symbolic:
         raise ExportError(f"{type(module).__name__} returns Python numbers computed from its tensors "
                           f"({', '.join(symbolic)}): an exported graph cannot return them for other inputs")
-    tensor_places = set(output.positions)
-    hidden = [i for i, leaf in enumerate(output.leaves) if i not in tensor_places and _holds_tensors(leaf)]
+    hidden = [i for i, leaf in enumerate(output.leaves) if _holds_tensors(leaf)]  # None at the tensors' places
     if hidden:
         # the trace's object holds the exporter's placeholder tensors: returned as it is, it would
         # hand the caller FakeTensors (a Hugging Face model's DynamicCache with use_cache=True)
@@ -619,6 +618,25 @@ def _check_output_leaves(module: torch.nn.Module, output: TracedOutput) -> None:
                       f"node)", DroppedOutputWarning, stacklevel=5)
         for i in hidden:
             output.leaves[i] = None
+
+
+@contextlib.contextmanager
+def module_state_kept(module: torch.nn.Module):
+    """A run of ``module`` inside leaves it as it found it: its buffers (BatchNorm's statistics,
+    which batch_norm updates without bumping their version counters) and parameters (a momentum
+    encoder's, updated under torch.no_grad()) are put back, and so are torch's random generators
+    (CPU, and the CUDA devices the module is on): a probing run does not count as a step."""
+    state = [*module.buffers(), *module.parameters()]
+    saved = [t.detach().clone() for t in state]
+    devices = sorted({t.device.index or 0 for t in state if t.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(state, saved):
+                if tensor.shape == value.shape:
+                    tensor.copy_(value)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from onnxtrain.errors import OnnxTrainError
-from onnxtrain.torch._export import flatten_call
+from onnxtrain.torch._export import flatten_call, module_state_kept
 from onnxtrain.torch._wrapper import WRAPPED, ModuleWrapper
 from onnxtrain.torch.ortmodule import DebugOptions, ORTModule
 
@@ -96,22 +96,12 @@ class HierarchicalORTModule(ModuleWrapper):
             calls.setdefault(id(submodule), []).append(pytree.tree_map(_detached, (call_args, call_kwargs)))
 
         handles = [m.register_forward_pre_hook(record, with_kwargs=True) for m in module.modules()]
-        # buffers (BatchNorm's statistics) and parameters (a momentum encoder's, updated under
-        # torch.no_grad()) as they were before this run (batch_norm updates its statistics
-        # without bumping their version counters: every tensor is put back)
-        state = [*module.buffers(), *module.parameters()]
-        saved = [t.detach().clone() for t in state]
-        devices = sorted({p.device.index or 0 for p in module.parameters() if p.is_cuda})
         try:
-            with torch.random.fork_rng(devices=devices):
+            with module_state_kept(module):
                 module(*pytree.tree_map(_copied, args), **pytree.tree_map(_copied, kwargs))
         finally:
             for handle in handles:
                 handle.remove()
-            with torch.no_grad():
-                for tensor, value in zip(state, saved):
-                    if tensor.shape == value.shape:
-                        tensor.copy_(value)
         return calls
 
     def _wrap(self, name: str, module: torch.nn.Module, calls: dict, built: dict) -> torch.nn.Module:

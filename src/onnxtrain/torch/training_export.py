@@ -31,6 +31,7 @@ from onnxtrain.torch._export import (
     autograd_graph,
     check_gradient_paths,
     export_failure,
+    module_state_kept,
     quiet_exporter,
 )
 from onnxtrain.torch._exporter import (capture, contiguous_as_clone, export_program, is_cumulative_batch_norm,
@@ -169,18 +170,10 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     _check_batch_norm_momenta(model)
     inline = True if inline_autograd_functions is True else frozenset(inline_autograd_functions or ())
     # the autograd graph of one run names the custom Functions it applied; the run must not
-    # change the model (BatchNorm's running statistics) or the random stream (Dropout)
-    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    rng = torch.random.get_rng_state()
-    try:
-        with torch.enable_grad():
-            outputs = model(*args)
-    finally:
-        torch.random.set_rng_state(rng)
-        with torch.no_grad():
-            for name, buffer in model.named_buffers():
-                if name in buffers:
-                    buffer.copy_(buffers[name])
+    # change the model (BatchNorm's running statistics, a momentum encoder's parameters) or the
+    # random stream (Dropout)
+    with module_state_kept(model), torch.enable_grad():
+        outputs = model(*args)
     traced = autograd_graph(torch.utils._pytree.tree_leaves(outputs))
     _check_functions(model, traced.functions, inline,
                      option="export_for_training(..., inline_autograd_functions=[...])")

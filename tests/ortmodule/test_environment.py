@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 
+from tests.ortmodule.test_ortmodule import _WithoutRule
 from tests.torch_models import MLP, torch
 
 from onnxtrain.errors import OnnxTrainError
@@ -15,17 +16,6 @@ from onnxtrain.logs import LogLevel
 from onnxtrain.torch import (DebugOptions, IgnoredSettingWarning, ORTModule, ORTModuleEnvironmentError,
                              ORTModuleFallbackWarning)
 from onnxtrain.torch._environment import read_environment
-
-
-class _WithoutRule(torch.nn.Module):
-    """torch.fft.hfft's one-sided inverse DFT has no gradient rule: the gradient graph cannot be built."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(6, 4)
-
-    def forward(self, x):
-        return torch.fft.hfft(self.linear(x).to(torch.complex64))
 
 
 @pytest.fixture(autouse=True)

@@ -64,6 +64,18 @@ class _Training(TrainingBlock):
         return self._loss(*inputs_to_loss)
 
 
+def _nothing_to_optimize(model, params) -> str:
+    """Why no parameter requires gradients, for the error that an optimizer model needs one."""
+    message = "an optimizer model needs at least one parameter that requires gradients"
+    if params.frozen:
+        return f"{message}; every parameter is frozen: {sorted(params.frozen)}"
+    in_attributes = sorted({f"{n.domain}.{n.op_type}" for n in model.graph.all_nodes()
+                            if n.domain not in ("", "ai.onnx", "com.microsoft")})
+    where = (f" (weights that ops of other domains keep in their attributes, as ai.onnx.ml's LinearClassifier "
+             f"does, cannot be trained; this model has {', '.join(in_attributes)})" if in_attributes else "")
+    return f"{message}, and the model has no floating-point initializers{where}"
+
+
 def _loss_block(loss) -> blocks.Block:
     if loss is None:
         return blocks.PassThrough()
@@ -212,6 +224,8 @@ def generate_artifacts(
             training_block(*output_names)
         training_model, eval_model = training_block.to_ir_models()
         params = training_block.parameter_values
+        if optimizer is not None and not params.trainable:  # checked before any file is written
+            raise ArtifactError(_nothing_to_optimize(base_model, params))
 
         directory = pathlib.Path(artifact_directory) if artifact_directory is not None else pathlib.Path.cwd()
         directory.mkdir(parents=True, exist_ok=True)
@@ -227,8 +241,6 @@ def generate_artifacts(
         logger.info("wrote training, eval models and checkpoint to %s", directory)
 
         if optimizer is not None:
-            if not params.trainable:
-                raise ArtifactError("an optimizer model needs at least one parameter that requires gradients")
             with bar.phase("optimizer graph"):
                 optim_block = _optimizer_block(optimizer)
                 optim_block.loss_scale = scaler

@@ -8,6 +8,7 @@ chooses between ``grad`` and ``buffer + grad``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -17,6 +18,7 @@ import onnxruntime as ort
 from onnxtrain import names
 from onnxtrain.api.checkpoint_state import CheckpointState
 from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
+from onnxtrain.ir import io
 from onnxtrain.runtime import fusions
 from onnxtrain.runtime.binding import BindingCache
 from onnxtrain.runtime.denormals import ask_for_flushing, denormals_flushed, runs_flush_denormals
@@ -31,11 +33,21 @@ TRAINING_METADATA_KEY = "onnxtrain.training"
 DEFAULT_LOSS_SCALE = 2.0 ** 16
 
 
+def _declared_ranks(specs: list[IOSpec], path: str) -> list[IOSpec]:
+    """``specs`` with the shape of each input the model file declares without one (any rank)
+    unknown: onnxruntime reports those as ``[]``, a scalar's shape."""
+    if not any(spec.shape == () for spec in specs) or is_ort_format(path):
+        return specs
+    shapeless = io.inputs_without_shape(path)
+    return [dataclasses.replace(spec, shape=None) if spec.name in shapeless else spec for spec in specs]
+
+
 class _Signature:
     """How a training or eval model's inputs and outputs map onto the state."""
 
-    def __init__(self, session: ort.InferenceSession, state: CheckpointState, training: bool, what: str):
-        inputs, outputs = input_specs(session), output_specs(session)
+    def __init__(self, session: ort.InferenceSession, state: CheckpointState, training: bool, what: str,
+                 path: str):
+        inputs, outputs = _declared_ranks(input_specs(session), path), output_specs(session)
         by_name = {s.name: s for s in inputs}
         meta = _training_metadata(session)
         grad_params = [o.name[: -len(names.ACCUMULATION_OUT_SUFFIX)] for o in outputs
@@ -176,13 +188,15 @@ class Module:
         self._train_model_uri = os.fspath(train_model_uri)
         self._train_session = create_session(fusions.session_model(train_model_uri, self._providers, gated_add=False),
                                              self._providers, session_options, "training model")
-        self._train = _Signature(self._train_session, state, training=True, what="training model")
+        self._train = _Signature(self._train_session, state, training=True, what="training model",
+                                 path=self._train_model_uri)
         self._eval_model_uri = None if eval_model_uri is None else os.fspath(eval_model_uri)
         self._eval_session = self._eval = None
         if eval_model_uri is not None:
             self._eval_session = create_session(fusions.session_model(eval_model_uri, self._providers, gated_add=False),
                                                 self._providers, session_options, "eval model")
-            self._eval = _Signature(self._eval_session, state, training=False, what="eval model")
+            self._eval = _Signature(self._eval_session, state, training=False, what="eval model",
+                                    path=self._eval_model_uri)
         if self._train.loss_scaled:  # dynamic loss scale state lives in the state's properties
             state._properties.setdefault(names.LOSS_SCALE, self._train.initial_loss_scale)
             state._properties.setdefault(names.LOSS_SCALE_GROWTH_TRACKER, 0)

@@ -1,6 +1,7 @@
 """Load and save models: the only module that touches ONNX protobuf.
 
-Everything else in onnxtrain works on ``onnx_ir.Model``.
+Everything else in onnxtrain works on ``onnx_ir.Model`` (``upgrade``, which brings models of
+older opsets and IR versions up for ``load_model``, works on protobuf too).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxtrain.errors import ModelError
+from onnxtrain.ir.upgrade import upgrade
 
 ModelLike = Union[str, os.PathLike, "onnx.ModelProto", ir.Model]
 
@@ -44,20 +46,30 @@ def load_model(model: ModelLike) -> ir.Model:
         raise ModelError(
             f"expected an ONNX model as a path, onnx.ModelProto or onnx_ir.Model, got {type(model).__name__}"
         )
-    opset = _default_opset(proto)
-    if opset < MIN_OPSET:
-        try:
-            proto = onnx.version_converter.convert_version(proto, MIN_OPSET)
-        except Exception as exc:
-            raise ModelError(
-                f"model uses opset {opset}; onnxtrain needs >= {MIN_OPSET} and the ONNX version "
-                f"converter could not upgrade it: {exc}"
-            ) from exc
+    proto = upgrade(proto, _default_opset(proto), MIN_OPSET)
+    _refuse_non_tensor_outputs(proto)
     try:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception:
         pass  # shape inference is a help, not a requirement
     return ir.from_proto(proto)
+
+
+def _refuse_non_tensor_outputs(proto: onnx.ModelProto) -> None:
+    """A graph output that is a map or a sequence of maps (scikit-learn classifiers' ZipMap) is
+    named with the way out; onnx_ir cannot represent map types."""
+    for value in proto.graph.output:
+        kind = value.type.WhichOneof("value")
+        element, described = value.type, "a "
+        while kind == "sequence_type":
+            element, described = element.sequence_type.elem_type, described + "sequence of "
+            kind = element.WhichOneof("value")
+        if kind == "map_type":
+            described += "maps" if described != "a " else "map"
+            raise ModelError(
+                f"model output {value.name!r} is {described}: onnxtrain trains "
+                f"models whose outputs are tensors. Remove the output, or convert without it (skl2onnx: "
+                f"options={{'zipmap': False}} gives the probabilities as a tensor)")
 
 
 def graph_io_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
@@ -67,6 +79,17 @@ def graph_io_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
     except Exception as exc:  # protobuf raises several unrelated types
         raise ModelError(f"could not read ONNX model {str(path)!r}: {exc}") from exc
     return [v.name for v in proto.graph.input], [v.name for v in proto.graph.output]
+
+
+def inputs_without_shape(path: str | os.PathLike) -> set[str]:
+    """The names of the graph inputs the ONNX model file at ``path`` declares without a shape
+    (of any rank; its tensors are not loaded)."""
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf raises several unrelated types
+        raise ModelError(f"could not read ONNX model {str(path)!r}: {exc}") from exc
+    return {v.name for v in proto.graph.input
+            if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")}
 
 
 def _default_opset(proto: onnx.ModelProto) -> int:

@@ -29,6 +29,10 @@ def _matmul(ctx):
     ra, rb = rank_of(a), rank_of(bm)
     dy = ctx.dy
     da = db = None
+    if rb is None or (ra is None and rb != 2):
+        # a matrix b (a layer's weight) needs only a's rank to be at least 1, whatever it is
+        raise NotImplementedError(f"the ranks of {a.name!r} and {bm.name!r} must be known "
+                                  "(or the second operand be a matrix)")
     if ra == 1 and rb == 1:  # a dot product: y = sum_k a[k] b[k], a scalar
         return (op.Mul(dy, bm) if ctx.needs(0) else None), (op.Mul(dy, a) if ctx.needs(1) else None)
     if ctx.needs(0):
@@ -39,21 +43,23 @@ def _matmul(ctx):
             da = b.squeeze(da, [-2])
         else:
             da = op.MatMul(dy, transpose_last2(op, bm, rb))
-        da = sum_to_shape(b, da, a, _batched_shape(ctx.y, a) if ra and rb and ra >= 2 and rb >= 2 else None)
+        if rb != 2:  # a matrix b broadcasts nothing onto a
+            da = sum_to_shape(b, da, a, _batched_shape(ctx.y, a) if ra and ra >= 2 and rb >= 2 else None)
     if ctx.needs(1):
         if ra == 1:
             db = op.Mul(b.unsqueeze(a, [-1]), b.unsqueeze(dy, [-2]))
         elif rb == 1:
             db = op.MatMul(transpose_last2(op, a, ra), b.unsqueeze(dy, [-1]))
             db = b.squeeze(db, [-1])
-        elif rb == 2 and ra is not None and ra > 2:
+        elif rb == 2 and (ra is None or ra > 2):
             # a [..., M, K] @ b [K, N] (a Linear layer): fold the batch dims into M, one
             # [K, M'] @ [M', N] product rather than a batched product summed over the batch
-            db = op.MatMul(op.Transpose(op.Flatten(a, axis=ra - 1), perm=[1, 0]), op.Flatten(dy, axis=ra - 1))
+            # (of whatever rank a is: Flatten at the last axis)
+            last = -1 if ra is None else ra - 1
+            db = op.MatMul(op.Transpose(op.Flatten(a, axis=last), perm=[1, 0]), op.Flatten(dy, axis=last))
         else:
             db = op.MatMul(transpose_last2(op, a, ra), dy)
-        if not (rb == 2 and ra is not None and ra > 2):
-            db = sum_to_shape(b, db, bm, _batched_shape(ctx.y, bm) if ra and rb and ra >= 2 and rb >= 2 else None)
+            db = sum_to_shape(b, db, bm, _batched_shape(ctx.y, bm) if ra >= 2 and rb >= 2 else None)
     return da, db
 
 

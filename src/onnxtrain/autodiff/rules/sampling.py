@@ -71,16 +71,17 @@ def _axis_matrix(ctx: GradContext, axis: int, k: int, count: int, uses_scales: b
                                                  value=ir.tensor(np.zeros([1], np.float32))))
     attributes = {name: attr.value for name, attr in node.attributes.items()
                   if name not in ("axes", "keep_aspect_ratio_policy", "extrapolation_value")}
-    roi = None
-    if len(node.inputs) > 1 and node.inputs[1] is not None:
-        # roi lists the starts of the resized axes, then their ends
-        roi = op.Cast(op.Gather(node.inputs[1], b.ints([k, k + count]), axis=0), to=_FLOAT)
-        roi = op.Concat(op.Slice(roi, b.ints([0]), b.ints([1])), b.const(np.array([0.0], np.float32)),
-                        op.Slice(roi, b.ints([1]), b.ints([2])), b.const(np.array([1.0], np.float32)), axis=0)
     # these transformations divide by the output length: onnxruntime takes the integer length
     # (floor(n * scale)), onnx's reference evaluator (which folds the constant matrix) the
     # fractional n * scale, a different matrix for a scale such as 1.7: give them the size
     transformation = _text(ctx.attr("coordinate_transformation_mode", "half_pixel"))
+    roi = None
+    if transformation == "tf_crop_and_resize" and len(node.inputs) > 1 and node.inputs[1] is not None:
+        # roi (read under this transformation only, often empty otherwise) lists the starts of
+        # the resized axes, then their ends
+        roi = op.Cast(op.Gather(node.inputs[1], b.ints([k, k + count]), axis=0), to=_FLOAT)
+        roi = op.Concat(op.Slice(roi, b.ints([0]), b.ints([1])), b.const(np.array([0.0], np.float32)),
+                        op.Slice(roi, b.ints([1]), b.ints([2])), b.const(np.array([1.0], np.float32)), axis=0)
     if uses_scales and transformation not in ("align_corners", "tf_crop_and_resize"):
         scale = op.Gather(node.inputs[2], b.ints([k]), axis=0)
         return op.Resize(identity, roi, op.Concat(scale, b.const(np.array([1.0], np.float32)), axis=0),

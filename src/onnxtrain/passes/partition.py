@@ -452,6 +452,7 @@ def _extract(model: ir.Model, input_names: list[str], output_names: list[str], c
     copy = ir.from_proto(ir.to_proto(model))
     graph = copy.graph
     values = {v.name: v for v in graph.inputs}
+    values.update(graph.initializers)  # an output may be a constant (a buffer the forward zeroes)
     for node in graph:
         values.update((o.name, o) for o in node.outputs)
     graph.outputs.clear()  # before cutting: a cut value may have been an output

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import itertools
 import logging
 import re
 import sys
@@ -50,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
 
 from onnxtrain.autodiff.builder import inputs_with_gradient
@@ -101,7 +103,7 @@ class CallSchema:
     constants: tuple           # frozen non-tensor leaves, in leaf order
     tensors: tuple             # (leaf position, dtype, rank, device) per tensor leaf
     training: bool
-    parameters: tuple          # (name, dtype, device) of every parameter and buffer
+    parameters: tuple          # (name, dtype, device, shape) of every parameter and buffer
     # the identity of every submodule: one replaced by another (an activation swapped, with no
     # parameter names to change) runs a graph exported for the new one
     modules: tuple
@@ -157,7 +159,7 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
         constants=constants,
         tensors=tuple((i, t.dtype, t.dim(), t.device) for i, t in zip(positions, tensors)),
         training=module.training,
-        parameters=tuple((n, p.dtype, p.device) for n, p in state.items()),
+        parameters=tuple((n, p.dtype, p.device, p.shape) for n, p in state.items()),
         modules=modules,
     )
     template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
@@ -268,17 +270,23 @@ class AutogradGraph:
     leaves: list[torch.Tensor]
 
 
-def autograd_graph(tensors: Sequence) -> AutogradGraph:
-    """Walk the autograd graph of ``tensors`` (other leaves are skipped)."""
+def autograd_graph(tensors: Sequence, inputs: Sequence = ()) -> AutogradGraph:
+    """Walk the autograd graph of ``tensors`` (other leaves are skipped). The walk stops at
+    the tensors ``inputs`` that are not leaves (a call's arguments computed earlier), which count
+    as leaves: what produced them is not the call's."""
     functions: dict[type, None] = {}
     leaves: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
+    boundary = {id(t.grad_fn): t for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
     pending = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while pending:
         node = pending.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        if id(node) in boundary:
+            leaves.setdefault(id(boundary[id(node)]), boundary[id(node)])
+            continue
         if isinstance(node, torch.autograd.function.BackwardCFunction):
             functions.setdefault(node._forward_cls)
         leaf = getattr(node, "variable", None)  # AccumulateGrad
@@ -305,6 +313,28 @@ def _tensor_attributes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             for name, value in vars(sub).items() if isinstance(value, torch.Tensor)}
 
 
+def _unregistered_tensor_names(module: torch.nn.Module) -> dict[int, str]:
+    """id -> qualified name of the tensors ``module``'s submodules hold outside their parameters
+    and buffers: plain tensor attributes, and those in plain lists, tuples and dicts (of tensors
+    or of modules, whose parameters are then not the wrapped module's)."""
+    names: dict[int, str] = {}
+    for prefix, sub in module.named_modules():
+        for attribute, value in vars(sub).items():
+            if attribute in ("_parameters", "_buffers", "_modules"):
+                continue  # registered
+            base = f"{prefix}.{attribute}" if prefix else attribute
+            items = value.items() if isinstance(value, dict) else enumerate(value) \
+                if isinstance(value, (list, tuple)) else [(None, value)]
+            for key, item in items:
+                name = base if key is None else f"{base}[{key!r}]"
+                if isinstance(item, torch.Tensor):
+                    names.setdefault(id(item), name)
+                elif isinstance(item, torch.nn.Module) and key is not None:
+                    for inner, tensor in itertools.chain(item.named_parameters(), item.named_buffers()):
+                        names.setdefault(id(tensor), f"{name}.{inner}")
+    return names
+
+
 class _FlatModule(torch.nn.Module):
     """Calls the user's module from flat tensors; returns flat output tensors, then all buffers,
     then the flat tensors themselves (as the forward left them)."""
@@ -321,6 +351,9 @@ class _FlatModule(torch.nn.Module):
         self.gradient_reaches = _Recorder()
         # module attributes the traced forward set to tensors (which the graph cannot set)
         self.stored_tensors = _Recorder()
+        # tensors that require grad, reached by the traced call's gradients, that are neither
+        # the call's tensors nor the module's parameters (the graph would hold them as constants)
+        self.foreign_leaves = _Recorder()
 
     def forward(self, *tensors):
         args, kwargs = self._call.rebuild(tensors)
@@ -333,11 +366,18 @@ class _FlatModule(torch.nn.Module):
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         self.traced_outputs.append(TracedOutput(spec, [None if isinstance(leaf, torch.Tensor) else leaf
                                                        for leaf in leaves], positions))
-        traced = autograd_graph(leaves)
+        traced = autograd_graph(leaves, tensors)
         self.autograd_functions.extend(traced.functions)
         keys = {id(t): i for i, t in enumerate(tensors)}
         keys.update((id(p), name) for name, p in module.named_parameters(remove_duplicate=False))
         self.gradient_reaches.extend(keys[id(t)] for t in traced.leaves if id(t) in keys)
+        # (a leaf the forward itself made, as Wav2Vec2's feature encoder sets requires_grad on a
+        # view of its input, is one of the capture's fake tensors: its gradient goes nowhere)
+        foreign = [t for t in traced.leaves if id(t) not in keys and t.requires_grad and not is_fake(t)]
+        if foreign:
+            names = _unregistered_tensor_names(module)
+            self.foreign_leaves.extend(names.get(id(t), f"a {str(t.dtype).removeprefix('torch.')} tensor of shape "
+                                                        f"{list(t.shape)}") for t in foreign)
         # then the call's own tensors: one the forward changed in place comes out changed
         return (*[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
                 *[_state_tensor(module, n) for n in self._buffer_names], *tensors)
@@ -782,6 +822,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
                           f"exported graph cannot (for a Hugging Face cache pass use_cache=False)")
     traced_output = wrapper.traced_outputs[-1]
     _check_output_leaves(module, traced_output)
+    if wrapper.foreign_leaves:
+        names = ", ".join(dict.fromkeys(wrapper.foreign_leaves))
+        raise ExportError(f"{type(module).__name__}'s forward reads tensors that require grad but are not its "
+                          f"parameters ({names}): an exported graph would hold them as constants, without "
+                          f"gradients. Register them as parameters (nn.Parameter; nn.ModuleList or nn.ParameterList "
+                          f"for lists)")
     if wrapper.stored_tensors:
         names = ", ".join(dict.fromkeys(wrapper.stored_tensors))
         raise ExportError(f"{type(module).__name__}'s forward stores tensors on modules ({names}): an exported "

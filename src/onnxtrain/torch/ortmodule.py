@@ -211,6 +211,17 @@ def _parameters_swapped(module: torch.nn.Module) -> bool:
                for sub in module.modules() for p in sub._parameters.values())
 
 
+def _replace_state(module: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set the buffer (or parameter) ``name`` of ``module`` to ``value`` of another shape or dtype,
+    as the forward's ``self.name = tensor`` did in PyTorch."""
+    owner_name, _, attribute = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    if attribute in owner._buffers:
+        owner._buffers[attribute] = value
+    else:
+        owner._parameters[attribute].data = value
+
+
 class ORTModule(ModuleWrapper):
     """Wrap a ``torch.nn.Module`` so that its forward and backward run in ONNX Runtime.
 
@@ -381,6 +392,12 @@ class ORTModule(ModuleWrapper):
         if self._fallback_reason is not None or (not self.export_count and _has_lazy_parameters(module)):
             # a lazy module's first call, in PyTorch, gives its parameters their shapes; the next is exported
             return module(*args, **kwargs)
+        if torch._C._functorch.peek_interpreter_stack() is not None:
+            return self._under_torch_func(module, args, kwargs)
+        if torch.compiler.is_exporting():
+            # an export is tracing a model that holds this ORTModule (an outer ORTModule's):
+            # the traced forward is the module's own, part of the outer graph
+            return module(*args, **kwargs)
         call = flatten_call(module, args, kwargs)
         state = call.state
         try:  # building: export, gradient graph, sessions; a failure here may fall back
@@ -403,10 +420,25 @@ class ORTModule(ModuleWrapper):
         with torch.no_grad():
             updates = iter(outputs[graph.num_user_outputs:])
             for name, value in zip(graph.buffer_updates, updates):
-                state[name].copy_(value)
+                if value.shape == state[name].shape and value.dtype == state[name].dtype:
+                    state[name].copy_(value)
+                else:  # the forward set a new tensor (a cache grown with the sequence)
+                    _replace_state(module, name, value)
             for position, value in zip(graph.input_updates, updates):  # as the forward changed them in place
                 call.tensors[position].copy_(value)
         return graph.rebuild_output(outputs[:graph.num_user_outputs])
+
+    def _under_torch_func(self, module, args, kwargs):
+        """A call inside a torch.func transform (grad, vmap, jacrev, ...): its tensors are the
+        transform's wrappers, which neither an export nor ONNX Runtime can take. It runs in
+        PyTorch; calls outside transforms still run in ONNX Runtime."""
+        reason = (f"{type(module).__name__} is called inside a torch.func transform (grad, vmap, jacrev, ...), whose "
+                  f"tensors cannot run in ONNX Runtime")
+        if not self._debug.fallback:
+            raise ExportError(reason)
+        warnings.warn(f"ORTModule runs this call in PyTorch: {reason}; calls outside the transform still run "
+                      f"in ONNX Runtime", ORTModuleFallbackWarning, stacklevel=3)
+        return module(*args, **kwargs)
 
     def _prepare(self, call) -> tuple[_Variant, list[torch.Tensor], bool, SessionRunner | TrainingPrograms]:
         """Build what ``call`` runs (export, gradient graph, sessions; each kept for later

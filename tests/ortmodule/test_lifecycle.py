@@ -1,0 +1,199 @@
+"""ORTModule across a wrapped module's life, against eager PyTorch: tensors that require grad
+outside the module's parameters, buffers the forward resets or grows, parameters replaced with
+another shape, torch.func transforms over the module, and ORTModules nested in ORTModules."""
+
+import copy
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.errors import ExportError  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
+
+
+def _assert_same_training(model, ref, params, ref_params, steps=3, make_input=None):
+    """Train ``model`` (wrapped) and ``ref`` (eager) side by side with SGD; losses, gradients
+    and parameters must agree at every step."""
+    optimizer, ref_optimizer = torch.optim.SGD(params, lr=0.3), torch.optim.SGD(ref_params, lr=0.3)
+    for step in range(steps):
+        torch.manual_seed(step)
+        x = make_input(step) if make_input else torch.randn(5, 4)
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+        loss, ref_loss = model(x).square().sum(), ref(x).square().sum()
+        loss.backward()
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+        for p, q in zip(params, ref_params):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4 * float(q.grad.abs().max()))
+        optimizer.step()
+        ref_optimizer.step()
+
+
+class Tempered(torch.nn.Module):
+    """A learnable temperature kept as a plain tensor, not an ``nn.Parameter``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.temperature = torch.tensor(2.0, requires_grad=True)
+
+    def forward(self, x):
+        return self.linear(x) / self.temperature
+
+
+class ListedLayers(torch.nn.Module):
+    """Layers held in a plain list: their parameters are not the module's."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 3)
+        self.helpers = [torch.nn.Linear(3, 3)]
+
+    def forward(self, x):
+        return self.helpers[0](torch.tanh(self.first(x)))
+
+
+def test_tensor_requiring_grad_outside_the_parameters_falls_back():
+    # held as a constant in the graph it would get no gradient and never change
+    torch.manual_seed(0)
+    net = Tempered()
+    ref = copy.deepcopy(net)
+    model = ORTModule(net)
+    with pytest.warns(ORTModuleFallbackWarning, match=r"require grad but are not its parameters \(temperature\)"):
+        _assert_same_training(model, ref, [*net.parameters(), net.temperature], [*ref.parameters(), ref.temperature])
+    with pytest.raises(ExportError, match="temperature.*Register them as parameters"):
+        ORTModule(Tempered(), DebugOptions(fallback=False))(torch.randn(2, 4))
+
+
+def test_parameters_of_listed_layers_are_named():
+    with pytest.raises(ExportError, match=r"helpers\[0\]\.weight, helpers\[0\]\.bias"):
+        ORTModule(ListedLayers(), DebugOptions(fallback=False))(torch.randn(2, 4))
+
+
+class GradOnItsInput(torch.nn.Module):
+    """Sets requires_grad on a view of its input, as Wav2Vec2's feature encoder does."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = x[:, None]
+        h.requires_grad = True
+        return self.linear(h)
+
+
+def test_a_leaf_the_forward_makes_itself_is_no_obstacle():
+    torch.manual_seed(0)
+    net = GradOnItsInput()
+    ref = copy.deepcopy(net)
+    model = ORTModule(net, DebugOptions(fallback=False))
+    _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()), steps=2)
+
+
+class StatefulBuffer(torch.nn.Module):
+    def __init__(self, mode):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.mode = mode
+        self.register_buffer("state", torch.arange(4.0)[:, None])
+
+    def forward(self, x):
+        if self.mode == "zero":
+            self.state.zero_()
+        elif self.mode == "assign":
+            self.state = torch.full((4, 1), 0.5)
+        elif self.mode == "grow":  # a cache that grows with each call
+            self.state = torch.cat([self.state, x[:1, :1].detach()])
+        return self.linear(x) * (1 + self.state.mean())
+
+
+@pytest.mark.parametrize("mode", ["zero", "assign", "grow"])
+def test_buffer_the_forward_sets_or_grows(mode):
+    torch.manual_seed(0)
+    net = StatefulBuffer(mode)
+    ref = copy.deepcopy(net)
+    model = ORTModule(net, DebugOptions(fallback=False))
+    _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()))
+    torch.testing.assert_close(net.state, ref.state)
+
+
+def test_parameter_replaced_with_another_shape():
+    # a classifier head grown after training started
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    ref = copy.deepcopy(net)
+    model = ORTModule(net, DebugOptions(fallback=False))
+    _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()), steps=1)
+    torch.manual_seed(1)
+    weight, bias = torch.randn(6, 4), torch.randn(6)
+    net[2].weight, net[2].bias = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())
+    ref[2].weight, ref[2].bias = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(bias.clone())
+    _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()), steps=2)
+    assert model.fallback_reason is None and model.export_count == 2
+
+
+def test_torch_func_transforms_run_in_pytorch_for_their_calls_only():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))
+    ref = copy.deepcopy(net)
+    model = ORTModule(net)
+    x = torch.randn(6, 4)
+    model(x).sum().backward()
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def loss_of(module):
+        return lambda p: torch.func.functional_call(module, p, (x,)).square().sum()
+
+    with pytest.warns(ORTModuleFallbackWarning, match="torch.func transform"):
+        got = torch.func.grad(loss_of(model))(params)
+    with pytest.warns(ORTModuleFallbackWarning, match="torch.func transform"):
+        per_sample = torch.func.vmap(model)(x.view(2, 3, 4))
+    expected = torch.func.grad(loss_of(ref))(params)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name])
+    torch.testing.assert_close(per_sample, torch.func.vmap(ref)(x.view(2, 3, 4)))
+    assert model.fallback_reason is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(x).sum().backward()  # still in ONNX Runtime
+    assert model.export_count == 1
+    with pytest.raises(ExportError, match="torch.func transform"):
+        torch.func.vmap(ORTModule(copy.deepcopy(ref), DebugOptions(fallback=False)))(x.view(2, 3, 4))
+
+
+class Parent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh())
+        self.head = torch.nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("inner_called_first", [False, True])
+def test_ortmodule_inside_an_ortmodule(inner_called_first):
+    # the outer export traces the inner module's own forward; the inner stays usable on its own
+    torch.manual_seed(0)
+    parent = Parent()
+    ref = copy.deepcopy(parent)
+    parent.block = ORTModule(parent.block, DebugOptions(fallback=False))
+    if inner_called_first:
+        parent.block(torch.randn(3, 4))
+    outer = ORTModule(parent, DebugOptions(fallback=False))
+    _assert_same_training(outer, ref, list(parent.parameters()), list(ref.parameters()), steps=2)
+    assert outer.export_count == 1 and parent.block.fallback_reason is None
+    _assert_same_training(parent, ref, list(parent.parameters()), list(ref.parameters()), steps=1)
+    assert parent.block.fallback_reason is None
+
+
+def test_ortmodule_of_an_ortmodule():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh())
+    ref = copy.deepcopy(net)
+    model = ORTModule(ORTModule(net), DebugOptions(fallback=False))
+    _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()), steps=2)

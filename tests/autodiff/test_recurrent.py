@@ -29,7 +29,30 @@ torch = pytest.importorskip("torch")
 GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
 INPUT_NAMES = ["X", "W", "R", "B", "sequence_lens", "initial_h", "initial_c", "P"]
 OUTPUT_NAMES = ["Y", "Y_h", "Y_c"]
-ACTIVATIONS = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu}
+# onnxruntime's activations: (takes alpha, takes beta, default alpha, default beta), and the function
+ACTIVATION_PARAMETERS = {"affine": (True, True, 0.0, 0.0), "leakyrelu": (True, False, 0.01, 0.0),
+                         "thresholdedrelu": (True, False, 0.0, 0.0), "scaledtanh": (True, True, 0.0, 0.0),
+                         "hardsigmoid": (True, True, 0.2, 0.5), "elu": (True, False, 1.0, 0.0)}
+
+
+def _activation(name, a, b):
+    return {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "relu": torch.relu,
+            "affine": lambda x: a * x + b, "leakyrelu": lambda x: torch.where(x >= 0, x, a * x),
+            "thresholdedrelu": lambda x: torch.where(x >= a, x, torch.zeros_like(x)),
+            "scaledtanh": lambda x: a * torch.tanh(b * x), "hardsigmoid": lambda x: (a * x + b).clamp(0, 1),
+            "elu": lambda x: torch.where(x >= 0, x, a * torch.expm1(x)), "softsign": lambda x: x / (1 + x.abs()),
+            "softplus": lambda x: torch.log1p(torch.exp(x))}[name]
+
+
+def activations(attrs, names):
+    """The functions ``names`` with their alpha and beta taken in turn from the attributes."""
+    alphas, betas = iter(attrs.get("activation_alpha", [])), iter(attrs.get("activation_beta", []))
+    functions = []
+    for name in names:
+        takes_alpha, takes_beta, alpha, beta = ACTIVATION_PARAMETERS.get(name, (False, False, 0.0, 0.0))
+        functions.append(_activation(name, next(alphas, alpha) if takes_alpha else 0.0,
+                                     next(betas, beta) if takes_beta else 0.0))
+    return functions
 DEFAULT_ACTIVATIONS = {"LSTM": ["Sigmoid", "Tanh", "Tanh"], "GRU": ["Sigmoid", "Tanh"], "RNN": ["Tanh"]}
 
 
@@ -38,8 +61,8 @@ def _step(op_type, attrs, acts, x, h, c, w, r, wb, rb, p):
     """One time step of one sequence: (h, c) after it."""
     clip = attrs.get("clip")
 
-    def gate(name, a):
-        return ACTIVATIONS[name](a.clamp(-clip, clip) if clip is not None else a)
+    def gate(function, a):
+        return function(a.clamp(-clip, clip) if clip is not None else a)
 
     if op_type == "RNN":
         return gate(acts[0], x @ w.T + h @ r.T + wb + rb), None
@@ -59,7 +82,7 @@ def _step(op_type, attrs, acts, x, h, c, w, r, wb, rb, p):
     f = 1 - i if attrs.get("input_forget", 0) else gate(acts[0], a_f + p_f * c)
     c_new = f * c + i * gate(acts[1], a_c)
     o = gate(acts[0], a_o + p_o * c_new)
-    return o * ACTIVATIONS[acts[2]](c_new), c_new
+    return o * acts[2](c_new), c_new
 
 
 def reference(op_type, attrs, values, outputs):
@@ -72,7 +95,8 @@ def reference(op_type, attrs, values, outputs):
     steps, batch, hidden = x.shape[0], x.shape[1], r.shape[-1]
     direction = attrs.get("direction", "forward")
     reverse = {"forward": [False], "reverse": [True], "bidirectional": [False, True]}[direction]
-    names = [a.lower() for a in attrs.get("activations", DEFAULT_ACTIVATIONS[op_type] * len(reverse))]
+    names = activations(attrs, [a.lower() for a in attrs.get("activations",
+                                                              DEFAULT_ACTIVATIONS[op_type] * len(reverse))])
     per = len(DEFAULT_ACTIVATIONS[op_type])
     zeros = torch.zeros(hidden, dtype=x.dtype)
     ys, y_hs, y_cs = [], [], []
@@ -200,6 +224,20 @@ CASES = {
     "rnn-bidirectional-layout1-lengths": ("RNN", {"direction": "bidirectional", "layout": 1},
                                           {"directions": 2, "layout": 1, "lengths": [1, 4, 3]}, ["Y", "Y_h"]),
     "rnn-relu-clip": ("RNN", {"activations": ["Relu"], "clip": 0.5}, {}, ["Y"]),
+    # the rest of onnxruntime's activations, parameters from the lists or its defaults (older
+    # Keras GRUs and LSTMs exported with HardSigmoid gates)
+    "gru-hard-sigmoid": ("GRU", {"activations": ["HardSigmoid", "Tanh"]}, {}, ["Y", "Y_h"]),
+    "lstm-hard-sigmoid-parameters": ("LSTM", {"activations": ["HardSigmoid", "Tanh", "Tanh"] * 2,
+                                              "activation_alpha": [0.25, 0.3], "activation_beta": [0.4, 0.6],
+                                              "direction": "bidirectional"}, {"directions": 2}, ["Y", "Y_c"]),
+    "lstm-softsign-elu-leaky": ("LSTM", {"activations": ["Sigmoid", "Softsign", "Elu"]}, {}, ["Y", "Y_h"]),
+    "lstm-leaky-affine": ("LSTM", {"activations": ["Sigmoid", "LeakyRelu", "Affine"],
+                                   "activation_alpha": [0.2, 0.7], "activation_beta": [0.1]}, {}, ["Y"]),
+    "gru-scaled-tanh-softplus": ("GRU", {"activations": ["Sigmoid", "ScaledTanh", "Softplus", "ScaledTanh"],
+                                         "activation_alpha": [1.5, 0.8], "activation_beta": [0.7, 1.2],
+                                         "direction": "bidirectional"}, {"directions": 2}, ["Y", "Y_h"]),
+    "rnn-thresholded-relu": ("RNN", {"activations": ["ThresholdedRelu"], "activation_alpha": [0.1]}, {}, ["Y"]),
+    "rnn-elu-clip": ("RNN", {"activations": ["Elu"], "activation_alpha": [0.6], "clip": 0.9}, {}, ["Y", "Y_h"]),
 }
 
 
@@ -212,7 +250,8 @@ def test_vjp_matches_reference(case):
 
 
 @pytest.mark.parametrize("attrs, message", [
-    ({"activations": ["Sigmoid", "Tanh", "Softsign"]}, "Softsign"),
+    ({"activations": ["Sigmoid", "Tanh", "Swish"]}, "Swish"),
+    ({"activations": ["Sigmoid", "LeakyRelu", "Tanh"], "activation_alpha": [-0.5]}, "leakyrelu with alpha -0.5"),
     ({"activations": ["Sigmoid", "Tanh"]}, "2 activations for 1 direction"),
     ({"direction": "sideways"}, "direction 'sideways'"),
 ])

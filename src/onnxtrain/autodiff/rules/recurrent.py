@@ -23,8 +23,13 @@ Semantics follow onnxruntime's CPU kernels, which define the forward the gradien
 against: ``clip`` bounds every gate pre-activation (peephole terms included), not the cell
 state fed to LSTM's ``h``; ``input_forget`` makes LSTM's forget gate ``1 - i``; past a sequence's
 length the outputs are zero and the state is held, and a sequence of length 0 gives zero
-final states. Supported activations: Sigmoid, Tanh, Relu (any letter case); others raise
-:class:`~onnxtrain.errors.UnsupportedOpError`.
+final states. Activations (any letter case) are onnxruntime's: Sigmoid, Tanh, Relu, Affine,
+LeakyRelu, ThresholdedRelu, ScaledTanh, HardSigmoid, Elu, Softsign, Softplus, each taking its
+``alpha`` and ``beta`` in turn from ``activation_alpha`` / ``activation_beta`` (onnxruntime's
+defaults where the lists run out: LeakyRelu 0.01, HardSigmoid 0.2 and 0.5, Elu 1, the others
+0). Each slope is written with the activation's output; where the output cannot tell the
+input's side (LeakyRelu or Elu with ``alpha <= 0``, ThresholdedRelu with ``alpha < 0``,
+ScaledTanh with ``alpha = 0``) the rule raises :class:`~onnxtrain.errors.UnsupportedOpError`.
 """
 
 from __future__ import annotations
@@ -46,8 +51,46 @@ _Y, _Y_H, _Y_C = range(3)
 
 _INT64_MIN = np.iinfo(np.int64).min
 
-# activations by lower-cased name: the op applying it
-_ACTIVATION_OPS = {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu"}
+# onnxruntime's RNN activations by lower-cased name: (takes alpha, takes beta, default alpha,
+# default beta); each one that takes alpha (beta) consumes the next activation_alpha (_beta)
+_ACTIVATION_PARAMETERS = {
+    "sigmoid": (False, False, 0.0, 0.0), "tanh": (False, False, 0.0, 0.0), "relu": (False, False, 0.0, 0.0),
+    "affine": (True, True, 0.0, 0.0), "leakyrelu": (True, False, 0.01, 0.0),
+    "thresholdedrelu": (True, False, 0.0, 0.0), "scaledtanh": (True, True, 0.0, 0.0),
+    "hardsigmoid": (True, True, 0.2, 0.5), "elu": (True, False, 1.0, 0.0),
+    "softsign": (False, False, 0.0, 0.0), "softplus": (False, False, 0.0, 0.0),
+}
+
+
+@dataclass(frozen=True)
+class _Activation:
+    """One of a layer's activation functions, with its parameters."""
+
+    name: str  # lower case
+    alpha: float = 0.0
+    beta: float = 0.0
+
+    def problem(self) -> str | None:
+        """Why the slope cannot be written with the output, or None."""
+        if self.name in ("leakyrelu", "elu") and not self.alpha > 0:
+            return f"{self.name} with alpha {self.alpha} (the output does not tell the input's sign)"
+        if self.name == "thresholdedrelu" and not self.alpha >= 0:
+            return f"thresholdedrelu with alpha {self.alpha} (the output does not tell the input's side)"
+        if self.name == "scaledtanh" and self.alpha == 0:
+            return "scaledtanh with alpha 0"
+        return None
+
+
+def _activations(ctx: GradContext, names: list[str]) -> list[_Activation]:
+    """The activations ``names`` with the parameters onnxruntime gives them."""
+    alphas = iter(float(a) for a in (ctx.attr("activation_alpha") or []))
+    betas = iter(float(v) for v in (ctx.attr("activation_beta") or []))
+    result = []
+    for name in names:
+        takes_alpha, takes_beta, alpha, beta = _ACTIVATION_PARAMETERS[name]
+        result.append(_Activation(name, next(alphas, alpha) if takes_alpha else 0.0,
+                                  next(betas, beta) if takes_beta else 0.0))
+    return result
 
 _DEFAULT_ACTIVATIONS = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh"), "RNN": ("Tanh",)}
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -66,7 +109,7 @@ class _Layer:
     reverse: tuple[bool, ...]  # per direction (the num_directions axis): processed last step first
     layout: int
     clip: float | None
-    activations: tuple[tuple[str, ...], ...]  # per direction, lower-case names
+    activations: tuple[tuple[_Activation, ...], ...]  # per direction
     linear_before_reset: bool
     input_forget: bool
 
@@ -96,11 +139,16 @@ def _layer(ctx: GradContext) -> _Layer:
     if len(names) != per_direction * len(reverse):
         raise _unsupported(ctx, f"{len(names)} activations for {len(reverse)} direction(s); expected "
                                 f"{per_direction} per direction")
-    unknown = sorted({n for n in names if n.lower() not in _ACTIVATION_OPS})
+    unknown = sorted({n for n in names if n.lower() not in _ACTIVATION_PARAMETERS})
     if unknown:
-        raise _unsupported(ctx, f"activation(s) {', '.join(unknown)}; the gradient supports Sigmoid, Tanh and Relu")
-    lowered = [n.lower() for n in names]
-    activations = tuple(tuple(lowered[d * per_direction:(d + 1) * per_direction]) for d in range(len(reverse)))
+        raise _unsupported(ctx, f"activation(s) {', '.join(unknown)}; expected one of onnxruntime's: Sigmoid, Tanh, "
+                                f"Relu, Affine, LeakyRelu, ThresholdedRelu, ScaledTanh, HardSigmoid, Elu, Softsign, "
+                                f"Softplus")
+    functions = _activations(ctx, [n.lower() for n in names])
+    problems = [p for p in (f.problem() for f in functions) if p is not None]
+    if problems:
+        raise _unsupported(ctx, "; ".join(problems))
+    activations = tuple(tuple(functions[d * per_direction:(d + 1) * per_direction]) for d in range(len(reverse)))
 
     clip = ctx.attr("clip")
     if clip is not None:
@@ -122,18 +170,52 @@ def _split(b: GraphBuilder, x: ir.Value, parts: int, axis: int = -1) -> tuple[ir
     return b.op.Split(x, axis=axis, _outputs=parts)
 
 
-def _activate(b: GraphBuilder, name: str, x: ir.Value) -> ir.Value:
-    return getattr(b.op, _ACTIVATION_OPS[name])(x)
+def _activate(b: GraphBuilder, f: _Activation, x: ir.Value) -> ir.Value:
+    op = b.op
+    if f.name == "affine":
+        return op.Add(op.Mul(x, b.like(x, f.alpha)), b.like(x, f.beta))
+    if f.name == "scaledtanh":
+        return op.Mul(op.Tanh(op.Mul(x, b.like(x, f.beta))), b.like(x, f.alpha))
+    if f.name in ("leakyrelu", "thresholdedrelu", "elu"):
+        return getattr(op, {"leakyrelu": "LeakyRelu", "thresholdedrelu": "ThresholdedRelu", "elu": "Elu"}[f.name])(
+            x, alpha=f.alpha)
+    if f.name == "hardsigmoid":
+        return op.HardSigmoid(x, alpha=f.alpha, beta=f.beta)
+    return getattr(op, {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu", "softsign": "Softsign",
+                        "softplus": "Softplus"}[f.name])(x)
 
 
-def _slope(b: GraphBuilder, name: str, y: ir.Value) -> ir.Value:
+def _slope(b: GraphBuilder, f: _Activation, y: ir.Value) -> ir.Value:
     """The activation's derivative at its input, written with its output ``y``."""
     op = b.op
-    if name == "sigmoid":
-        return op.Mul(y, op.Sub(b.like(y, 1.0), y))
-    if name == "tanh":
-        return op.Sub(b.like(y, 1.0), op.Mul(y, y))
-    return b.cast_to(op.Greater(y, b.like(y, 0.0)), y.dtype)  # relu
+    one, zero = b.like(y, 1.0), b.like(y, 0.0)
+
+    def where_positive(then, otherwise):  # a {0, 1} mask: a Mul, not a Where (see docs/ortmodule.md)
+        mask = b.cast_to(op.Greater(y, zero), y.dtype)
+        return op.Add(op.Mul(mask, op.Sub(then, otherwise)), otherwise)
+
+    if f.name == "sigmoid":
+        return op.Mul(y, op.Sub(one, y))
+    if f.name == "tanh":
+        return op.Sub(one, op.Mul(y, y))
+    if f.name in ("relu", "thresholdedrelu"):  # y > 0 exactly where the input passed (alpha >= 0)
+        return b.cast_to(op.Greater(y, zero), y.dtype)
+    if f.name == "affine":
+        return b.like(y, f.alpha)  # broadcast by the product it enters
+    if f.name == "leakyrelu":
+        return where_positive(one, b.like(y, f.alpha))
+    if f.name == "elu":  # below 0: alpha e^x = y + alpha
+        return where_positive(one, op.Add(y, b.like(y, f.alpha)))
+    if f.name == "scaledtanh":  # alpha beta (1 - tanh^2) = beta (alpha - y^2 / alpha)
+        return op.Mul(b.like(y, f.beta), op.Sub(b.like(y, f.alpha), op.Div(op.Mul(y, y), b.like(y, f.alpha))))
+    if f.name == "hardsigmoid":  # alpha strictly between the clips
+        inside = op.And(op.Greater(y, zero), op.Less(y, one))
+        return op.Mul(b.cast_to(inside, y.dtype), b.like(y, f.alpha))
+    if f.name == "softsign":  # 1 / (1 + |x|)^2 = (1 - |y|)^2
+        rest = op.Sub(one, op.Abs(y))
+        return op.Mul(rest, rest)
+    # softplus: sigmoid(x) = 1 - e^-y
+    return op.Sub(one, op.Exp(op.Neg(y)))
 
 
 def _clipped(b: GraphBuilder, a: ir.Value, clip: float | None) -> tuple[ir.Value, ir.Value | None]:
@@ -231,7 +313,7 @@ def _scan(b: GraphBuilder, label: str, states: Sequence[ir.Value], carried: Sequ
 class _Direction:
     """The inputs of one direction, in processing order (a reverse direction already reversed)."""
 
-    activations: tuple[str, ...]
+    activations: tuple[_Activation, ...]
     x: ir.Value  # [seq, batch, input]
     w: ir.Value  # [gates*hidden, input]
     r: ir.Value  # [gates*hidden, hidden]

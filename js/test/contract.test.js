@@ -79,3 +79,19 @@ test('sessions are created without the memory pattern unless the options ask for
   await api.Module.create(artifact('training_model.onnx'), state, null, { sessionOptions: { enableMemPattern: true } });
   assert.deepEqual(seen.at(-1), { enableMemPattern: true });
 });
+
+test('an input declared without a shape takes any rank (onnxruntime reports it as a scalar)', async () => {
+  const artifact = (file) => fixturePath(`shapeless/${file}`);
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  const module = await Module.create(artifact('training_model.onnx'), state, artifact('eval_model.onnx'));
+  for (const dims of [[3], [2, 3], [2, 2, 3]]) {
+    const size = dims.reduce((a, b) => a * b, 1);
+    const { loss } = await module.evalStep(new ort.Tensor('float32', new Float32Array(size).fill(1), dims),
+      new ort.Tensor('float32', new Float32Array(size), dims));
+    assert.ok(Math.abs(loss.data[0] - 14 / 3) < 1e-6, `loss ${loss.data[0]} for an input of shape [${dims}]`);
+  }
+  // and trains
+  const { loss } = await module.trainStep(new ort.Tensor('float32', new Float32Array(3).fill(1), [3]),
+    new ort.Tensor('float32', new Float32Array(3), [3]));
+  assert.ok(Math.abs(loss.data[0] - 14 / 3) < 1e-6);
+});

@@ -91,7 +91,23 @@ def make_fixtures(out_dir: str | pathlib.Path) -> pathlib.Path:
     write_ort_format(out_dir / "artifacts", out_dir / "ort_format")
     write_small_models(out_dir / "small")
     write_upstream(out_dir / "upstream")
+    write_shapeless(out_dir / "shapeless")
     return out_dir
+
+
+def write_shapeless(out: pathlib.Path) -> None:
+    """Artifacts of ``x * w`` whose input ``x`` is declared without a shape (any rank)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxtrain import artifacts
+
+    graph = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["y"])], "shapeless",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array([1.0, 2.0, 3.0], np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.SGD, artifact_directory=out)
 
 
 def _small_mlp(rng: np.random.Generator, batchnorm: bool):

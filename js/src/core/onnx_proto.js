@@ -138,6 +138,39 @@ export function readModelMetadata(bytes, what) {
   }
 }
 
+const VALUE_INFO = { name: 1, type: 2 };
+const TYPE = { tensorType: 1 };
+const TENSOR_TYPE = { shape: 2 };
+
+/**
+ * The names of the graph inputs an ONNX model declares as tensors without a shape (of any
+ * rank): onnxruntime reports their shape as `[]`, a scalar's. Empty for ORT-format models.
+ * @param {Uint8Array} bytes
+ * @returns {Set<string>}
+ */
+export function inputsWithoutShape(bytes) {
+  const names = new Set();
+  if (isOrtFormat(bytes)) return names;
+  for (const graphField of splitFields(bytes)) {
+    if (graphField.number !== MODEL.graph || graphField.wire !== WIRE.bytes) continue;
+    const graph = valueOf(bytes, graphField);
+    for (const field of splitFields(graph)) {
+      if (field.number !== GRAPH.input || field.wire !== WIRE.bytes) continue;
+      const valueInfo = valueOf(graph, field);
+      const typeField = splitFields(valueInfo).find((f) => f.number === VALUE_INFO.type && f.wire === WIRE.bytes);
+      if (typeField === undefined) continue;
+      const type = valueOf(valueInfo, typeField);
+      const tensorField = splitFields(type).find((f) => f.number === TYPE.tensorType && f.wire === WIRE.bytes);
+      if (tensorField === undefined) continue;
+      const tensorType = valueOf(type, tensorField);
+      if (!splitFields(tensorType).some((f) => f.number === TENSOR_TYPE.shape)) {
+        names.add(stringField(valueInfo, VALUE_INFO.name) ?? '');
+      }
+    }
+  }
+  return names;
+}
+
 // ------------------------------------------------------------------------------ encoding
 
 /** @param {number} value  a non-negative integer below 2**53 */

@@ -5,7 +5,7 @@
 
 import { InputMismatchError, ModelError } from './errors.js';
 import { formatShape } from './dtypes.js';
-import { readModelMetadata } from './onnx_proto.js';
+import { inputsWithoutShape, readModelMetadata } from './onnx_proto.js';
 import { describeSource, readSource } from './platform.js';
 
 /**
@@ -51,8 +51,13 @@ export async function loadModel(platform, source, sessionOptions, what) {
     throw new ModelError(`onnxruntime (${platform.name}) cannot load the ${what} ${JSON.stringify(describeSource(source))}: ` +
       `${/** @type {Error} */ (error).message}`);
   }
-  return { session, bytes, metadata, inputs: specs(session.inputNames, session.inputMetadata),
-    outputs: specs(session.outputNames, session.outputMetadata) };
+  const inputs = specs(session.inputNames, session.inputMetadata);
+  if (inputs.some((spec) => spec.shape !== null && spec.shape.length === 0)) {
+    // onnxruntime reports an input declared without a shape as [], a scalar's: the file tells
+    const shapeless = inputsWithoutShape(bytes);
+    for (const spec of inputs) if (shapeless.has(spec.name)) spec.shape = null;
+  }
+  return { session, bytes, metadata, inputs, outputs: specs(session.outputNames, session.outputMetadata) };
 }
 
 /**

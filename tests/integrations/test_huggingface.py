@@ -11,7 +11,9 @@ groups, a warmup + linear learning-rate schedule, and logs the loss every step.
 
 from __future__ import annotations
 
+import functools
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -27,7 +29,7 @@ onnxruntime = pytest.importorskip("onnxruntime")
 from onnxtrain.integrations.huggingface import (ORTOptimizerNames, ORTTrainer, ORTTrainerError,  # noqa: E402
                                                 ORTTrainingArguments)
 from onnxtrain.logs import LogLevel  # noqa: E402
-from onnxtrain.torch import DebugOptions  # noqa: E402
+from onnxtrain.torch import DebugOptions, ForwardHookWarning  # noqa: E402
 from onnxtrain.torch.optim import AdamWMode, FusedAdam  # noqa: E402
 
 STEPS, BATCH, ACCUMULATION, MAX_LENGTH = 4, 4, 2, 16
@@ -344,3 +346,59 @@ def test_label_smoothing_shifts_a_causal_lms_labels_as_trainer_does(tmp_path):
         trainer.train()
         losses[name] = _losses(trainer)
     _assert_losses_close(losses["ort"], losses["ref"], "label-smoothed causal LM losses")
+
+
+def _tiny_bert(dropout: float):
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32, hidden_dropout_prob=dropout,
+                                     attention_probs_dropout_prob=dropout)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _tiny_data(count=16, length=8):
+    generator = torch.Generator().manual_seed(0)
+    return [{"input_ids": ids, "attention_mask": torch.ones(length, dtype=torch.long), "labels": i % 2}
+            for i, ids in enumerate(torch.randint(1, 50, (count, length), generator=generator))]
+
+
+def test_each_model_init_run_draws_the_same_dropout_masks(tmp_path):
+    # Trainer seeds torch before every model_init (a second train(), each hyperparameter trial):
+    # ONNX Runtime's dropout generator starts over with it
+    args = _args(ORTTrainingArguments, tmp_path, gradient_accumulation_steps=1, max_steps=3, save_strategy="no")
+    trainer = ORTTrainer(model_init=lambda: _tiny_bert(0.2), args=args, train_dataset=_tiny_data(),
+                         debug_options=DebugOptions(fallback=False))
+    trainer.train()
+    first = _losses(trainer)
+    trainer.train()
+    assert _losses(trainer)[-len(first):] == first
+
+
+def test_neftune_noise_runs_in_onnxruntime(tmp_path):
+    """Trainer's NEFTune hook draws with tensor bounds, which the export cannot take: ORTTrainer
+    adds the same noise (uniform, alpha / sqrt(length * hidden)) with ops it can."""
+    losses = {}
+    for alpha in (None, 50.0):
+        args = _args(ORTTrainingArguments, tmp_path / str(alpha), gradient_accumulation_steps=1, max_steps=2,
+                     save_strategy="no", neftune_noise_alpha=alpha)
+        trainer = ORTTrainer(model=_tiny_bert(0.0), args=args, train_dataset=_tiny_data(),
+                             debug_options=DebugOptions(fallback=False))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ForwardHookWarning)  # the noise hook is the graph's own
+            trainer.train()
+        losses[alpha] = _losses(trainer)
+        embeddings = trainer.model.get_input_embeddings()
+        assert not embeddings._forward_hooks and trainer.neftune_noise_alpha == alpha  # as Trainer leaves it
+    assert losses[50.0][0] != losses[None][0]
+    # the noise itself: the embeddings' output moves by at most alpha / sqrt(length * hidden)
+    from onnxtrain.integrations.huggingface import _neftune_noise
+    from onnxtrain.torch import ORTModule
+
+    embedding = torch.nn.Embedding(50, 16)
+    embedding.register_forward_hook(functools.partial(_neftune_noise, 50.0))
+    ids = torch.randint(0, 50, (4, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ForwardHookWarning)  # this hook is not marked pure
+        noisy = ORTModule(embedding, DebugOptions(fallback=False))(ids) - embedding.weight[ids]
+    bound = 50.0 / (8 * 16) ** 0.5
+    assert noisy.abs().max() <= bound * (1 + 1e-6) and noisy.std() > bound / 3

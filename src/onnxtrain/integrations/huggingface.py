@@ -15,6 +15,7 @@ Importing this module imports transformers (and needs accelerate, as ``Trainer``
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from onnxtrain.errors import OnnxTrainError
 from onnxtrain.integrations.onnx_inference import export_inference_onnx
 from onnxtrain.logs import LogLevel
 from onnxtrain.torch import DebugOptions, ORTModule
+from onnxtrain.torch._export import PURE_HOOK_ATTRIBUTE
 from onnxtrain.torch.optim import AdamWMode, FusedAdam
 
 __all__ = ["ORTOptimizerNames", "ORTTrainer", "ORTTrainerError", "ORTTrainingArguments"]
@@ -99,6 +101,24 @@ class ORTTrainingArguments(transformers.TrainingArguments):
 ORT_SEED_OFFSET = 1
 
 
+def _neftune_embeddings(model: torch.nn.Module) -> torch.nn.Module:
+    """The input embeddings NEFTune adds noise to (a PEFT model's base model's)."""
+    base = getattr(getattr(model, "base_model", None), "model", None)
+    if base is not None and hasattr(model, "peft_config"):
+        model = base
+    return model.get_input_embeddings()
+
+
+def _neftune_noise(alpha: float, module, inputs, output):
+    """NEFTune's forward hook (transformers.integrations.neftune): uniform noise in
+    ``[-m, m]``, ``m = alpha / sqrt(length * hidden)``, drawn as ``(2 rand - 1) m`` (no bounds
+    read back from tensors, which an export cannot do)."""
+    if module.training:
+        magnitude = alpha / (output.size(1) * output.size(2)) ** 0.5
+        output = output + (torch.rand_like(output) * 2 - 1) * magnitude
+    return output
+
+
 class ORTTrainer(transformers.Trainer):
     """``transformers.Trainer`` whose model runs forward and backward in ONNX Runtime.
 
@@ -148,6 +168,28 @@ class ORTTrainer(transformers.Trainer):
         # with the next integer, and its CPU engine (minstd) treats seeds 0 and 1 alike: from
         # seed 0 the first two runs would draw the same masks. Starting one higher avoids that.
         onnxruntime.set_seed(int(self.args.seed) + ORT_SEED_OFFSET)
+
+    def call_model_init(self, trial=None):
+        # Trainer seeds torch with args.seed before each model_init (a second train(), each
+        # hyperparameter trial): ONNX Runtime's generator starts over with it, as torch's does
+        onnxruntime.set_seed(int(self.args.seed) + ORT_SEED_OFFSET)
+        return super().call_model_init(trial)
+
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; NEFTune (``neftune_noise_alpha``) adds its noise with ops the export
+        takes (Trainer's own hook draws with tensor bounds, which it cannot)."""
+        alpha = self.neftune_noise_alpha
+        if alpha is None:
+            return super().train(*args, **kwargs)
+        hook = functools.partial(_neftune_noise, float(alpha))
+        setattr(hook, PURE_HOOK_ATTRIBUTE, True)  # its noise is the graph's: no ForwardHookWarning
+        handle = _neftune_embeddings(self.accelerator.unwrap_model(self.model)).register_forward_hook(hook)
+        self.neftune_noise_alpha = None  # Trainer's own hook stays off
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.neftune_noise_alpha = alpha
+            handle.remove()
 
     @property
     def ort_module(self) -> ORTModule | None:

@@ -608,12 +608,22 @@ class ForwardHookWarning(UserWarning):
     """A module ORTModule exports has forward hooks: they run once, while it is traced."""
 
 
+# a forward hook with this attribute set computes only what the graph holds (no side effects):
+# ORTModule traces it without a ForwardHookWarning (ORTTrainer's NEFTune noise)
+PURE_HOOK_ATTRIBUTE = "_onnxtrain_pure_hook"
+
+
 def _hooked(module: torch.nn.Module, kind: str) -> str:
     """Where ``kind`` ("forward" or "backward") hooks are registered: on ``module``, its
-    submodules (by name, the first 8) or globally; "" where none is."""
+    submodules (by name, the first 8) or globally; "" where none is. Hooks marked with
+    ``PURE_HOOK_ATTRIBUTE`` are left out."""
     from torch.nn.modules import module as module_globals
+
+    def impure(hooks) -> bool:
+        return any(not getattr(hook, PURE_HOOK_ATTRIBUTE, False) for hook in hooks.values())
+
     hooked = [name or "the module itself" for name, sub in module.named_modules()
-              if getattr(sub, f"_{kind}_hooks") or getattr(sub, f"_{kind}_pre_hooks")]
+              if impure(getattr(sub, f"_{kind}_hooks")) or impure(getattr(sub, f"_{kind}_pre_hooks"))]
     if getattr(module_globals, f"_global_{kind}_hooks", None) or getattr(module_globals, f"_global_{kind}_pre_hooks",
                                                                          None):
         hooked.append(f"every module (a global {kind} hook)")

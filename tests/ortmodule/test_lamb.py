@@ -112,6 +112,25 @@ def test_lamb_tracks_the_reference_over_50_float32_steps(kwargs):
     assert [g["step"] for g in optimizer.param_groups] == [STEPS, STEPS]
 
 
+def test_a_step_without_gradients_counts_as_apex_counts_it():
+    # apex's FusedLAMB advances every group's step on every call: the bias correction of the
+    # later steps (and a ZeRO rank whose parameters got no gradient) depends on it
+    params = _params()
+    optimizer = LAMB(_groups(params), max_grad_norm=None)
+    ref_groups = [([0, 1], 0.01, 0.05, float("-inf"), float("inf")), ([2, 3], 0.004, 0.2, float("-inf"), float("inf"))]
+    reference = ReferenceLAMB(params, ref_groups, max_grad_norm=None)
+    optimizer.step()  # no parameter has a gradient yet
+    reference.t += 1
+    for t in range(1, 4):
+        grads = _grads(t, params)
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        optimizer.step()
+        reference.step(grads)
+    assert [g["step"] for g in optimizer.param_groups] == [4, 4]
+    _assert_tracks(params, reference.params)
+
+
 def test_trust_ratio_bounds_and_groups_without_decay():
     # second group: no decay, ratio clamped to [0.5, 2]; use_nvlamb=False: that group is plain Adam
     second = {"weight_decay": 0.0, "ratio_min": 0.5, "ratio_max": 2.0}

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onnxtrain.errors import OnnxTrainError  # noqa: E402
-from onnxtrain.torch.optim import AdamWMode, FusedAdam, OptimizerConfigError  # noqa: E402
+from onnxtrain.torch.optim import LAMB, AdamWMode, FusedAdam, OptimizerConfigError  # noqa: E402
 
 STEPS = 6
 
@@ -177,6 +177,12 @@ def test_zero_grad_follows_set_grad_none():
         p.grad = torch.ones_like(p)
     FusedAdam(params, set_grad_none=False).zero_grad(set_to_none=False)
     assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)
+    # the call's default too (torch.optim's is set_to_none=True): upstream zero-filled
+    for optimizer_class in (FusedAdam, LAMB):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        optimizer_class(params, set_grad_none=False).zero_grad()
+        assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in params)
 
 
 def _save_load(obj):

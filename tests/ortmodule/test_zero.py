@@ -319,3 +319,21 @@ def test_shard_write_is_atomic_and_shapes_are_checked(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"parameter 0: saved \[2, 3\], now \[3, 2\]"):
         ZeroOptimizer(other.parameters(), FusedAdam).load_state_dict(torch.load(path, weights_only=True))
     shutil.rmtree(tmp_path)
+
+
+def test_a_shard_of_fused_adam_with_an_adamw_mode_enum_consolidates(tmp_path):
+    # the documented form, adam_w_mode=AdamWMode.ADAMW_TORCH, lands in every parameter group:
+    # shards hold plain values (a weights-only load reads them)
+    from onnxtrain.torch.optim import AdamWMode
+
+    p = torch.nn.Parameter(torch.randn(4))
+    optimizer = ZeroOptimizer([p], optimizer_class=FusedAdam, lr=1e-3, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    p.grad = torch.randn(4)
+    optimizer.step()
+    optimizer.save_shard(tmp_path)
+    full = consolidate_state_dict(tmp_path)
+    assert full["param_groups"][0]["adam_w_mode"] == AdamWMode.ADAMW_TORCH
+    resumed = FusedAdam([torch.nn.Parameter(p.detach().clone())], adam_w_mode=AdamWMode.ADAMW_TORCH)
+    resumed.load_state_dict(full)
+    assert torch.equal(resumed.state[resumed.param_groups[0]["params"][0]]["exp_avg"],
+                       optimizer.state_dict()["state"][0]["exp_avg"])

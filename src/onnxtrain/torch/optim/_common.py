@@ -63,9 +63,11 @@ def adam_moments(state: dict, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class GradNoneOnZero:
-    """``zero_grad()`` follows the optimizer's ``set_grad_none`` (upstream's argument)."""
+    """``zero_grad()`` follows the optimizer's ``set_grad_none`` (upstream's argument): gradients
+    become ``None`` whatever the call asks, or, with ``set_grad_none=False``, zeros unless the
+    call passes ``set_to_none=True``."""
 
     set_grad_none: bool
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=self.set_grad_none or set_to_none)
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        super().zero_grad(set_to_none=self.set_grad_none or bool(set_to_none))

@@ -89,11 +89,12 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
         loss = evaluate_closure(closure)
         self._check_groups()  # before any update: a refused step leaves every parameter as it was
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        for group in self.param_groups:  # every group counts every step, with gradients or not (apex)
+            group["step"] = group.get("step", 0) + 1
         if not grads:
             return loss
         clip = self._clip_divisors(grads)
         for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
             with_grad = [p for p in group["params"] if p.grad is not None]
             for (device, _), params in by_device_and_dtype(with_grad).items():
                 for p in params:

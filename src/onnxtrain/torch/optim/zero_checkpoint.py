@@ -11,6 +11,7 @@ and read back with ``torch.load(weights_only=True)`` (tensors and plain values o
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 from collections.abc import Iterable, Sequence
@@ -33,7 +34,12 @@ def shard_path(folder: str | os.PathLike, rank: int, world_size: int) -> Path:
 
 
 def save_shard(shard: dict, path: str | os.PathLike) -> None:
-    """Write one shard atomically (temporary file, fsync, rename)."""
+    """Write one shard atomically (temporary file, fsync, rename). Enum hyperparameters (FusedAdam's
+    ``adam_w_mode=AdamWMode...``) are written as their integers: a weights-only load reads plain
+    values only."""
+    groups = [{key: int(value) if isinstance(value, enum.IntEnum) else value for key, value in group.items()}
+              for group in shard.get("param_groups", [])]
+    shard = {**shard, "param_groups": groups} if "param_groups" in shard else shard
     _atomic_write(Path(path), lambda f: torch.save(shard, f))
 
 

@@ -71,6 +71,10 @@ CASES = {
                         y, t, weight=torch.linspace(0.5, 1.5, OUT), pos_weight=torch.tensor([1.0, 2.0, 0.5, 3.0]))),
     "bce-sum-large-logits": (lambda: onnxblock.loss.BCEWithLogitsLoss(reduction="sum"), "binary",
                              lambda y, t: F.binary_cross_entropy_with_logits(y, t, reduction="sum")),
+    # a zero-initialized head: every logit exactly 0, where max(-x, 0) has its kink
+    "bce-zero-logits": (lambda: onnxblock.loss.BCEWithLogitsLoss(pos_weight=np.array([1.0, 2.0, 0.5, 3.0])),
+                        "binary", lambda y, t: F.binary_cross_entropy_with_logits(
+                            y, t, pos_weight=torch.tensor([1.0, 2.0, 0.5, 3.0]))),
     "ce-mean": (lambda: onnxblock.loss.CrossEntropyLoss(), "class", lambda y, t: F.cross_entropy(y, t)),
     "ce-weight-ignore": (lambda: onnxblock.loss.CrossEntropyLoss(weight=np.array([1.0, 2.0, 0.5, 1.5]),
                                                                  ignore_index=2),
@@ -90,6 +94,8 @@ def test_loss_block_matches_torch(case):
     if case == "bce-sum-large-logits":  # scale inside the model so logits reach +-40 and more
         w = w * 40
         b = b * 40
+    if case == "bce-zero-logits":
+        w, b = np.zeros_like(w), np.zeros_like(b)
     if kind == "float":
         target = rng.standard_normal((N, OUT)).astype(np.float32)
         torch_target = torch.tensor(target)

@@ -66,8 +66,9 @@ class BCEWithLogitsLoss(_ElementwiseLoss):
 
     ``weight`` rescales each element's loss; ``pos_weight`` weights the positive term.
     Computed in the overflow-free form
-    ``(1 - t) x + (1 + (pos_weight - 1) t) (log(1 + exp(-|x|)) + max(-x, 0))``
-    (upstream's ``log(sigmoid(x))`` form overflows to inf for large |x|).
+    ``(1 - t) x + (1 + (pos_weight - 1) t) (m + log(exp(-m) + exp(-x - m)))``, ``m = max(-x, 0)``
+    (upstream's ``log(sigmoid(x))`` form overflows to inf for large |x|), whose gradient is
+    exact at ``x = 0`` too.
     """
 
     def __init__(self, weight=None, reduction: str = "mean", pos_weight=None):
@@ -81,7 +82,12 @@ class BCEWithLogitsLoss(_ElementwiseLoss):
         t = self._target(x, target_name)
         np_dtype = x.dtype.numpy()
         one = b.like(x, 1.0)
-        softplus_neg_x = op.Add(op.Log(op.Add(one, op.Exp(op.Neg(op.Abs(x))))), op.Relu(op.Neg(x)))
+        # log(1 + exp(-x)) as m + log(exp(-m) + exp(-x - m)), m = max(-x, 0): no exponent above 0,
+        # and the derivative in m is 1 - 1 = 0, so the kink of max at x = 0 leaves the gradient
+        # -sigmoid(-x) exact there (log(1 + exp(-|x|)) + max(-x, 0) had 0 at x = 0)
+        neg_x = op.Neg(x)
+        m = op.Relu(neg_x)
+        softplus_neg_x = op.Add(m, op.Log(op.Add(op.Exp(op.Neg(m)), op.Exp(op.Sub(neg_x, m)))))
         log_weight = one
         if self._pos_weight is not None:
             pos_weight = b.const(self._pos_weight.astype(np_dtype))

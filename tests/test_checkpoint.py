@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 import textwrap
@@ -195,7 +196,7 @@ def test_interrupted_write_keeps_the_old_checkpoint(tmp_path, monkeypatch):
         raise OSError("simulated crash mid-write")
 
     monkeypatch.setattr(ckpt, "_write_chunks", broken_write)
-    with pytest.raises(OSError, match="simulated crash"):
+    with pytest.raises(CheckpointError, match="simulated crash"):
         write_checkpoint(path, {"w": np.zeros(1000, np.float32)}, {"w"}, properties={"version": "new"})
     assert path.read_bytes() == before
     data = read_checkpoint(path)
@@ -236,6 +237,28 @@ def test_write_replaces_atomically_and_creates_folders(tmp_path, monkeypatch):
     assert len(calls) == 1 and os.path.dirname(calls[0][0]) == str(path.parent) and calls[0][1] == path
     assert synced  # the data was fsynced before the rename
     np.testing.assert_array_equal(read_checkpoint(path).parameters["w"].value, np.zeros(3))
+
+
+def test_write_keeps_file_modes_and_names_a_failed_sync(tmp_path, monkeypatch):
+    # a new checkpoint gets open()'s mode (0666 less the umask), not a temporary file's 0600;
+    # one written over keeps its own; a failing fsync is a CheckpointError, the old file intact
+    path = tmp_path / "checkpoint"
+    umask = os.umask(0o022)
+    os.umask(umask)
+    write_checkpoint(path, {"w": np.ones(3, np.float32)}, set())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    os.chmod(path, 0o640)
+    write_checkpoint(path, {"w": np.zeros(3, np.float32)}, set())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(ckpt.os, "fsync", failing_fsync)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint.*Input/output error"):
+        write_checkpoint(path, {"w": np.full(3, 7, np.float32)}, set())
+    np.testing.assert_array_equal(read_checkpoint(path).parameters["w"].value, np.zeros(3))
+    assert os.listdir(tmp_path) == ["checkpoint"]
 
 
 def test_large_tensor_is_written_in_chunks(tmp_path, monkeypatch):

@@ -39,8 +39,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import stat
 import struct
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,7 +225,10 @@ def _atomic_write(path: Path, write) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+        # created as open() creates files (mode 0666 less the umask), not mkstemp's 0600; a file
+        # written over keeps its mode
+        tmp = folder / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     except OSError as exc:
         raise CheckpointError(f"cannot write checkpoint {str(path)!r}: {exc}") from exc
     try:
@@ -232,12 +236,16 @@ def _atomic_write(path: Path, write) -> None:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError):  # a full disk, a failed fsync: the old checkpoint is intact
+            raise CheckpointError(f"cannot write checkpoint {str(path)!r}: {exc}") from exc
         raise
     _fsync_dir(folder)
 

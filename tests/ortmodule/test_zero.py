@@ -310,7 +310,7 @@ def test_shard_write_is_atomic_and_shapes_are_checked(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", failing_save)
     optimizer.step()
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(CheckpointError, match="disk full"):
         optimizer.save_shard(tmp_path)
     monkeypatch.undo()
     assert path.read_bytes() == saved and [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp left

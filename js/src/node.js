@@ -7,7 +7,7 @@
  * @module
  */
 
-import { open, readFile, rename, unlink } from 'node:fs/promises';
+import { chmod, open, readFile, rename, stat, unlink } from 'node:fs/promises';
 import { basename, dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import * as ort from 'onnxruntime-node';
@@ -58,6 +58,9 @@ async function writeBytes(target, bytes, what) {
     await handle.sync();
     await handle.close();
     handle = undefined;
+    // a file written over keeps its mode (a new one gets 0666 less the umask, as open() gives)
+    const existing = await stat(path).catch(() => undefined);
+    if (existing) await chmod(temporary, existing.mode & 0o7777);
     await rename(temporary, path);
   } catch (error) {
     await handle?.close().catch(() => {});

@@ -160,3 +160,17 @@ test('LinearLRScheduler warms up linearly, then decays linearly to 0 (same value
   assert.deepEqual(seen, [0, 0.05, 0.1, 0.075, 0.05, 0.025, 0]);
   assert.throws(() => new LinearLRScheduler(optimizer, -1, 6, 0.1), /warmupStepCount must be an integer >= 0/);
 });
+
+test('saving writes a new file with the umask applied and keeps the mode of a file it replaces', async () => {
+  const { chmodSync, mkdtempSync, statSync } = await import('node:fs');
+  const { tmpdir } = await import('node:os');
+  const { join } = await import('node:path');
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  const target = join(mkdtempSync(join(tmpdir(), 'onnxtrain-mode-')), 'checkpoint');
+  await CheckpointState.save(state, target);
+  const umask = process.umask();
+  assert.equal(statSync(target).mode & 0o777, 0o666 & ~umask);
+  chmodSync(target, 0o640);
+  await CheckpointState.save(state, target);
+  assert.equal(statSync(target).mode & 0o777, 0o640);
+});

@@ -55,6 +55,12 @@ class GradientCheckError(OnnxTrainError, AssertionError):
     """Analytic and numerical gradients disagree (raised by ``check_gradients``)."""
 
 
+class RunError(OnnxTrainError, RuntimeError):
+    """onnxruntime failed a run of a model onnxtrain made (a training step, an ORTModule call):
+    an input value it cannot take, such as an index out of range; the message says which
+    inputs to check. State is left as it was before the run."""
+
+
 class ExportError(OnnxTrainError):
     """PyTorch's ONNX exporter could not export a module (ORTModule); the message says why."""
 

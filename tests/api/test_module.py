@@ -290,3 +290,32 @@ def test_default_cpu_sessions_run_without_memory_pattern(artifacts):
     module = Module(artifacts.training, CheckpointState.load_checkpoint(artifacts.checkpoint), artifacts.eval,
                     session_options=given)
     assert module._train_session.get_session_options().enable_mem_pattern
+
+
+def test_a_negative_class_label_fails_the_step_and_names_the_labels(tmp_path):
+    # onnxruntime reads a negative class index from the end: a -1 silently trained as the last class
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxtrain import artifacts as onnxtrain_artifacts
+    from onnxtrain.errors import RunError
+
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["scores"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 3])],
+                              [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnxtrain_artifacts.generate_artifacts(model, requires_grad=["w"], loss=onnxtrain_artifacts.LossType.CrossEntropyLoss,
+                                           artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    x = rng.standard_normal((4, 4)).astype(np.float32)
+    module(x, np.array([0, 2, 2, 1]))
+    before = state.parameters["w"].grad
+    for labels in ([0, -1, 2, 1], [0, 3, 2, 1]):
+        with pytest.raises(RunError, match=r"index was out of range: check the integer inputs \['labels'\]"):
+            module(x, np.array(labels))
+        np.testing.assert_array_equal(state.parameters["w"].grad, before)
+    module.eval()
+    with pytest.raises(RunError, match="eval step"):
+        module(x, np.array([0, -1, 2, 1]))

@@ -87,3 +87,36 @@ def test_every_target_ignored_gives_pytorchs_nan_loss_and_zero_gradients(smoothi
     for ours, theirs in zip(wrapped.parameters(), eager.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad)
         assert not ours.grad.any()
+
+
+class _EmbedAndClassify(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.Embedding(5, 3)
+        self.linear = torch.nn.Linear(3, 4)
+
+    def forward(self, ids, labels):
+        return torch.nn.functional.cross_entropy(self.linear(self.embedding(ids)).flatten(0, 1), labels.flatten())
+
+
+@pytest.mark.parametrize("ids, labels, what", [
+    ([[0, 1, -1]], [[1, 2, 3]], "a negative token id"),
+    ([[0, 1, 2]], [[1, 2, -1]], "a negative class label"),
+    ([[0, 1, 7]], [[1, 2, 3]], "a token id past the vocabulary"),
+])
+def test_negative_indices_fail_as_in_pytorch(ids, labels, what):
+    # ONNX's Gather reads a negative index from the end: a -1 silently took the last row or class
+    from onnxtrain.errors import RunError
+    from onnxtrain.torch import ORTModule
+
+    torch.manual_seed(0)
+    module = _EmbedAndClassify()
+    model = ORTModule(module, DebugOptions(fallback=False))
+    good_ids, good_labels = torch.tensor([[0, 1, 2]]), torch.tensor([[1, -100, 3]])  # -100: ignore_index
+    torch.testing.assert_close(model(good_ids, good_labels), module(good_ids, good_labels))
+    with pytest.raises(IndexError):
+        module(torch.tensor(ids), torch.tensor(labels))
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(RunError, match=r"index was out of range: check the integer inputs.*tensor 0 of the call"):
+        model(torch.tensor(ids), torch.tensor(labels)).backward()
+    assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before)), what

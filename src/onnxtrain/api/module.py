@@ -25,7 +25,7 @@ from onnxtrain.runtime.denormals import ask_for_flushing, denormals_flushed, run
 from onnxtrain.runtime.device import parse_device, providers_for
 from onnxtrain.runtime.inputs import gather_inputs, to_ortvalues
 from onnxtrain.runtime.session import (IOSpec, create_session, input_specs, is_ort_format, output_specs,
-                                       quiet_session_options)
+                                       quiet_session_options, run_failure)
 from onnxtrain.runtime.values import from_numpy
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
@@ -244,8 +244,13 @@ class Module:
             binding.bind_ortvalue_input(spec.name, value)
         for name in [*sig.user_outputs, *sig.buffer_updates]:  # ORT allocates these per run
             binding.bind_output(name, self._device.type, self._device.id)
-        with denormals_flushed(self._flush_denormals):
-            session.run_with_iobinding(binding)
+        try:
+            with denormals_flushed(self._flush_denormals):
+                session.run_with_iobinding(binding)
+        except Exception as exc:  # onnxruntime raises several pybind types
+            what = "training step" if training else "eval step"
+            raise run_failure(exc, what, [s.name for s in sig.user_inputs
+                                          if s.dtype is not None and np.issubdtype(s.dtype, np.integer)]) from exc
         outputs = binding.get_outputs()
         for value, param in zip(outputs[len(sig.user_outputs):], sig.buffer_updates.values()):
             # running statistics are small: copy into the parameter's buffer, which stays bound

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from onnxtrain.errors import ModelError
+from onnxtrain.errors import ModelError, RunError
 from onnxtrain.runtime.denormals import creating_thread_kept
 
 # onnxruntime type strings -> numpy dtypes (bfloat16 has no numpy dtype and is left out).
@@ -70,6 +70,21 @@ def list_for_default_order(graph: onnx.GraphProto) -> None:
     nodes = list(graph.node)
     del graph.node[:]
     graph.node.extend(reversed(nodes))
+
+
+# what onnxruntime's Gather, GatherElements, ScatterElements and friends say about an index
+_INDEX_OUT_OF_RANGE = ("out of range", "out of data bounds", "out of bounds")
+
+
+def run_failure(exc: Exception, what: str, integer_inputs: list[str]) -> RunError:
+    """The :class:`RunError` for onnxruntime's failure ``exc`` of a run of ``what``; an index
+    out of range names the integer inputs it may have come from."""
+    message = f"{what}: onnxruntime failed the run: {exc}"
+    if integer_inputs and any(words in str(exc).lower() for words in _INDEX_OUT_OF_RANGE):
+        message += (f"\nAn index was out of range: check the integer inputs {integer_inputs} (class labels lie in "
+                    f"[0, classes) or equal the loss's ignore_index, token ids in [0, vocabulary); negative ones "
+                    f"are out of range too)")
+    return RunError(message)
 
 
 def quiet_session_options() -> ort.SessionOptions:

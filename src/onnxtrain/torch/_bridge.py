@@ -9,6 +9,7 @@ backward session.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from onnxtrain.passes.partition import FROM_FORWARD_OUTPUT, FROM_INPUT, FROM_OUT
 from onnxtrain.runtime import fusions
 from onnxtrain.runtime.denormals import denormals_flushed, runs_flush_denormals
 from onnxtrain.runtime.device import Device, providers_for
-from onnxtrain.runtime.session import create_session, list_for_default_order
+from onnxtrain.runtime.session import create_session, list_for_default_order, run_failure
 from onnxtrain.torch._openmp import release_torch_openmp_threads
 
 
@@ -154,8 +155,16 @@ class SessionRunner:
             # for short runs restarting them afterwards costs more than it saves
             release_torch_openmp_threads()
         started = time.perf_counter()
-        with denormals_flushed(self._flush_denormals):
-            self.session.run_with_iobinding(binding, self.run_options)
+        try:
+            with denormals_flushed(self._flush_denormals):
+                self.session.run_with_iobinding(binding, self.run_options)
+        except Exception as exc:  # onnxruntime raises several pybind types
+            # the graph names the call's tensors tensors_0, tensors_1, ... (their order in the call)
+            integer = [re.sub(r"^tensors_(\d+)$", r"tensor \1 of the call", name) +
+                       f" ({str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)})"
+                       for name, tensor in zip(self.input_names, inputs)
+                       if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)]
+            raise run_failure(exc, "ORTModule", integer) from exc
         self._last_run_s = time.perf_counter() - started
         if self.device.type != "cpu":
             binding.synchronize_outputs()

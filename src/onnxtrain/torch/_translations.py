@@ -119,10 +119,23 @@ def batch_norm_for_artifacts(input, weight, bias, running_mean, running_var,
     return out, save_mean, save_rstd, new_mean, new_var
 
 
+def _negative_out_of_range(indices, size, allowed: int | None = None):
+    """``indices`` with each negative one (but ``allowed``) moved past ``size``: ONNX's Gather
+    and GatherElements read a negative index from the end, where PyTorch's embedding and
+    cross entropy raise, so a -1 would silently pick the last row or class; moved out of range,
+    it makes onnxruntime fail the run instead (``size - i``, past the last valid index)."""
+    invalid = op.Less(indices, op.CastLike(op.Constant(value_int=0), indices))
+    if allowed is not None and allowed < 0:
+        invalid = op.And(invalid, op.Not(op.Equal(indices, op.CastLike(op.Constant(value_int=allowed), indices))))
+    return op.Where(invalid, op.Sub(op.CastLike(size, indices), indices), indices)
+
+
 def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False, sparse: bool = False):
     """``aten.embedding``: Gather rows of ``weight``; the padding row gets no gradient. With
     ``scale_grad_by_freq``, each row's gradient is divided by how often the batch uses it (a
-    gradient-only factor on each gathered row: the values are the rows themselves)."""
+    gradient-only factor on each gathered row: the values are the rows themselves). A negative
+    index fails the run, as PyTorch's raises (ONNX's Gather would read it from the end)."""
+    indices = _negative_out_of_range(indices, op.Squeeze(op.Shape(weight, start=0, end=1)))
     out = op.Gather(weight, indices, axis=0)
     if padding_idx is not None and padding_idx >= 0:
         out.producer().metadata_props[names.PADDING_IDX_METADATA] = str(int(padding_idx))
@@ -546,6 +559,10 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     ``target`` shaped like ``input``): :func:`_soft_cross_entropy`."""
     if target.dtype is not None and target.dtype.is_floating_point():
         return _soft_cross_entropy(input, target, weight, reduction, label_smoothing)
+    # a negative target but ignore_index fails the run, as PyTorch's raises
+    classes_axis = 1 if len(input.shape) >= 2 else 0
+    target = _negative_out_of_range(target, op.Squeeze(op.Shape(input, start=classes_axis, end=classes_axis + 1)),
+                                    ignore_index)
     nll, _ = op.SoftmaxCrossEntropyLoss(input, target, weight, reduction=_REDUCTIONS[reduction],
                                         ignore_index=ignore_index)
     if not label_smoothing:

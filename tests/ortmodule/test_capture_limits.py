@@ -314,3 +314,23 @@ def test_clamp_with_tensor_bounds_and_integers():
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
         assert_steps_match(eager, wrapped, torch.randn(5, 4) * 2)
+
+
+class _BranchesOnADraw(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if torch.rand(1) > 0.5:  # a Python branch on a tensor's value: not capturable
+            return self.linear(x)
+        return 2 * self.linear(x)
+
+
+def test_a_data_dependent_branch_is_located_in_the_reason():
+    # torch names the line that branched; the fallback reason keeps it (PEFT's LoHa, VBLoRA, ...)
+    from onnxtrain.errors import ExportError
+    from onnxtrain.torch import DebugOptions
+
+    with pytest.raises(ExportError, match=r"at .*test_capture_limits\.py:\d+: if torch\.rand\(1\) > 0\.5:"):
+        ORTModule(_BranchesOnADraw(), DebugOptions(fallback=False))(torch.randn(2, 4))

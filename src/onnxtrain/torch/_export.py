@@ -555,6 +555,9 @@ def export_failure(what: str, exc: Exception) -> ExportError:
     constraints = _constraint_details(text)
     if constraints:
         details.append(constraints)
+    where = _raising_call(text)
+    if where is not None:
+        details.append(where)
     summary = _exporter_summary(text)
     if summary is not None:
         details.append(summary)
@@ -563,6 +566,20 @@ def export_failure(what: str, exc: Exception) -> ExportError:
         details.append(str(refusal))
     detail = "".join(f" ({d})" for d in details)
     return ExportError(f"{what}: {type(exc).__name__}: {first_line}{detail}")
+
+
+def _raising_call(text: str) -> str | None:
+    """Where in the user's code the capture failed, as torch reports it after "The following call
+    raised this error:" (a Python branch on a tensor's value, ...): "at <file>:<line> (<code>)"."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "The following call raised this error" in line), None)
+    if start is None:
+        return None
+    frame = re.search(r'File "([^"]+)", line (\d+)', " ".join(lines[start + 1:start + 2]))
+    if frame is None:
+        return None
+    code = lines[start + 2].strip() if start + 2 < len(lines) else ""
+    return f"at {frame.group(1)}:{frame.group(2)}" + (f": {code}" if code else "")
 
 
 def _constraint_details(text: str, most: int = 4) -> str | None:

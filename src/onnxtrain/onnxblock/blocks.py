@@ -230,6 +230,7 @@ class Linear(Block):
     ``<name>.weight`` and ``<name>.bias`` (``name`` made unique in the model).
 
     Example:
+        >>> from onnxtrain import onnxblock
         >>> class Head(onnxblock.TrainingBlock):
         ...     def __init__(self):
         ...         super().__init__()

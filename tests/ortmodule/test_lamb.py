@@ -89,13 +89,18 @@ def _run(kwargs, ref_kwargs=None, second=None, grad_scale=1.0, zero_last=False, 
     ref_groups = [([0, 1], 0.01, 0.05, float("-inf"), float("inf")),
                   ([2, 3], 0.004, g2["weight_decay"], g2["ratio_min"], g2["ratio_max"])]
     reference = ReferenceLAMB(params, ref_groups, **(ref_kwargs if ref_kwargs is not None else kwargs))
-    for t in range(1, steps + 1):
+    _step_both(optimizer, reference, params, range(1, steps + 1), grad_scale)
+    return params, reference, optimizer
+
+
+def _step_both(optimizer, reference, params, steps, grad_scale=1.0):
+    """Step ``optimizer`` and ``reference`` with the same gradients for each step in ``steps``."""
+    for t in steps:
         grads = _grads(t, params, grad_scale)
         for p, g in zip(params, grads):
             p.grad = g.clone()
         optimizer.step()
         reference.step(grads)
-    return params, reference, optimizer
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -121,12 +126,7 @@ def test_a_step_without_gradients_counts_as_apex_counts_it():
     reference = ReferenceLAMB(params, ref_groups, max_grad_norm=None)
     optimizer.step()  # no parameter has a gradient yet
     reference.t += 1
-    for t in range(1, 4):
-        grads = _grads(t, params)
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        optimizer.step()
-        reference.step(grads)
+    _step_both(optimizer, reference, params, range(1, 4))
     assert [g["step"] for g in optimizer.param_groups] == [4, 4]
     _assert_tracks(params, reference.params)
 
@@ -256,12 +256,7 @@ def test_float64_parameters_track_the_reference(max_grad_norm):
     optimizer = LAMB(params, lr=0.01, weight_decay=0.1, max_grad_norm=max_grad_norm)
     reference = ReferenceLAMB(params, [([0, 1, 2, 3], 0.01, 0.1, float("-inf"), float("inf"))],
                               max_grad_norm=max_grad_norm)
-    for t in range(1, 11):
-        grads = _grads(t, params)
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        optimizer.step()
-        reference.step(grads)
+    _step_both(optimizer, reference, params, range(1, 11))
     _assert_tracks(params, reference.params, rtol=1e-12)
 
 

@@ -95,3 +95,23 @@ test('an input declared without a shape takes any rank (onnxruntime reports it a
     new ort.Tensor('float32', new Float32Array(3), [3]));
   assert.ok(Math.abs(loss.data[0] - 14 / 3) < 1e-6);
 });
+
+test('a class label out of range fails the step with a RunError naming the labels; the state is as before', async () => {
+  const { RunError } = await import('onnxtrain-web/node');
+  const small = JSON.parse(readFileSync(fixturePath('small/data.json'), 'utf8'));
+  const artifact = (file) => fixturePath(`small/plain/${file}`);
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  const module = await Module.create(artifact('training_model.onnx'), state, artifact('eval_model.onnx'));
+  const [, features] = small.x_dims;
+  const x = new ort.Tensor('float32', Float32Array.from(small.x).slice(0, 2 * features), [2, features]);
+  await module.trainStep(x, new ort.Tensor('int32', Int32Array.of(0, 1), [2]));
+  const before = [...state.parameters].map(([name, p]) => [name, Float32Array.from(p.grad ?? [])]);
+  for (const labels of [[0, -1], [0, 99]]) {
+    await assert.rejects(module.trainStep(x, new ort.Tensor('int32', Int32Array.from(labels), [2])), (error) => {
+      assert.ok(error instanceof RunError, `${error?.constructor?.name}: ${error?.message}`);
+      assert.match(error.message, /training step: onnxruntime failed the run[\s\S]*check the integer inputs \[/);
+      return true;
+    });
+    for (const [name, grad] of before) assert.deepEqual(Float32Array.from(state.parameters.get(name).grad ?? []), grad);
+  }
+});

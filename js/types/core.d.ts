@@ -42,6 +42,8 @@ export class CheckpointError extends OnnxTrainError {}
 export class ModelError extends OnnxTrainError {}
 /** A user input or parameter value has the wrong name, dtype or shape. */
 export class InputMismatchError extends OnnxTrainError {}
+/** onnxruntime failed a step's run (an index input out of range, ...); the state is as before. */
+export class RunError extends OnnxTrainError {}
 
 /** A snapshot of one parameter (arrays are copies). */
 export class Parameter {

@@ -21,3 +21,9 @@ export class ModelError extends OnnxTrainError {}
 
 /** A user input or a parameter value has the wrong name, dtype or shape. */
 export class InputMismatchError extends OnnxTrainError {}
+
+/**
+ * onnxruntime failed a run (a training or eval step, an optimizer step): an input value it
+ * cannot take, such as a class label or token id out of range. The state is left as it was.
+ */
+export class RunError extends OnnxTrainError {}

@@ -13,7 +13,7 @@ export { CheckpointState, Parameter, Parameters, Properties, DEFAULT_LEARNING_RA
 export { Module } from './module.js';
 export { Optimizer } from './optimizer.js';
 export { LinearLRScheduler } from './lr_scheduler.js';
-export { OnnxTrainError, CheckpointError, ModelError, InputMismatchError } from './errors.js';
+export { OnnxTrainError, CheckpointError, ModelError, InputMismatchError, RunError } from './errors.js';
 export { readCheckpoint, encodeCheckpoint } from './checkpoint.js';
 export * as names from './names.js';
 

@@ -13,7 +13,7 @@ import * as names from './names.js';
 import { CheckpointState } from './checkpoint_state.js';
 import { buildInferenceModel, TRAINING_METADATA_KEY } from './onnx_proto.js';
 import { platformOf } from './platform.js';
-import { describeSpec, gatherInputs, isStaticDim, jsonMetadata, loadModel } from './session.js';
+import { describeSpec, gatherInputs, isStaticDim, jsonMetadata, loadModel, runSession } from './session.js';
 
 // torch.amp.GradScaler's initial scale, for a loss-scaled training model without metadata
 const DEFAULT_LOSS_SCALE = 2 ** 16;
@@ -216,7 +216,7 @@ export class Module {
       if (sig.lossScaled) {
         feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(Number(state.properties.get(names.LOSS_SCALE))), []);
       }
-      const results = await this._train.session.run(feeds);
+      const results = await runSession(this._train.session, feeds, 'training step', sig.userInputs);
       // only after a successful run do the new gradients and statistics become current
       for (const p of sig.trainable) {
         const slot = state._slot(p);
@@ -243,7 +243,7 @@ export class Module {
     const evaluation = /** @type {any} */ (this._eval);
     const outputs = await this._state._exclusive('an eval step', () => {
       for (const name of sig.params) feeds[name] = this._tensorOf(this._state._slot(name).value, name);
-      return evaluation.session.run(feeds);
+      return runSession(evaluation.session, feeds, 'eval step', sig.userInputs);
     });
     return Object.fromEntries(sig.userOutputs.map((o) => [o, outputs[o]]));
   }

@@ -3,7 +3,7 @@
  * @module
  */
 
-import { InputMismatchError, ModelError } from './errors.js';
+import { InputMismatchError, ModelError, RunError } from './errors.js';
 import { formatShape } from './dtypes.js';
 import { inputsWithoutShape, readModelMetadata } from './onnx_proto.js';
 import { describeSource, readSource } from './platform.js';
@@ -167,4 +167,31 @@ function mismatch(spec, tensor) {
   if (spec.shape.length !== tensor.dims.length) return `rank ${tensor.dims.length} instead of ${spec.shape.length}`;
   const axis = spec.shape.findIndex((d, i) => isStaticDim(d) && d !== tensor.dims[i]);
   return axis < 0 ? null : `dim ${axis} is ${tensor.dims[axis]}, the model fixes it to ${spec.shape[axis]}`;
+}
+
+/** What onnxruntime's Gather, GatherElements and friends say about an index out of range. */
+const INDEX_OUT_OF_RANGE = /out of range|out of data bounds|out of bounds/i;
+const INTEGER_TYPES = new Set(['int8', 'int16', 'int32', 'int64', 'uint8', 'uint16', 'uint32', 'uint64']);
+
+/**
+ * `session.run(feeds)`, a failure raised as a {@link RunError} that names `what` and, for an
+ * index out of range, the integer inputs among `specs` it may have come from.
+ * @param {any} session
+ * @param {Record<string, any>} feeds
+ * @param {string} what  e.g. "training step"
+ * @param {IOSpec[]} specs  the user inputs
+ * @returns {Promise<Record<string, any>>}
+ */
+export async function runSession(session, feeds, what, specs) {
+  try {
+    return await session.run(feeds);
+  } catch (error) {
+    const message = /** @type {Error} */ (error).message ?? String(error);
+    const integers = specs.filter((s) => s.type !== null && INTEGER_TYPES.has(s.type)).map((s) => s.name);
+    const hint = integers.length && INDEX_OUT_OF_RANGE.test(message)
+      ? `\nAn index was out of range: check the integer inputs ${JSON.stringify(integers)} (class labels lie in ` +
+        "[0, classes) or equal the loss's ignore_index, token ids in [0, vocabulary); negative ones are out of range too)"
+      : '';
+    throw new RunError(`${what}: onnxruntime failed the run: ${message}${hint}`);
+  }
 }

@@ -14,7 +14,7 @@ from onnxtrain.api import CheckpointState, Module  # noqa: E402
 from onnxtrain.errors import ExportError  # noqa: E402
 from onnxtrain.torch import export_for_training  # noqa: E402
 from tests.ortmodule.test_autograd_functions import RoundSTE  # noqa: E402
-from tests.torch_models import training_gradients  # noqa: E402
+from tests.torch_models import MomentumEncoder, training_gradients  # noqa: E402
 
 nn = torch.nn
 BATCH = ({0: torch.export.Dim("batch", min=2, max=64)},)
@@ -340,20 +340,8 @@ def test_exporting_leaves_parameters_the_forward_updates_in_place_as_they_were()
     """A momentum encoder updates its key encoder under torch.no_grad() in the forward: the
     export's own run of the module (to find custom Functions) updated it once more."""
 
-    class MomentumEncoder(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q, self.k = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
-            self.k.requires_grad_(False)
-
-        def forward(self, x):
-            with torch.no_grad():
-                for pk, pq in zip(self.k.parameters(), self.q.parameters()):
-                    pk.mul_(0.5).add_(pq, alpha=0.5)
-            return (self.q(x) * self.k(x)).sum(-1)
-
     torch.manual_seed(0)
-    model = MomentumEncoder()
+    model = MomentumEncoder(features=4)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     export_for_training(model, (torch.randn(3, 4),))
     for name, param in model.named_parameters():

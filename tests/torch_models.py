@@ -25,6 +25,23 @@ class MLP(nn.Module):
         return self.net(x)
 
 
+class MomentumEncoder(nn.Module):
+    """MoCo/BYOL style: the key encoder follows the query encoder under torch.no_grad() in the
+    forward (frozen parameters the forward changes in place)."""
+
+    def __init__(self, features: int = 8):
+        super().__init__()
+        self.q = nn.Linear(features, features)
+        self.k = nn.Linear(features, features)
+        self.k.requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pk, pq in zip(self.k.parameters(), self.q.parameters()):
+                pk.mul_(0.5).add_(pq, alpha=0.5)
+        return (self.q(x) * self.k(x)).sum(-1)
+
+
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()

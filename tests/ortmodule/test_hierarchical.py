@@ -8,7 +8,7 @@ import copy
 import pytest
 
 from tests.ortmodule.test_autograd_functions import RoundSTE
-from tests.torch_models import MLP, torch
+from tests.torch_models import MLP, MomentumEncoder, torch
 
 from onnxtrain.torch import DebugOptions, HierarchicalORTModule, ORTModule, ORTModuleFallbackWarning
 
@@ -139,28 +139,12 @@ def test_a_forward_that_changes_its_input_in_place_changes_it_once():
     torch.testing.assert_close(x_model, x_eager)
 
 
-class _MomentumEncoder(torch.nn.Module):
-    """MoCo/BYOL style: the key encoder follows the query encoder under torch.no_grad()."""
-
-    def __init__(self):
-        super().__init__()
-        self.q = torch.nn.Linear(8, 8)
-        self.k = torch.nn.Linear(8, 8)
-        self.k.requires_grad_(False)
-
-    def forward(self, x):
-        with torch.no_grad():
-            for pk, pq in zip(self.k.parameters(), self.q.parameters()):
-                pk.mul_(0.5).add_(pq, alpha=0.5)
-        return (self.q(x) * self.k(x)).sum(-1)
-
-
 @pytest.mark.parametrize("wrapper", [ORTModule, HierarchicalORTModule])
 def test_parameters_the_forward_changes_in_place_change_as_in_eager(wrapper):
     """ORTModule wrote buffers back but not frozen parameters (the key encoder stayed as it
     was); HierarchicalORTModule's recording run updated them once more."""
     torch.manual_seed(0)
-    eager = _MomentumEncoder()
+    eager = MomentumEncoder()
     model = wrapper(copy.deepcopy(eager))
     x = torch.randn(4, 8)
     for _ in range(3):

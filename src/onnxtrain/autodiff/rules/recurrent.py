@@ -51,14 +51,16 @@ _Y, _Y_H, _Y_C = range(3)
 
 _INT64_MIN = np.iinfo(np.int64).min
 
-# onnxruntime's RNN activations by lower-cased name: (takes alpha, takes beta, default alpha,
-# default beta); each one that takes alpha (beta) consumes the next activation_alpha (_beta)
+# onnxruntime's RNN activations by lower-cased name: (the ONNX op computing it, or None where it
+# is written with Mul and Add; takes alpha, takes beta, default alpha, default beta). Each one
+# that takes alpha (beta) consumes the next activation_alpha (_beta), and passes it to its op.
 _ACTIVATION_PARAMETERS = {
-    "sigmoid": (False, False, 0.0, 0.0), "tanh": (False, False, 0.0, 0.0), "relu": (False, False, 0.0, 0.0),
-    "affine": (True, True, 0.0, 0.0), "leakyrelu": (True, False, 0.01, 0.0),
-    "thresholdedrelu": (True, False, 0.0, 0.0), "scaledtanh": (True, True, 0.0, 0.0),
-    "hardsigmoid": (True, True, 0.2, 0.5), "elu": (True, False, 1.0, 0.0),
-    "softsign": (False, False, 0.0, 0.0), "softplus": (False, False, 0.0, 0.0),
+    "sigmoid": ("Sigmoid", False, False, 0.0, 0.0), "tanh": ("Tanh", False, False, 0.0, 0.0),
+    "relu": ("Relu", False, False, 0.0, 0.0), "affine": (None, True, True, 0.0, 0.0),
+    "leakyrelu": ("LeakyRelu", True, False, 0.01, 0.0), "thresholdedrelu": ("ThresholdedRelu", True, False, 0.0, 0.0),
+    "scaledtanh": (None, True, True, 0.0, 0.0), "hardsigmoid": ("HardSigmoid", True, True, 0.2, 0.5),
+    "elu": ("Elu", True, False, 1.0, 0.0), "softsign": ("Softsign", False, False, 0.0, 0.0),
+    "softplus": ("Softplus", False, False, 0.0, 0.0),
 }
 
 
@@ -87,10 +89,11 @@ def _activations(ctx: GradContext, names: list[str]) -> list[_Activation]:
     betas = iter(float(v) for v in (ctx.attr("activation_beta") or []))
     result = []
     for name in names:
-        takes_alpha, takes_beta, alpha, beta = _ACTIVATION_PARAMETERS[name]
+        _, takes_alpha, takes_beta, alpha, beta = _ACTIVATION_PARAMETERS[name]
         result.append(_Activation(name, next(alphas, alpha) if takes_alpha else 0.0,
                                   next(betas, beta) if takes_beta else 0.0))
     return result
+
 
 _DEFAULT_ACTIVATIONS = {"LSTM": ("Sigmoid", "Tanh", "Tanh"), "GRU": ("Sigmoid", "Tanh"), "RNN": ("Tanh",)}
 _GATES = {"LSTM": 4, "GRU": 3, "RNN": 1}
@@ -176,13 +179,9 @@ def _activate(b: GraphBuilder, f: _Activation, x: ir.Value) -> ir.Value:
         return op.Add(op.Mul(x, b.like(x, f.alpha)), b.like(x, f.beta))
     if f.name == "scaledtanh":
         return op.Mul(op.Tanh(op.Mul(x, b.like(x, f.beta))), b.like(x, f.alpha))
-    if f.name in ("leakyrelu", "thresholdedrelu", "elu"):
-        return getattr(op, {"leakyrelu": "LeakyRelu", "thresholdedrelu": "ThresholdedRelu", "elu": "Elu"}[f.name])(
-            x, alpha=f.alpha)
-    if f.name == "hardsigmoid":
-        return op.HardSigmoid(x, alpha=f.alpha, beta=f.beta)
-    return getattr(op, {"sigmoid": "Sigmoid", "tanh": "Tanh", "relu": "Relu", "softsign": "Softsign",
-                        "softplus": "Softplus"}[f.name])(x)
+    op_type, takes_alpha, takes_beta, _, _ = _ACTIVATION_PARAMETERS[f.name]
+    parameters = {**({"alpha": f.alpha} if takes_alpha else {}), **({"beta": f.beta} if takes_beta else {})}
+    return getattr(op, op_type)(x, **parameters)
 
 
 def _slope(b: GraphBuilder, f: _Activation, y: ir.Value) -> ir.Value:

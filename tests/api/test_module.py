@@ -319,3 +319,30 @@ def test_a_negative_class_label_fails_the_step_and_names_the_labels(tmp_path):
     module.eval()
     with pytest.raises(RunError, match="eval step"):
         module(x, np.array([0, -1, 2, 1]))
+
+
+def test_a_negative_label_of_the_models_own_loss_fails_the_step(tmp_path):
+    # a model that brings its loss (NegativeLogLikelihoodLoss, as torch.onnx.export writes nll_loss)
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxtrain import artifacts as onnxtrain_artifacts
+    from onnxtrain.errors import RunError
+
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["scores"]),
+             helper.make_node("LogSoftmax", ["scores"], ["log_prob"], axis=1),
+             helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "labels"], ["loss"], ignore_index=-100)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+                                           helper.make_tensor_value_info("labels", TensorProto.INT64, ["N"])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")])
+    onnxtrain_artifacts.generate_artifacts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                           requires_grad=["w"], artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    x = rng.standard_normal((4, 4)).astype(np.float32)
+    scores = x @ state.parameters["w"].data
+    log_prob = scores - np.log(np.exp(scores).sum(axis=1, keepdims=True))
+    np.testing.assert_allclose(module(x, np.array([0, -100, 2, 1])), -log_prob[[0, 2, 3], [0, 2, 1]].mean(), rtol=1e-5)
+    with pytest.raises(RunError, match=r"check the integer inputs \['labels'\]"):
+        module(x, np.array([0, -1, 2, 1]))

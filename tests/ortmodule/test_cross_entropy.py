@@ -90,27 +90,32 @@ def test_every_target_ignored_gives_pytorchs_nan_loss_and_zero_gradients(smoothi
 
 
 class _EmbedAndClassify(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, loss: str = "cross_entropy"):
         super().__init__()
         self.embedding = torch.nn.Embedding(5, 3)
         self.linear = torch.nn.Linear(3, 4)
+        self.loss = loss
 
     def forward(self, ids, labels):
-        return torch.nn.functional.cross_entropy(self.linear(self.embedding(ids)).flatten(0, 1), labels.flatten())
+        scores = self.linear(self.embedding(ids)).flatten(0, 1)
+        if self.loss == "nll_loss":  # the exporter writes a NegativeLogLikelihoodLoss node
+            return torch.nn.functional.nll_loss(torch.log_softmax(scores, -1), labels.flatten())
+        return torch.nn.functional.cross_entropy(scores, labels.flatten())
 
 
-@pytest.mark.parametrize("ids, labels, what", [
-    ([[0, 1, -1]], [[1, 2, 3]], "a negative token id"),
-    ([[0, 1, 2]], [[1, 2, -1]], "a negative class label"),
-    ([[0, 1, 7]], [[1, 2, 3]], "a token id past the vocabulary"),
+@pytest.mark.parametrize("ids, labels, what, loss", [
+    ([[0, 1, -1]], [[1, 2, 3]], "a negative token id", "cross_entropy"),
+    ([[0, 1, 2]], [[1, 2, -1]], "a negative class label", "cross_entropy"),
+    ([[0, 1, 2]], [[1, 2, -1]], "a negative class label", "nll_loss"),
+    ([[0, 1, 7]], [[1, 2, 3]], "a token id past the vocabulary", "cross_entropy"),
 ])
-def test_negative_indices_fail_as_in_pytorch(ids, labels, what):
+def test_negative_indices_fail_as_in_pytorch(ids, labels, what, loss):
     # ONNX's Gather reads a negative index from the end: a -1 silently took the last row or class
     from onnxtrain.errors import RunError
     from onnxtrain.torch import ORTModule
 
     torch.manual_seed(0)
-    module = _EmbedAndClassify()
+    module = _EmbedAndClassify(loss)
     model = ORTModule(module, DebugOptions(fallback=False))
     good_ids, good_labels = torch.tensor([[0, 1, 2]]), torch.tensor([[1, -100, 3]])  # -100: ignore_index
     torch.testing.assert_close(model(good_ids, good_labels), module(good_ids, good_labels))

@@ -19,6 +19,7 @@ from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
 from onnxtrain.passes.log_sigmoid import LogSigmoidPass
+from onnxtrain.passes.negative_labels import NegativeLabelsPass
 from onnxtrain.passes.pool_first import PoolBeforeReluPass
 from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
 from onnxtrain.passes.softmax_guard import SoftmaxNaNGuardPass
@@ -39,10 +40,13 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     product with a column, which onnxruntime's fused kernel gets right (passes/column_product.py).
     The logarithm of a sigmoid becomes a softplus, which onnxruntime computes without underflow
     (passes/log_sigmoid.py). A float64 LayerNormalization becomes float64 primitives (onnxruntime
-    keeps its statistics in float32: passes/double_layer_norm.py).
+    keeps its statistics in float32: passes/double_layer_norm.py). A negative class label of a
+    cross entropy or negative log-likelihood loss fails the run, as in PyTorch, instead of
+    training as a class from the end (passes/negative_labels.py).
     """
-    return [InlinePass(), DoubleLayerNormPass(), DecomposePass(), FoldConstantsPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(),
-            PoolBeforeReluPass(), ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
+    return [InlinePass(), DoubleLayerNormPass(), DecomposePass(), NegativeLabelsPass(), FoldConstantsPass(),
+            LogSigmoidPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(), ColumnVectorProductPass(),
+            RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 
 def after_autodiff() -> list[ir.passes.PassBase]:

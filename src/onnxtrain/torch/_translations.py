@@ -119,14 +119,12 @@ def batch_norm_for_artifacts(input, weight, bias, running_mean, running_var,
     return out, save_mean, save_rstd, new_mean, new_var
 
 
-def _negative_out_of_range(indices, size, allowed: int | None = None):
-    """``indices`` with each negative one (but ``allowed``) moved past ``size``: ONNX's Gather
-    and GatherElements read a negative index from the end, where PyTorch's embedding and
-    cross entropy raise, so a -1 would silently pick the last row or class; moved out of range,
-    it makes onnxruntime fail the run instead (``size - i``, past the last valid index)."""
+def _negative_out_of_range(indices, size):
+    """``indices`` with each negative one moved past ``size``: ONNX's Gather reads a negative
+    index from the end, where PyTorch's embedding raises, so a -1 would silently pick the last
+    row; moved out of range, it makes onnxruntime fail the run instead (``size - i``, past the
+    last valid index). Class labels of a loss: passes/negative_labels.py."""
     invalid = op.Less(indices, op.CastLike(op.Constant(value_int=0), indices))
-    if allowed is not None and allowed < 0:
-        invalid = op.And(invalid, op.Not(op.Equal(indices, op.CastLike(op.Constant(value_int=allowed), indices))))
     return op.Where(invalid, op.Sub(op.CastLike(size, indices), indices), indices)
 
 
@@ -559,10 +557,7 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     ``target`` shaped like ``input``): :func:`_soft_cross_entropy`."""
     if target.dtype is not None and target.dtype.is_floating_point():
         return _soft_cross_entropy(input, target, weight, reduction, label_smoothing)
-    # a negative target but ignore_index fails the run, as PyTorch's raises
-    classes_axis = 1 if len(input.shape) >= 2 else 0
-    target = _negative_out_of_range(target, op.Squeeze(op.Shape(input, start=classes_axis, end=classes_axis + 1)),
-                                    ignore_index)
+    # a negative target but ignore_index fails the run, as PyTorch's raises: passes/negative_labels.py
     nll, _ = op.SoftmaxCrossEntropyLoss(input, target, weight, reduction=_REDUCTIONS[reduction],
                                         ignore_index=ignore_index)
     if not label_smoothing:

@@ -7,13 +7,17 @@ import { test } from 'node:test';
 import { bindPlatform, CheckpointState, Module, Optimizer, ort } from 'onnxtrain-web/node';
 import { fixturePath, maxAbsDiff, settings } from './fixtures.js';
 
-/** Train the small MLP `name` as tests/js/fixtures.py does; return the state and skip flags. */
-async function trainSmall(name) {
+/**
+ * Train the small MLP `name` as tests/js/fixtures.py does; return the state and skip flags.
+ * With `ortFormat`, from the models converted to ORT format (.ort) by onnxruntime's converter.
+ */
+async function trainSmall(name, ortFormat = false) {
   const small = JSON.parse(readFileSync(fixturePath('small/data.json'), 'utf8'));
   const artifact = (file) => fixturePath(`small/${name}/${file}`);
+  const model = (file) => (ortFormat ? artifact(`ort_format/${file.replace('.onnx', '.ort')}`) : artifact(file));
   const state = await CheckpointState.load(artifact('checkpoint'));
-  const module = await Module.create(artifact('training_model.onnx'), state, artifact('eval_model.onnx'));
-  const optimizer = await Optimizer.create(artifact('optimizer_model.onnx'), module);
+  const module = await Module.create(model('training_model.onnx'), state, model('eval_model.onnx'));
+  const optimizer = await Optimizer.create(model('optimizer_model.onnx'), module);
   optimizer.setLearningRate(small.learning_rate);
   const x = Float32Array.from(small.x);
   const y = Int32Array.from(small.y);
@@ -28,7 +32,7 @@ async function trainSmall(name) {
     module.lazyResetGrad();
     skipped.push(optimizer.lastStepSkipped);
   }
-  return { state, optimizer, skipped, small };
+  return { state, module, optimizer, skipped, small };
 }
 
 /** Every parameter (trainable and frozen) and the optimizer moments equal Python's run. */
@@ -60,6 +64,15 @@ test('fp16 artifacts: overflowing steps are skipped, the scale backs off and gro
   assert.equal(skipped[small.overflow_step], true, 'the step with the overflowing scale is skipped');
   assert.equal(skipped.at(-1), false, 'training recovers once the scale has backed off');
   assert.equal(optimizer.stepCount, skipped.filter((s) => !s).length, 'skipped steps do not count');
+});
+
+test('ORT-format models carry the same training metadata: statistics written back, the loss scale', async () => {
+  for (const name of ['batchnorm', 'fp16']) {
+    const { state, module } = await trainSmall(name, true);
+    const expected = await assertMatchesPython(name, state);
+    assert.deepEqual(state.properties.toObject(), expected.properties.toObject(), name);
+    assert.deepEqual(module.outputNames(), ['loss'], name);
+  }
 });
 
 test('sessions are created without the memory pattern unless the options ask for it', async () => {

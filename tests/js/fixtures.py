@@ -165,6 +165,8 @@ def write_small_models(out: pathlib.Path) -> None:
             optimizer.step()
             module.lazy_reset_grad()
         CheckpointState.save_checkpoint(state, folder / "python_steps", include_optimizer_state=True)
+        if name != "plain":  # their training metadata (statistics, loss scale) must be read from .ort too
+            write_ort_format(folder, folder / "ort_format")
 
 
 UPSTREAM_DATA = ROOT / "tests" / "data" / "upstream"

@@ -9,6 +9,7 @@
 
 import { ModelError } from './errors.js';
 import { dtypeInfo } from './dtypes.js';
+import { Reader } from './flatbuffers.js';
 
 /** The metadata key holding the training/eval models' description (docs/artifacts.md). */
 export const TRAINING_METADATA_KEY = 'onnxtrain.training';
@@ -113,18 +114,30 @@ export function isOrtFormat(bytes) {
   return bytes.length >= 8 && new TextDecoder().decode(bytes.subarray(4, 8)) === 'ORTM';
 }
 
+// Field slots (declaration order) of onnxruntime's ORT-format flatbuffer tables read here (ort.fbs)
+const ORT_SESSION = { model: 1 };
+const ORT_MODEL = { metadataProps: 9 };
+const ORT_ENTRY = { key: 0, value: 1 };
+
 /**
- * The model-level `metadata_props` of an ONNX model as a plain object (empty for ORT-format
- * models, whose metadata the runtime does without).
+ * The model-level `metadata_props` of an ONNX or ORT-format model as a plain object (the
+ * training metadata Module and Optimizer read: buffer updates, the loss scale, ...).
  * @param {Uint8Array} bytes
  * @param {string} what  e.g. "training model" (for messages)
  * @returns {Record<string, string>}
  */
 export function readModelMetadata(bytes, what) {
-  if (isOrtFormat(bytes)) return {};
+  /** @type {Record<string, string>} */
+  const metadata = {};
+  if (isOrtFormat(bytes)) {
+    const model = new Reader(bytes, `the ${what} (ORT format)`, ModelError).root().table(ORT_SESSION.model);
+    for (const entry of model === null ? [] : model.tables(ORT_MODEL.metadataProps)) {
+      const key = entry.string(ORT_ENTRY.key);
+      if (key !== null) metadata[key] = entry.string(ORT_ENTRY.value) ?? '';
+    }
+    return metadata;
+  }
   try {
-    /** @type {Record<string, string>} */
-    const metadata = {};
     for (const field of splitFields(bytes)) {
       if (field.number !== MODEL.metadataProps || field.wire !== WIRE.bytes) continue;
       const entry = valueOf(bytes, field);

@@ -37,13 +37,28 @@ test('toBytes and fromBytes round-trip, byte for byte and value for value', () =
   state.properties.set('best', 0.875);
   const bytes = state.toBytes({ includeOptimizerState: true });
   const again = CheckpointState.fromBytes(bytes);
-  assert.deepEqual(again.properties.toObject(), { epoch: 3, note: 'from node', best: 0.875 });
+  const { epoch, note, best } = again.properties.toObject();
+  assert.deepEqual({ epoch, note, best }, { epoch: 3, note: 'from node', best: 0.875 });
   assert.deepEqual(again.optimizerState, state.optimizerState);
   for (const [name, parameter] of state.parameters) assert.deepEqual(again.parameters.get(name).data, parameter.data);
   assert.deepEqual(again.toBytes({ includeOptimizerState: true }), bytes);
   const data = readCheckpoint(bytes);
   assert.equal(data.optimizer.values.get('fc.bias').get('momentum1').length, 10);
   assert.equal(CheckpointState.fromBytes(state.toBytes()).optimizerState, null, 'optimizer state only when asked');
+
+  // integers beyond 2**53 round-trip as BigInts; a BigInt within is a number; "__proto__" is a name
+  const other = CheckpointState.fromBytes(bytes);
+  other.properties.set('big', 2n ** 60n + 1n);
+  other.properties.set('small', 12n);
+  other.properties.set('mark', '@onnxtrain-bigint0');  // looks like the writer's mark for a BigInt
+  other.properties.set('__proto__', 5);
+  const third = CheckpointState.fromBytes(other.toBytes());
+  assert.equal(third.properties.get('big'), 2n ** 60n + 1n);
+  assert.equal(third.properties.get('small'), 12);
+  assert.equal(third.properties.get('mark'), '@onnxtrain-bigint0');
+  assert.equal(third.properties.get('__proto__'), 5);
+  assert.equal(third.properties.get('constructor'), undefined);
+  assert.equal(Object.getPrototypeOf(third.properties.toObject()), Object.prototype);
 });
 
 test('bad checkpoint bytes get a CheckpointError that says what is wrong', async () => {
@@ -96,6 +111,9 @@ test('inputs of the wrong type, rank, count or name get an InputMismatchError', 
     isError(InputMismatchError, /input "image" is float32 \[2, 64\]; expected float32 \["batch", 1, 8, 8\] \(rank 2 instead of 4\)/));
   await assert.rejects(module.trainStep(new ort.Tensor('float32', new Float32Array(2 * 81), [2, 1, 9, 9]), labels),
     isError(InputMismatchError, /dim 2 is 9, the model fixes it to 8/));
+  // a named symbolic dim takes one size in every input (onnxruntime could broadcast a 1 silently)
+  await assert.rejects(module.trainStep(images, new ort.Tensor('int32', Int32Array.of(1), [1])),
+    isError(InputMismatchError, /input "labels" is int32 \[1\]; .*dim 0 \("batch"\) is 1 but input "image" gave "batch" = 2/));
   await assert.rejects(module.trainStep(images), isError(InputMismatchError, /got 1 inputs, expected 2 \(\["image","labels"\]\)/));
   await assert.rejects(module.trainStep({ image: images, label: labels }), isError(InputMismatchError, /unknown inputs \["label"\]/));
   await assert.rejects(module.trainStep(images, Int32Array.of(1, 2)), isError(InputMismatchError, /"labels" must be an onnxruntime Tensor/));
@@ -122,6 +140,11 @@ test('setting a parameter checks its dtype and size; steps on one state must not
   await first;
   await optimizer.step();
   assert.equal(optimizer.stepCount, 1);
+  const lr = optimizer.getLearningRate();
+  assert.throws(() => optimizer.setLearningRate(-0.1), { name: 'RangeError', message: /learning rate must be >= 0, got -0.1/ });
+  assert.throws(() => optimizer.setLearningRate(NaN), /learning rate must be a finite number/);
+  assert.throws(() => new LinearLRScheduler(optimizer, 0, 10, -1e-3), /initialLr must be >= 0, got -0.001/);
+  assert.equal(optimizer.getLearningRate(), lr, 'a refused rate leaves the one before');
 });
 
 test('a nominal checkpoint needs its values before a step; saving it keeps it nominal', async () => {

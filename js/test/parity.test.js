@@ -50,10 +50,17 @@ test('20 AdamW steps on onnxruntime-node match the Python runtime within the tol
   // (with properties JSON has no numbers for: Python must read them back as floats)
   state.properties.set('best_loss', Infinity);
   state.properties.set('ratio', NaN);
+  for (const [name, value] of expected.properties) state.properties.set(name, value);  // Python's, as read here
   await node.CheckpointState.save(state, fixturePath('node_step20'), { includeOptimizerState: true });
   const reread = await node.CheckpointState.load(fixturePath('node_step20'));
   assert.deepEqual(reread.optimizerState, { step: steps, learningRate: settings().learning_rate, states: ['momentum0', 'momentum1'] });
   assert.deepEqual([reread.properties.get('best_loss'), reread.properties.get('ratio')], [Infinity, NaN]);
+  // Python's integers beyond 2**53 are BigInts here, exact (tests/js/fixtures.py BIG_PROPERTIES)
+  assert.equal(reread.properties.get('time_ns'), 1764300000123456789n);
+  assert.equal(reread.properties.get('seed'), 2n ** 63n - 25n);
+  assert.equal(reread.properties.get('low'), -(2n ** 63n));
+  assert.equal(reread.properties.get('__proto__'), 'kept');
+  assert.equal(reread.properties.get('toString'), undefined, 'no inherited names');
 });
 
 test('the web entry point (onnxruntime-web, wasm backend) trains like onnxruntime-node', async (t) => {
@@ -117,7 +124,10 @@ test('getContiguousParameters and copyBufferToParameters round-trip in the train
   const doubled = flat.data.map((v) => 2 * v);
   module.copyBufferToParameters(doubled);
   assert.deepEqual(Array.from(state.parameters.get('conv1.weight').data), Array.from(doubled.subarray(0, 72)));
-  assert.throws(() => module.copyBufferToParameters(new Float32Array(5)), /has 5 elements; expected 1898/);
+  assert.throws(() => module.copyBufferToParameters(new Float32Array(5)),
+    { name: 'InputMismatchError', message: /has 5 elements; expected 1898/ });
+  assert.throws(() => module.copyBufferToParameters(new Float64Array(1898)),
+    { name: 'InputMismatchError', message: /must hold float32 values \(trainable parameters\), got Float64Array/ });
 });
 
 test('ORT-format artifacts (.ort, without the ONNX metadata) train exactly like the .onnx ones', async () => {

@@ -69,17 +69,18 @@ export class Parameters implements Iterable<[string, Parameter]> {
   [Symbol.iterator](): Iterator<[string, Parameter]>;
 }
 
-/** User properties (numbers, inf and nan included, or strings), saved with the checkpoint. */
-export class Properties implements Iterable<[string, number | string]> {
-  get(name: string): number | string | undefined;
-  set(name: string, value: number | string): void;
+/** User properties (numbers, inf and nan included, or strings), saved with the checkpoint. An
+ * integer beyond 2**53 is a BigInt (exact); a BigInt within 2**53 is stored as a number. */
+export class Properties implements Iterable<[string, number | string | bigint]> {
+  get(name: string): number | string | bigint | undefined;
+  set(name: string, value: number | string | bigint): void;
   has(name: string): boolean;
   delete(name: string): boolean;
   keys(): string[];
-  entries(): Array<[string, number | string]>;
+  entries(): Array<[string, number | string | bigint]>;
   readonly size: number;
-  [Symbol.iterator](): Iterator<[string, number | string]>;
-  toObject(): Record<string, number | string>;
+  [Symbol.iterator](): Iterator<[string, number | string | bigint]>;
+  toObject(): Record<string, number | string | bigint>;
 }
 
 export interface SaveOptions {
@@ -179,7 +180,7 @@ export interface CheckpointData {
   parameters: Map<string, ParameterRecord>;
   nominal: boolean;
   optimizer: { step: number; learningRate: number; states: string[]; values: Map<string, Map<string, TypedArray>> } | null;
-  properties: Record<string, number | string>;
+  properties: Record<string, number | string | bigint>;
 }
 /** Parse and validate checkpoint bytes (the format of src/onnxtrain/checkpoint.py, or onnxruntime-training's `ODTC`). */
 export function readCheckpoint(bytes: Uint8Array, source?: string, options?: { externalData?: Uint8Array | null }): CheckpointData;

@@ -67,3 +67,8 @@ def test_invalid_counts(artifacts):
     _, _, optimizer = _setup(artifacts)
     with pytest.raises(ValueError):
         LinearLRScheduler(optimizer, -1, 10, 0.1)
+    before = optimizer.get_learning_rate()
+    for initial_lr in (-1e-3, float("nan")):  # refused at once, not at the first step past warmup
+        with pytest.raises(ValueError, match="initial_lr must be a finite number >= 0"):
+            LinearLRScheduler(optimizer, 2, 10, initial_lr)
+    assert optimizer.get_learning_rate() == before

@@ -87,12 +87,27 @@ def make_fixtures(out_dir: str | pathlib.Path) -> pathlib.Path:
     steps = SETTINGS["steps"]
     initial = out_dir / "artifacts" / "checkpoint"
     train(out_dir, initial, 0, steps, out_dir / "python_step20")
+    add_properties(out_dir / "python_step20")
     train(out_dir, initial, 0, 2 * steps, out_dir / "python_step40")
     write_ort_format(out_dir / "artifacts", out_dir / "ort_format")
     write_small_models(out_dir / "small")
     write_upstream(out_dir / "upstream")
     write_shapeless(out_dir / "shapeless")
     return out_dir
+
+
+# integers JavaScript numbers cannot hold (exact as BigInt), and a name objects inherit
+BIG_PROPERTIES = {"time_ns": 1764300000123456789, "seed": 2**63 - 25, "low": -(2**63), "__proto__": "kept"}
+
+
+def add_properties(checkpoint: pathlib.Path) -> None:
+    """Add :data:`BIG_PROPERTIES` to a checkpoint (Node must carry them through exactly)."""
+    from onnxtrain.api import CheckpointState
+
+    state = CheckpointState.load_checkpoint(checkpoint)
+    for name, value in BIG_PROPERTIES.items():
+        state.properties[name] = value
+    CheckpointState.save_checkpoint(state, checkpoint, include_optimizer_state=True)
 
 
 def write_shapeless(out: pathlib.Path) -> None:

@@ -96,6 +96,8 @@ def test_checkpoint_python_node_python_continues_identically(node_run):
     assert from_node.optimizer.learning_rate == pytest.approx(fixtures.SETTINGS["learning_rate"])
     assert from_node.optimizer.states == ["momentum0", "momentum1"]
     assert from_node.properties["best_loss"] == float("inf") and np.isnan(from_node.properties["ratio"])
+    for name, value in fixtures.BIG_PROPERTIES.items():  # through Node exactly (BigInt there)
+        assert from_node.properties[name] == value and type(from_node.properties[name]) is type(value), name
     for name, record in from_python.parameters.items():
         assert from_node.parameters[name].requires_grad == record.requires_grad
         np.testing.assert_allclose(from_node.parameters[name].value, record.value, rtol=0, atol=tolerance)

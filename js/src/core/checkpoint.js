@@ -12,7 +12,7 @@
  */
 
 import { CheckpointError } from './errors.js';
-import { dtypeInfo, formatShape } from './dtypes.js';
+import { dtypeInfo, exactInteger, formatShape } from './dtypes.js';
 import { encodeSafetensors, parseSafetensors } from './safetensors.js';
 import { isUpstreamCheckpoint, readUpstreamCheckpoint } from './upstream_checkpoint.js';
 
@@ -43,7 +43,7 @@ export const OPTIMIZER_PREFIX = 'optimizer/';
  * @property {Map<string, ParameterRecord>} parameters  in checkpoint order
  * @property {boolean} nominal
  * @property {OptimizerRecord | null} optimizer
- * @property {Record<string, number | string>} properties
+ * @property {Record<string, number | string | bigint>} properties
  */
 
 /**
@@ -69,7 +69,7 @@ export function readCheckpoint(bytes, source = '<bytes>', { externalData = null 
   if (metadata.state === undefined) throw new CheckpointError(`${where} has no 'state' metadata`);
   let state;
   try {
-    state = JSON.parse(metadata.state);
+    state = parseExactJson(metadata.state);
   } catch (error) {
     throw new CheckpointError(`${where}: the 'state' metadata is not valid JSON: ${/** @type {Error} */ (error).message}`);
   }
@@ -180,18 +180,76 @@ function checked(where, key, tensor, record) {
 }
 
 /**
- * Properties are numbers (int or float) or strings, as upstream's; anything else is an error
- * of class `ErrorClass` naming the property.
+ * Properties are numbers (int or float) or strings, as upstream's; an integer beyond 2**53
+ * (Python's `time.time_ns()`, a 64-bit seed) is a BigInt, so it round-trips exactly, and a
+ * BigInt within 2**53 becomes a number. Anything else is an error of class `ErrorClass`
+ * naming the property.
  * @param {string} name
  * @param {unknown} value
  * @param {new (message: string) => Error} ErrorClass
- * @returns {number | string}
+ * @returns {number | string | bigint}
  */
 export function checkProperty(name, value, ErrorClass) {
   if (typeof value === 'string' || typeof value === 'number') return value;
-  if (typeof value === 'bigint') return Number(value);
+  if (typeof value === 'bigint') return exactInteger(value);
   const got = value === null ? 'null' : typeof value;
   throw new ErrorClass(`property ${JSON.stringify(name)} must be a number or a string, got ${got}`);
+}
+
+const BIG_INTEGER_MARK = '@onnxtrain-bigint';
+
+/**
+ * `JSON.parse`, but an integer literal beyond 2**53 is read as an exact BigInt (JSON.parse
+ * would round it to the nearest double). Integer literals are found by a scan that skips
+ * strings; each one too large is quoted with a mark no string of the text holds, and the
+ * reviver turns it back into a BigInt.
+ * @param {string} text
+ */
+export function parseExactJson(text) {
+  let mark = BIG_INTEGER_MARK;
+  while (text.includes(mark)) mark += '-';
+  let quoted = '';
+  let copied = 0;
+  for (let i = 0; i < text.length; i++) {
+    const c = text[i];
+    if (c === '"') {  // skip the string, escapes included
+      for (i += 1; i < text.length && text[i] !== '"'; i++) if (text[i] === '\\') i += 1;
+      continue;
+    }
+    if (c !== '-' && (c < '0' || c > '9')) continue;
+    let end = i + 1;
+    while (end < text.length && /[-+0-9.eE]/.test(text[end])) end += 1;
+    const token = text.slice(i, end);
+    if (/^-?[0-9]+$/.test(token) && !Number.isSafeInteger(Number(token))) {
+      quoted += `${text.slice(copied, i)}"${mark}${token}"`;
+      copied = end;
+    }
+    i = end - 1;
+  }
+  if (copied === 0) return JSON.parse(text);
+  return JSON.parse(quoted + text.slice(copied), (_key, value) =>
+    (typeof value === 'string' && value.startsWith(mark) ? BigInt(value.slice(mark.length)) : value));
+}
+
+/**
+ * `JSON.stringify`, BigInts written as integer literals (JSON.stringify refuses them): each is
+ * first written as a marked string, with a mark that no other string of the text holds.
+ * @param {unknown} value
+ */
+export function stringifyExactJson(value) {
+  for (let mark = BIG_INTEGER_MARK; ; mark += '-') {
+    /** @type {string[]} */
+    const digits = [];
+    const text = JSON.stringify(value, (_key, v) => {
+      if (typeof v !== 'bigint') return v;
+      digits.push(v.toString());
+      return `${mark}${digits.length - 1}`;
+    });
+    if (digits.length === 0) return text;
+    const pattern = new RegExp(`"${mark}([0-9]+)"`, 'g');
+    if ((text.match(pattern) ?? []).length !== digits.length) continue;  // a user string looks like a mark
+    return text.replace(pattern, (_whole, index) => digits[Number(index)]);
+  }
 }
 
 /**
@@ -229,7 +287,7 @@ export function encodeCheckpoint(data) {
       }
     }
   }
-  /** @type {Array<[string, number | string | null]>} */
+  /** @type {Array<[string, number | string | bigint | null]>} */
   const properties = [];
   /** @type {Array<[string, string]>} */
   const nonfinite = [];
@@ -244,5 +302,5 @@ export function encodeCheckpoint(data) {
   }
   state.properties = Object.fromEntries(properties); // own keys, "__proto__" included
   if (nonfinite.length) state.nonfinite_properties = Object.fromEntries(nonfinite);
-  return encodeSafetensors(tensors, { format: FORMAT, version: String(VERSION), state: JSON.stringify(state) });
+  return encodeSafetensors(tensors, { format: FORMAT, version: String(VERSION), state: stringifyExactJson(state) });
 }

@@ -147,15 +147,20 @@ export class Properties {
     this._state = state;
   }
 
-  /** @param {string} name @returns {number | string | undefined} */
+  /** @param {string} name @returns {number | string | bigint | undefined} */
   get(name) {
-    return this._state._properties[name];
+    return this.has(name) ? this._state._properties[name] : undefined;  // not an inherited name
   }
 
-  /** @param {string} name @param {number | string} value */
+  /**
+   * An integer beyond 2**53 may be given (and comes back) as a BigInt, kept exactly.
+   * @param {string} name @param {number | string | bigint} value
+   */
   set(name, value) {
     if (typeof name !== 'string') throw new TypeError(`property names are strings, got ${typeof name}`);
-    this._state._properties[name] = checkProperty(name, value, TypeError);
+    const checked = checkProperty(name, value, TypeError);
+    // an own property even for "__proto__", which plain assignment would take as the prototype
+    Object.defineProperty(this._state._properties, name, { value: checked, enumerable: true, writable: true, configurable: true });
   }
 
   /** @param {string} name */
@@ -219,7 +224,7 @@ export class CheckpointState {
         hasValue: record.value !== null, hasGrad: false,
       });
     }
-    /** @type {Record<string, number | string>} */
+    /** @type {Record<string, number | string | bigint>} */
     this._properties = { ...data.properties };
     /** @type {OptimizerState | null} */
     this._optimizer = data.optimizer ? { ...data.optimizer, states: [...data.optimizer.states] } : null;

@@ -89,3 +89,13 @@ export function isArrayOf(dtype, data) {
 export function formatShape(shape) {
   return `[${shape.join(', ')}]`;
 }
+
+/**
+ * `value` as a number where that is exact, else as the BigInt itself.
+ * @param {bigint} value
+ * @returns {number | bigint}
+ */
+export function exactInteger(value) {
+  const number = Number(value);
+  return Number.isSafeInteger(number) ? number : value;
+}

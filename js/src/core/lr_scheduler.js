@@ -31,6 +31,7 @@ export class LinearLRScheduler {
     if (typeof initialLr !== 'number' || !Number.isFinite(initialLr)) {
       throw new TypeError(`initialLr must be a finite number, got ${initialLr}`);
     }
+    if (initialLr < 0) throw new RangeError(`initialLr must be >= 0, got ${initialLr}`);
     this._optimizer = optimizer;
     this.warmupStepCount = warmupStepCount;
     this.totalStepCount = totalStepCount;

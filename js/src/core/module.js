@@ -7,7 +7,7 @@
  * @module
  */
 
-import { CheckpointError, ModelError } from './errors.js';
+import { CheckpointError, InputMismatchError, ModelError } from './errors.js';
 import { copyOf, dtypeInfo, formatShape, zerosOf, elementCount } from './dtypes.js';
 import * as names from './names.js';
 import { CheckpointState } from './checkpoint_state.js';
@@ -308,13 +308,13 @@ export class Module {
     const expected = this.getParametersSize(trainableOnly);
     const kind = trainableOnly ? 'trainable' : 'all';
     if (!(flat instanceof dtypeInfo(dtype, 'parameter buffer').array)) {
-      throw new CheckpointError(`parameter buffer must hold ${dtype} values (${kind} parameters), got ${flat?.constructor?.name ?? typeof flat}`);
+      throw new InputMismatchError(`parameter buffer must hold ${dtype} values (${kind} parameters), got ${flat?.constructor?.name ?? typeof flat}`);
     }
     if (buffer?.dims && buffer.dims.length !== 1) {
-      throw new CheckpointError(`parameter buffer has shape ${formatShape(buffer.dims)}; expected a 1-D buffer`);
+      throw new InputMismatchError(`parameter buffer has shape ${formatShape(buffer.dims)}; expected a 1-D buffer`);
     }
     if (/** @type {any} */ (flat).length !== expected) {
-      throw new CheckpointError(`parameter buffer has ${/** @type {any} */ (flat).length} elements; expected ${expected} (${kind} parameters)`);
+      throw new InputMismatchError(`parameter buffer has ${/** @type {any} */ (flat).length} elements; expected ${expected} (${kind} parameters)`);
     }
     let offset = 0;
     for (const slot of slots) {

@@ -185,6 +185,7 @@ export class Optimizer {
     if (typeof learningRate !== 'number' || !Number.isFinite(learningRate)) {
       throw new TypeError(`learning rate must be a finite number, got ${learningRate}`);
     }
+    if (learningRate < 0) throw new RangeError(`learning rate must be >= 0, got ${learningRate}`);
     this._opt.learningRate = learningRate;
   }
 

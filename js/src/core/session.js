@@ -128,6 +128,8 @@ export function gatherInputs(specs, args, what) {
   }
   /** @type {Record<string, any>} */
   const feeds = {};
+  /** @type {Map<string, [number, string]>} a named symbolic dim's size, and the input that gave it */
+  const symbols = new Map();
   for (const spec of specs) {
     const value = byName[spec.name];
     if (value === undefined) throw new InputMismatchError(`${what}: input ${JSON.stringify(spec.name)} is missing`);
@@ -135,7 +137,7 @@ export function gatherInputs(specs, args, what) {
       throw new InputMismatchError(`${what}: input ${JSON.stringify(spec.name)} must be an onnxruntime Tensor ` +
         `(${describeSpec(spec)}), got ${value === null ? 'null' : value.constructor?.name ?? typeof value}`);
     }
-    const problem = mismatch(spec, value);
+    const problem = mismatch(spec, value) ?? symbolMismatch(spec, value, symbols);
     if (problem) {
       throw new InputMismatchError(`${what}: input ${JSON.stringify(spec.name)} is ${value.type} ` +
         `${formatShape(value.dims)}; expected ${describeSpec(spec)} (${problem})`);
@@ -167,6 +169,27 @@ function mismatch(spec, tensor) {
   if (spec.shape.length !== tensor.dims.length) return `rank ${tensor.dims.length} instead of ${spec.shape.length}`;
   const axis = spec.shape.findIndex((d, i) => isStaticDim(d) && d !== tensor.dims[i]);
   return axis < 0 ? null : `dim ${axis} is ${tensor.dims[axis]}, the model fixes it to ${spec.shape[axis]}`;
+}
+
+/**
+ * Why `tensor` gives a named symbolic dim of `spec` another size than an earlier input gave it
+ * (`symbols`, updated), or null: onnxruntime would broadcast or fail inside the graph instead.
+ * @param {IOSpec} spec
+ * @param {{dims: readonly number[]}} tensor
+ * @param {Map<string, [number, string]>} symbols
+ */
+function symbolMismatch(spec, tensor, symbols) {
+  if (spec.shape === null) return null;
+  for (const [axis, dim] of spec.shape.entries()) {
+    if (typeof dim !== 'string' || dim === '') continue;
+    const seen = symbols.get(dim);
+    if (seen === undefined) symbols.set(dim, [tensor.dims[axis], spec.name]);
+    else if (seen[0] !== tensor.dims[axis]) {
+      return `dim ${axis} (${JSON.stringify(dim)}) is ${tensor.dims[axis]} but input ${JSON.stringify(seen[1])} ` +
+        `gave ${JSON.stringify(dim)} = ${seen[0]}`;
+    }
+  }
+  return null;
 }
 
 /** What onnxruntime's Gather, GatherElements and friends say about an index out of range. */

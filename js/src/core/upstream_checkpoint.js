@@ -18,7 +18,7 @@
  */
 
 import { CheckpointError } from './errors.js';
-import { DTYPES, formatShape } from './dtypes.js';
+import { DTYPES, exactInteger, formatShape } from './dtypes.js';
 import { Reader } from './flatbuffers.js';
 
 /** @typedef {import('./flatbuffers.js').Table} Table */
@@ -246,16 +246,16 @@ function readOptimizer(root, parameters, external, where) {
 /**
  * @param {Table | null} bag
  * @param {string} where
- * @returns {Record<string, number | string>}
+ * @returns {Record<string, number | string | bigint>}
  */
 function readProperties(bag, where) {
-  /** @type {Record<string, number | string>} */
+  /** @type {Record<string, number | string | bigint>} */
   const properties = {};
   if (bag === null) return properties;
-  /** @type {Array<[number, (t: Table) => number | string]>} */
+  /** @type {Array<[number, (t: Table) => number | string | bigint]>} */
   const kinds = [
-    // int64 -> a number, as CheckpointState keeps int properties (exact up to 2**53)
-    [PROPERTY_BAG.ints, (t) => Number(t.int64(PROPERTY.value, 0n))],
+    // int64 -> a number, or a BigInt beyond 2**53, as CheckpointState keeps int properties
+    [PROPERTY_BAG.ints, (t) => exactInteger(t.int64(PROPERTY.value, 0n))],
     [PROPERTY_BAG.floats, (t) => shortestFloat32(t.float32(PROPERTY.value))],
     [PROPERTY_BAG.strings, (t) => t.string(PROPERTY.value) ?? ''],
   ];

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from onnxtrain.api.optimizer import Optimizer
 
 
@@ -51,6 +53,8 @@ class LinearLRScheduler:
         if warmup_step_count < 0 or total_step_count < 0:
             raise ValueError(f"step counts must be >= 0, got warmup_step_count={warmup_step_count}, "
                              f"total_step_count={total_step_count}")
+        if not math.isfinite(float(initial_lr)) or float(initial_lr) < 0:
+            raise ValueError(f"initial_lr must be a finite number >= 0, got {initial_lr!r}")
         self._optimizer = optimizer
         self.warmup_step_count = int(warmup_step_count)
         self.total_step_count = int(total_step_count)

@@ -216,6 +216,10 @@ def _compare(session, feeds, wrt, dtype, rng, directions, rtol, atol, raise_on_e
     numeric: dict[str, list[float]] = {}
     failures = []
     for name in wrt:
+        if grads[name].shape != feeds[name].shape:  # a broadcast-shaped gradient would pass the sums below
+            failures.append(f"{name}: gradient of shape {list(grads[name].shape)} for an input of shape "
+                            f"{list(feeds[name].shape)}")
+            continue
         for _ in range(directions):
             u = rng.standard_normal(feeds[name].shape)
             a = float(np.sum(grads[name].astype(np.float64) * u))

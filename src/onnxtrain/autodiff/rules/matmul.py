@@ -48,9 +48,15 @@ def _matmul(ctx):
     if ctx.needs(1):
         if ra == 1:
             db = op.Mul(b.unsqueeze(a, [-1]), b.unsqueeze(dy, [-2]))
+        elif rb == 1 and ra is not None and ra > 2:
+            # db[k] = sum over the batch dims and rows of dy[..., i] a[..., i, k]: one [1, M'] @ [M', K]
+            # product (not a transposed matrix times a vector, which onnxruntime's fusion gets wrong)
+            db = op.Reshape(op.MatMul(op.Reshape(dy, b.ints([1, -1])), op.Flatten(a, axis=ra - 1)), b.ints([-1]))
         elif rb == 1:
             db = op.MatMul(transpose_last2(op, a, ra), b.unsqueeze(dy, [-1]))
             db = b.squeeze(db, [-1])
+            if ra != 2:  # a of unknown rank: its batch dims, if any, are summed away
+                db = sum_to_shape(b, db, bm)
         elif rb == 2 and (ra is None or ra > 2):
             # a [..., M, K] @ b [K, N] (a Linear layer): fold the batch dims into M, one
             # [K, M'] @ [M', N] product rather than a batched product summed over the batch

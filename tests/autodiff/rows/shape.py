@@ -49,6 +49,9 @@ ROWS: list[Case] = [
     Case("Pad", [I(2, 3, 4), C([2, 1], np.int64), None, C([-1], np.int64)], attrs={"mode": "reflect"},
          opsets=(18, 23), id="Pad-reflect-axes"),
     Case("Pad", [I("N", 3), C([0, 4, 0, 2], np.int64)], attrs={"mode": "wrap"}, opsets=(19, 23), id="Pad-wrap"),
+    # negative pads crop first; the wrap then repeats the cropped data (onnxruntime's order)
+    Case("Pad", [I(2, 5), C([0, -1, 0, 3], np.int64)], attrs={"mode": "wrap"}, opsets=(19, 23), id="Pad-wrap-crop-begin"),
+    Case("Pad", [I(3, 5), C([1, 2, 0, -2], np.int64)], attrs={"mode": "wrap"}, opsets=(19, 23), id="Pad-wrap-crop-end"),
     # -- triangular, depth/space ---------------------------------------------------------------
     Case("Trilu", [I("N", 3, 4)], opsets=(14, 23), id="Trilu-upper"),
     Case("Trilu", [I(4, 5), C(np.array(-1, np.int64))], attrs={"upper": 0}, opsets=(14, 23), id="Trilu-lower-k"),

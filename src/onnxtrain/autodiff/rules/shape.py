@@ -93,15 +93,21 @@ def _tile(ctx):
     return (op.ReduceSum(split, copy_axes, keepdims=0),)
 
 
-def _pad_source_index(ctx: GradContext, mode: str, out_len, size, begin):
+def _pad_source_index(ctx: GradContext, mode: str, out_len, size, begin, end):
     """For each position along a padded axis, the position of x it copies (edge/reflect/wrap)."""
     op, b = ctx.op, ctx.b
-    j = op.Sub(op.Range(b.scalar_int(0), out_len, b.scalar_int(1)), begin)
+    zero = b.scalar_int(0)
+    positions = op.Range(zero, out_len, b.scalar_int(1))
+    if mode == "wrap":
+        # onnxruntime crops first (negative pads), then wraps the cropped data: its length is the period
+        crop_start = op.Max(op.Neg(begin), zero)
+        period = op.Sub(op.Sub(size, crop_start), op.Max(op.Neg(end), zero))
+        # integer Mod takes the divisor's sign: always >= 0 here
+        return op.Add(op.Mod(op.Sub(positions, op.Max(begin, zero)), period), crop_start)
+    j = op.Sub(positions, begin)
     last = op.Sub(size, b.scalar_int(1))
     if mode == "edge":
-        return op.Min(op.Max(j, b.scalar_int(0)), last)
-    if mode == "wrap":
-        return op.Mod(j, size)  # integer Mod takes the divisor's sign: always >= 0 here
+        return op.Min(op.Max(j, zero), last)
     # reflect (edge not repeated) is periodic with period 2*(size-1); a size-1 axis reads 0
     period = op.Max(op.Mul(last, b.scalar_int(2)), b.scalar_int(1))
     k = op.Mod(j, period)
@@ -117,9 +123,10 @@ def _pad_copy_grad(ctx: GradContext, mode: str, pads: ir.Value, axes: list[int])
     dy = ctx.dy
     for i, axis in enumerate(axes):
         begin = op.Reshape(op.Gather(pads, b.ints([i]), axis=0), b.ints([]))
+        end = op.Reshape(op.Gather(pads, b.ints([i + len(axes)]), axis=0), b.ints([]))
         size = op.Reshape(dim_of(ctx, ctx.x, axis), b.ints([]))
         out_len = op.Reshape(dim_of(ctx, dy, axis), b.ints([]))
-        src = _pad_source_index(ctx, mode, out_len, size, begin)
+        src = _pad_source_index(ctx, mode, out_len, size, begin, end)
         onehot = op.Equal(op.Reshape(src, b.ints([-1, 1])), op.Range(b.scalar_int(0), size, b.scalar_int(1)))
         perm = [a for a in range(rank) if a != axis] + [axis]  # the padded axis last
         moved = op.MatMul(op.Transpose(dy, perm=perm), op.Cast(onehot, to=int(dy.dtype)))

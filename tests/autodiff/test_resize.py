@@ -78,3 +78,44 @@ def test_folded_matrices_of_align_corners_follow_onnxruntime_for_fractional_scal
         (model(leaf) * weight).sum().backward()
         grads.append(leaf.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("transformation", ["align_corners", "tf_crop_and_resize"])
+@pytest.mark.parametrize("mode", ["linear", "cubic"])
+def test_antialiased_downscaling_by_a_scale_the_length_does_not_hold_exactly(tmp_path, mode, transformation):
+    """With antialias, onnxruntime widens the filter by the scale given (0.6 here), not by the
+    output length over the input's (4 / 7); the gradient's matrix must come from the scale too,
+    and be folded by onnxruntime, not by onnx's reference implementation (which divides by the
+    fractional length under these transformations)."""
+    import onnxruntime as ort
+
+    from onnxtrain.api import CheckpointState, Module
+
+    n, scale = 7, 0.6
+    rng = np.random.default_rng(0)
+    weights = rng.standard_normal((1, 1, 1, 4)).astype(np.float32)  # 4-D: onnxruntime's cubic wants it
+    roi = np.array([0, 0, 0, 0, 1, 1, 1, 1], np.float32)
+    resize = helper.make_node("Resize", ["xw", "roi", "scales"], ["y"], mode=mode, antialias=1,
+                              coordinate_transformation_mode=transformation)
+    nodes = [helper.make_node("Add", ["x", "w"], ["xw"]), resize,
+             helper.make_node("Mul", ["y", "weights"], ["weighted"]),
+             helper.make_node("ReduceSum", ["weighted"], ["loss"], keepdims=0)]
+    inits = [numpy_helper.from_array(rng.standard_normal((1, 1, 1, n)).astype(np.float32), "w"),
+             numpy_helper.from_array(roi, "roi"), numpy_helper.from_array(np.array([1, 1, 1, scale], np.float32), "scales"),
+             numpy_helper.from_array(weights, "weights")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 1, n])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    artifacts.generate_artifacts(model, requires_grad=["w"], artifact_directory=tmp_path)
+    # the forward's exact Jacobian, column by column: Resize of each unit vector
+    forward = helper.make_model(helper.make_graph(
+        [resize], "f", [helper.make_tensor_value_info("xw", TensorProto.FLOAT, [1, 1, 1, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits[1:3]),
+        opset_imports=[helper.make_opsetid("", 18)])
+    session = ort.InferenceSession(forward.SerializeToString(), providers=["CPUExecutionProvider"])
+    jacobian = np.stack([session.run(None, {"xw": np.eye(n, dtype=np.float32)[j].reshape(1, 1, 1, n)})[0].ravel()
+                         for j in range(n)], axis=1)
+    assert jacobian.shape == (4, n)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    Module(tmp_path / "training_model.onnx", state)(np.zeros((1, 1, 1, n), np.float32))
+    np.testing.assert_allclose(state.parameters["w"].grad.ravel(), jacobian.T @ weights.ravel(), rtol=1e-5, atol=1e-6)

@@ -23,6 +23,7 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
+from onnxtrain import names
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.ir.shapes import dims_equal, rank_of
 
@@ -82,10 +83,17 @@ def _axis_matrix(ctx: GradContext, axis: int, k: int, count: int, uses_scales: b
         roi = op.Cast(op.Gather(node.inputs[1], b.ints([k, k + count]), axis=0), to=_FLOAT)
         roi = op.Concat(op.Slice(roi, b.ints([0]), b.ints([1])), b.const(np.array([0.0], np.float32)),
                         op.Slice(roi, b.ints([1]), b.ints([2])), b.const(np.array([1.0], np.float32)), axis=0)
-    if uses_scales and transformation not in ("align_corners", "tf_crop_and_resize"):
+    # with antialias, onnxruntime widens the filter by the scale itself where scales are given, and
+    # by m / n where sizes are: given scales it is the scale, and the matrix is left for
+    # onnxruntime to fold (the reference implementation divides by the fractional length here)
+    exact_length = transformation in ("align_corners", "tf_crop_and_resize")
+    if uses_scales and (not exact_length or ctx.attr("antialias", 0)):
         scale = op.Gather(node.inputs[2], b.ints([k]), axis=0)
-        return op.Resize(identity, roi, op.Concat(scale, b.const(np.array([1.0], np.float32)), axis=0),
-                         **attributes)
+        matrix = op.Resize(identity, roi, op.Concat(scale, b.const(np.array([1.0], np.float32)), axis=0),
+                           **attributes)
+        if exact_length:
+            matrix.producer().metadata_props[names.FOLD_IN_ONNXRUNTIME_METADATA] = "1"
+        return matrix
     m = op.Gather(op.Shape(ctx.y), b.ints([axis]), axis=0)
     return op.Resize(identity, roi, None, op.Concat(m, n, axis=0), **attributes)
 

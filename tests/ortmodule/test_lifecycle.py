@@ -197,3 +197,17 @@ def test_ortmodule_of_an_ortmodule():
     ref = copy.deepcopy(net)
     model = ORTModule(ORTModule(net), DebugOptions(fallback=False))
     _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()), steps=2)
+
+
+def test_a_new_batch_size_re_exports_batch_norm_on_rows():
+    # Linear -> BatchNorm1d on [batch, features]: the re-export at a second batch size made a backward
+    # graph whose input (a row of ones for the sums over the batch) had no type; onnxruntime refused it
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
+    module = copy.deepcopy(ref)
+    model = ORTModule(module, DebugOptions(fallback=False))
+    sizes = [4, 8, 3]
+    _assert_same_training(model, ref, list(module.parameters()), list(ref.parameters()), steps=len(sizes),
+                          make_input=lambda step: torch.randn(sizes[step], 4))
+    torch.testing.assert_close(module[1].running_var, ref[1].running_var)
+    assert model.export_count == 2 and model.fallback_reason is None

@@ -14,11 +14,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-# Ops whose outputs' element type is not that of their first input.
-_INT64_OUTPUT_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
-_BOOL_OUTPUT_OPS = frozenset(
-    {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf"}
-)
+from onnxtrain.ir.nodes import infer_output_dtypes
+
 
 
 def _attr_value(value: Any) -> Any:
@@ -120,38 +117,10 @@ class GraphBuilder:
         )
         for i, out in enumerate(node.outputs):
             out.name = name if num_outputs == 1 else f"{name}:{i}"
-        self._infer_dtypes(node, attrs)
+        infer_output_dtypes(node)
         self.graph.append(node)
         self.created.append(node)
         return node.outputs[0] if num_outputs == 1 else tuple(node.outputs)
-
-    @staticmethod
-    def _infer_dtypes(node: ir.Node, attrs: dict[str, Any]) -> None:
-        op = node.op_type
-        first = next((v.dtype for v in node.inputs if v is not None and v.dtype is not None), None)
-        if op in _INT64_OUTPUT_OPS:
-            dtype = ir.DataType.INT64
-        elif op in _BOOL_OUTPUT_OPS:
-            dtype = ir.DataType.BOOL
-        elif op == "Cast":
-            dtype = ir.DataType(attrs["to"])
-        elif op == "CastLike":
-            dtype = node.inputs[1].dtype
-        elif op == "Where":
-            dtype = node.inputs[1].dtype
-        elif op == "ConstantOfShape":
-            value = attrs.get("value")
-            dtype = value.dtype if value is not None else ir.DataType.FLOAT
-        elif op == "Constant":
-            dtype = attrs["value"].dtype
-        else:
-            dtype = first
-        if dtype is not None:
-            for out in node.outputs:
-                if out.type is None:
-                    out.type = ir.TensorType(dtype)
-        if op == "Dropout" and len(node.outputs) > 1:
-            node.outputs[1].type = ir.TensorType(ir.DataType.BOOL)
 
     # -- graph inputs ---------------------------------------------------------
     def input(self, name: str, dtype: ir.DataType, shape: Sequence[int | str | None] | None) -> ir.Value:

@@ -8,6 +8,43 @@ from onnx_ir.convenience import get_const_tensor
 
 # the default ONNX domain's two spellings
 ONNX_DOMAINS = ("", "ai.onnx")
+# Ops whose outputs' element type is not that of their first input.
+_INT64_OUTPUT_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_BOOL_OUTPUT_OPS = frozenset(
+    {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf"}
+)
+
+
+def infer_output_dtypes(node: ir.Node) -> None:
+    """Give ``node``'s untyped outputs their element type where it follows from the op, its
+    attributes and its inputs' types (a graph input cut from such a value needs it: onnxruntime
+    refuses an input without a type)."""
+    op, attrs = node.op_type, node.attributes
+    first = next((v.dtype for v in node.inputs if v is not None and v.dtype is not None), None)
+    if op in _INT64_OUTPUT_OPS:
+        dtype = ir.DataType.INT64
+    elif op in _BOOL_OUTPUT_OPS:
+        dtype = ir.DataType.BOOL
+    elif op == "Cast":
+        dtype = ir.DataType(attrs["to"].as_int())
+    elif op == "CastLike":
+        dtype = node.inputs[1].dtype
+    elif op == "Where":
+        dtype = node.inputs[1].dtype
+    elif op == "ConstantOfShape":
+        value = attrs.get("value")
+        dtype = value.as_tensor().dtype if value is not None else ir.DataType.FLOAT
+    elif op == "Constant":
+        value = attrs.get("value")
+        dtype = value.as_tensor().dtype if value is not None else None
+    else:
+        dtype = first
+    if dtype is not None:
+        for out in node.outputs:
+            if out.type is None:
+                out.type = ir.TensorType(dtype)
+    if op == "Dropout" and len(node.outputs) > 1:
+        node.outputs[1].type = ir.TensorType(ir.DataType.BOOL)
 
 
 def is_onnx_op(node: ir.Node | None, *op_types: str) -> bool:
@@ -45,6 +82,7 @@ class NewNodes:
     def add(self, op_type: str, inputs, attributes=None, domain: str = "") -> ir.Value:
         """A new node (of the default domain unless ``domain`` is given); its (first) output."""
         node = ir.node(op_type, inputs, attributes=attributes, domain=domain, name=f"{self._prefix}_{len(self.nodes)}")
+        infer_output_dtypes(node)
         self.nodes.append(node)
         return node.outputs[0]
 

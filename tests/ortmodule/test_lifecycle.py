@@ -211,3 +211,25 @@ def test_a_new_batch_size_re_exports_batch_norm_on_rows():
                           make_input=lambda step: torch.randn(sizes[step], 4))
     torch.testing.assert_close(module[1].running_var, ref[1].running_var)
     assert model.export_count == 2 and model.fallback_reason is None
+
+
+def test_activation_checkpointing_around_an_ortmodule():
+    # non-reentrant checkpointing counts the tensors a forward saves and compares the recomputation's:
+    # the export's own tracing, on the calls that export, must not count
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    module = copy.deepcopy(ref)
+    model = ORTModule(module, DebugOptions(fallback=False))
+    for step, batch in enumerate([4, 4, 6]):
+        x = torch.randn(batch, 8, generator=torch.Generator().manual_seed(step))
+        grads = []
+        for block in (model, ref):
+            block.zero_grad()
+            leaf = x.clone().requires_grad_()
+            checkpoint(block, leaf, use_reentrant=False).square().sum().backward()
+            grads.append([leaf.grad, *(p.grad for p in block.parameters())])
+        for got, want in zip(*grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert model.export_count == 2

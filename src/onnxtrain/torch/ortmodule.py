@@ -46,6 +46,11 @@ def _has_lazy_parameters(module: torch.nn.Module) -> bool:
                for t in itertools.chain(module.parameters(), module.buffers()))
 
 
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved-tensor hook that keeps the tensor as it is."""
+    return tensor
+
+
 def _autocast(tensors) -> tuple[str, str] | None:
     """``(device type, "bf16"|"fp16")`` when ``torch.autocast`` is on for the inputs' device."""
     device = device_of(tensors).type
@@ -401,7 +406,11 @@ class ORTModule(ModuleWrapper):
         call = flatten_call(module, args, kwargs)
         state = call.state
         try:  # building: export, gradient graph, sessions; a failure here may fall back
-            variant, inputs, training, runner = self._prepare(call)
+            # the export's own tracing saves tensors for autograd: not under the caller's saved-tensor
+            # hooks (non-reentrant activation checkpointing counts what a forward saves, and the
+            # recomputed forward, with the graphs built, would save fewer)
+            with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+                variant, inputs, training, runner = self._prepare(call)
         except OnnxTrainError as exc:
             if not self._debug.fallback:
                 raise

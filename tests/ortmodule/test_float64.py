@@ -31,3 +31,32 @@ def test_layer_norm_statistics_are_float64_for_a_float64_model(with_bias):
     torch.testing.assert_close(x.grad, x_eager.grad, rtol=1e-12, atol=1e-12)
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class _Scalars(torch.nn.Module):
+    """Python numbers in a float64 forward: a product, a sum, clamp and hardtanh bounds, BatchNorm's
+    momentum and eps."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8, momentum=0.3, eps=1e-3)
+
+    def forward(self, x):
+        h = self.norm(self.linear(x)) * 0.7978845608028654 + 0.1
+        return torch.clamp(h, -0.3, 0.7) + torch.nn.functional.hardtanh(h, -0.45, 0.35) + h * h
+
+
+def test_python_numbers_of_a_float64_forward_are_float64():
+    # the exporter writes a Python number as a float32 constant cast to double: 0.1 was float32's 0.1
+    torch.manual_seed(0)
+    eager = _Scalars().double()
+    model = ORTModule(copy.deepcopy(eager), DebugOptions(fallback=False))
+    x = torch.randn(6, 8, dtype=torch.float64) * 2
+    out, ref = model(x), eager(x)
+    torch.testing.assert_close(out, ref, rtol=1e-13, atol=1e-13)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-11, atol=1e-11, msg=name)
+    torch.testing.assert_close(model.norm.running_var, eager.norm.running_var, rtol=1e-14, atol=1e-14)

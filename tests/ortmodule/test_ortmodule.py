@@ -355,6 +355,19 @@ def test_dropout_masks_outputs_and_gradients_consistently_and_is_off_in_eval():
     _assert_close(wrapped(x), model(x), "eval output")
 
 
+def test_dropout_of_everything_gives_zeros_and_zero_gradients():
+    # onnxruntime's Dropout takes a ratio below 1 only: p = 1 failed the run
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(p=1.0), torch.nn.Linear(4, 2))
+    wrapped = ORTModule(model, STRICT)
+    x = torch.randn(3, 4)
+    y = wrapped(x)
+    _assert_close(y, model[2].bias.detach().expand(3, 2), "only the last bias is left")
+    y.sum().backward()
+    assert torch.count_nonzero(model[0].weight.grad) == 0 and torch.count_nonzero(model[2].weight.grad) == 0
+    _assert_close(model[2].bias.grad, torch.full((2,), 3.0), "the last bias's gradient")
+
+
 def test_dropout_drops_in_a_forward_only_run_of_a_training_module():
     """Under torch.no_grad() a module in train() mode runs a forward-only graph, where
     onnxruntime would remove a Dropout whose mask nothing reads: it must still drop, as eager."""

@@ -78,7 +78,7 @@ def batch_norm_functional(input, weight, bias, running_mean, running_var,
         # ReduceSumSquare reads `centered` once (Mul + ReduceMean would write a copy first)
         count = op.CastLike(op.Div(op.Size(input), op.Shape(input, start=1, end=2)), input)
         var = op.Div(op.ReduceSumSquare(centered, axes, keepdims=1), count)
-    rstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(op.Constant(value_float=eps), var))))
+    rstd = op.Reciprocal(op.Sqrt(op.Add(var, _number_like(eps, var))))
     # scale per channel first: one full-size Mul instead of two
     scale = rstd if weight is None else op.Mul(rstd, op.Reshape(weight, per_channel))
     out = op.Mul(centered, scale)
@@ -89,10 +89,10 @@ def batch_norm_functional(input, weight, bias, running_mean, running_var,
         return out, save_mean, save_rstd, running_mean, running_var
     # PyTorch's running variance is the unbiased estimate: var * n / (n - 1)
     count = op.CastLike(op.Div(op.Size(input), op.Shape(input, start=1, end=2)), var)
-    one = op.CastLike(op.Constant(value_float=1.0), var)
+    one = _number_like(1.0, var)
     unbiased = op.Div(op.Mul(op.Reshape(var, flat), count), op.Sub(count, one))
-    keep = op.CastLike(op.Constant(value_float=1.0 - momentum), var)
-    take = op.CastLike(op.Constant(value_float=momentum), var)
+    keep = _number_like(1.0 - momentum, var)
+    take = _number_like(momentum, var)
     new_mean = op.Add(op.Mul(running_mean, keep), op.Mul(save_mean, take))
     new_var = op.Add(op.Mul(running_var, keep), op.Mul(unbiased, take))
     return out, save_mean, save_rstd, new_mean, new_var
@@ -109,8 +109,8 @@ def batch_norm_for_artifacts(input, weight, bias, running_mean, running_var,
     if not training:
         return batch_norm_functional(input, weight, bias, running_mean, running_var, False, momentum, eps)
     channels = op.Shape(input, start=1, end=2)
-    scale = weight if weight is not None else op.Expand(op.CastLike(op.Constant(value_float=1.0), input), channels)
-    shift = bias if bias is not None else op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
+    scale = weight if weight is not None else op.Expand(_number_like(1.0, input), channels)
+    shift = bias if bias is not None else op.Expand(_number_like(0.0, input), channels)
     out, new_mean, new_var = op.BatchNormalization(input, scale, shift, running_mean, running_var, epsilon=eps,
                                                    momentum=1.0 - momentum, training_mode=1)
     # the batch statistics aten returns beside (autograd's; a forward graph leaves them unread)
@@ -178,11 +178,11 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mo
     out_shape = op.Concat(bags, op.Shape(weight, start=1), axis=0)
     sizes = op.ScatterElements(op.Expand(zero, bags), bag, counted, axis=0, reduction="add")
     if bag_mode == "max":
-        lowest = op.CastLike(op.Constant(value_float=float("-inf")), weight)
+        lowest = _number_like(float("-inf"), weight)
         if padded:
             rows = op.Where(op.Unsqueeze(op.Cast(counted, to=9), one), rows, lowest)
         out = op.ScatterND(op.Expand(lowest, out_shape), at_bag, rows, reduction="max")
-        out = op.Where(op.IsInf(out, detect_positive=0), op.CastLike(op.Constant(value_float=0.0), out), out)
+        out = op.Where(op.IsInf(out, detect_positive=0), _number_like(0.0, out), out)
         # the position of each bag's largest row, per feature (-1 for an empty bag)
         position = op.Unsqueeze(op.Range(op.Constant(value_int=0), op.Squeeze(length, zero), op.Constant(value_int=1)),
                                 one)
@@ -194,7 +194,7 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mo
         rows = op.Mul(rows, op.Unsqueeze(op.CastLike(counted, rows), one))
     if per_sample_weights is not None:
         rows = op.Mul(rows, op.Unsqueeze(per_sample_weights, one))
-    out = op.ScatterND(op.Expand(op.CastLike(op.Constant(value_float=0.0), weight), out_shape), at_bag, rows,
+    out = op.ScatterND(op.Expand(_number_like(0.0, weight), out_shape), at_bag, rows,
                        reduction="add")
     if bag_mode == "mean":  # an empty bag stays 0
         out = op.Div(out, op.Unsqueeze(op.CastLike(op.Max(sizes, one), out), one))
@@ -205,8 +205,15 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mo
     return out, op.Identity(bag), sizes, op.Identity(sizes)
 
 
+def _number_like(value: float, x):
+    """``value`` as a 0-d constant of ``x``'s type: a float64 constant cast like ``x`` (a float32
+    one cast to double would carry float32's rounding into a float64 model; folding makes it
+    one constant of ``x``'s type)."""
+    return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float64))), x)
+
+
 def _bound(x, value: float):
-    return op.CastLike(op.Constant(value_float=float(value)), x)
+    return _number_like(float(value), x)
 
 
 def _scalar(bound) -> bool:
@@ -424,12 +431,12 @@ def cdist(x1, x2, p: float = 2.0, compute_mode=None):
     if p == float("inf"):
         return op.ReduceMax(op.Abs(difference), last, keepdims=0)
     if p == 0.0:
-        nonzero = op.CastLike(op.Not(op.Equal(difference, op.CastLike(op.Constant(value_float=0.0), difference))),
+        nonzero = op.CastLike(op.Not(op.Equal(difference, _number_like(0.0, difference))),
                               difference)
         return op.ReduceSum(nonzero, last, keepdims=0)
-    order = op.CastLike(op.Constant(value_float=p), difference)
+    order = _number_like(p, difference)
     summed = op.ReduceSum(op.Pow(op.Abs(difference), order), last, keepdims=0)
-    return op.Pow(summed, op.Div(op.CastLike(op.Constant(value_float=1.0), difference), order))
+    return op.Pow(summed, op.Div(_number_like(1.0, difference), order))
 
 
 def pdist(x, p: float = 2.0):
@@ -531,7 +538,7 @@ def cumprod(x, dim: int, dtype=None):
     length = x.shape[axis]
     if not isinstance(length, int):
         raise NotImplementedError("torch.cumprod needs a static length along its dim")
-    one = op.CastLike(op.Constant(value_float=1.0), x)
+    one = _number_like(1.0, x)
     axes = op.Constant(value_ints=[axis])
     product, shift = x, 1
     while shift < length:
@@ -568,7 +575,7 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     if weight is not None:
         per_class = op.Reshape(weight, op.Constant(value_ints=[1, -1] + [1] * (len(input.shape) - 2)))
         log_prob = op.Mul(log_prob, per_class)
-    zero = op.CastLike(op.Constant(value_float=0.0), input)
+    zero = _number_like(0.0, input)
     ignored = op.Equal(target, op.Constant(value_int=ignore_index))
     smooth = op.Where(ignored, zero, op.Neg(op.ReduceSum(log_prob, op.Constant(value_ints=[1]), keepdims=0)))
     if reduction == 0:
@@ -584,11 +591,11 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
         # every target ignored: the nll term is 0/0 already (NaN, as PyTorch's loss); this one
         # divides by 1 so that its gradient is PyTorch's 0 rather than 0 * inf
         total = op.ReduceSum(kept, keepdims=0)
-        total = op.Where(op.Equal(total, zero), op.CastLike(op.Constant(value_float=1.0), input), total)
+        total = op.Where(op.Equal(total, zero), _number_like(1.0, input), total)
         term = op.Div(op.ReduceSum(smooth, keepdims=0), total)
     classes = op.CastLike(op.Squeeze(op.Shape(input, start=1, end=2)), input)
-    scale = op.Div(op.CastLike(op.Constant(value_float=label_smoothing), input), classes)
-    keep = op.CastLike(op.Constant(value_float=1.0 - label_smoothing), input)
+    scale = op.Div(_number_like(label_smoothing, input), classes)
+    keep = _number_like(1.0 - label_smoothing, input)
     return op.Add(op.Mul(nll, keep), op.Mul(term, scale))
 
 
@@ -613,8 +620,8 @@ def multilabel_margin_loss(input, target, reduction: int = 1):
     # class d is a target when a listed entry names it
     names_class = op.And(op.Equal(op.Unsqueeze(safe_target, last), classes), op.Unsqueeze(listed, last))
     is_target = op.Cast(op.ReduceMax(op.Cast(names_class, to=7), op.Constant(value_ints=[-2]), keepdims=0), to=9)
-    one = op.CastLike(op.Constant(value_float=1.0), input)
-    zero = op.CastLike(op.Constant(value_float=0.0), input)
+    one = _number_like(1.0, input)
+    zero = _number_like(0.0, input)
     # [N, C (entries), C (classes)]: 1 - x[target[p]] + x[d]
     margin = op.Add(op.Sub(one, op.Unsqueeze(target_score, last)), op.Unsqueeze(input, op.Constant(value_ints=[-2])))
     counted = op.And(op.Unsqueeze(listed, last), op.Not(op.Unsqueeze(is_target, op.Constant(value_ints=[-2]))))
@@ -637,13 +644,13 @@ def rrelu_with_noise_functional(input, noise, lower: float = 0.125, upper: float
     the slope is the mean ``(lower + upper) / 2`` and the noise comes back as it was."""
     if generator is not None:
         raise NotImplementedError("F.rrelu with a generator is not supported")
-    zero = op.CastLike(op.Constant(value_float=0.0), input)
+    zero = _number_like(0.0, input)
     negative = op.LessOrEqual(input, zero)
     if not training:
-        slope = op.CastLike(op.Constant(value_float=(lower + upper) / 2.0), input)
+        slope = _number_like((lower + upper) / 2.0, input)
         return op.Where(negative, op.Mul(input, slope), input), noise
     drawn = op.CastLike(op.RandomUniformLike(input, low=float(lower), high=float(upper)), input)
-    slopes = op.Where(negative, drawn, op.CastLike(op.Constant(value_float=1.0), input))
+    slopes = op.Where(negative, drawn, _number_like(1.0, input))
     return op.Mul(input, slopes), slopes
 
 
@@ -889,8 +896,8 @@ def _soft_cross_entropy(input, target, weight, reduction: int, label_smoothing: 
     log_prob = op.LogSoftmax(input, axis=axis)
     if label_smoothing:
         classes = op.CastLike(op.Shape(input, start=axis, end=axis + 1), input)
-        keep = op.CastLike(op.Constant(value_float=1.0 - label_smoothing), input)
-        spread = op.Div(op.CastLike(op.Constant(value_float=label_smoothing), input), classes)
+        keep = _number_like(1.0 - label_smoothing, input)
+        spread = op.Div(_number_like(label_smoothing, input), classes)
         target = op.Add(op.Mul(target, keep), spread)
     if weight is not None:
         shape = [-1] + [1] * (len(input.shape) - axis - 1)
@@ -920,6 +927,28 @@ _INVERSE = onnxscript.values.Op(
                        outputs=[onnx.defs.OpSchema.FormalParameter("Y", "T")],
                        type_constraints=[("T", ["tensor(float)", "tensor(double)", "tensor(float16)"],
                                           "matrices of floats")]))
+
+
+def scalar_tensor(s, dtype: int = 1, layout: str = "", device: str = "", pin_memory: bool = False):
+    """``aten.scalar_tensor`` (how a Python number enters arithmetic): a 0-d constant of ``dtype``
+    (an ONNX element type), exact. The exporter's writes a float32 constant and casts it, so a
+    float64 model's ``x * 0.1`` multiplied by float32's 0.1."""
+    if isinstance(s, (bool, int, float)):
+        target = ir.DataType(ir.DataType.FLOAT if dtype in (None, -1) else dtype)
+        return op.Constant(value=ir.tensor(np.array(s, dtype=target.numpy())))
+    from onnxscript.function_libs.torch_lib.ops.core import aten_scalar_tensor
+    return aten_scalar_tensor(s, dtype, layout, device, pin_memory)
+
+
+def native_dropout(input, p: float, train: bool | None = True):
+    """``aten.native_dropout``: ONNX's Dropout (onnxruntime takes a ratio below 1 only). With
+    ``p = 1`` in training everything is dropped: ``input * 0`` (NaN where the input is not
+    finite, and a zero gradient, as PyTorch's) and an all-False mask."""
+    if train and p >= 1:
+        dropped = op.Mul(input, _number_like(0.0, input))
+        return dropped, op.ConstantOfShape(op.Shape(input), value=ir.tensor(np.zeros([1], np.bool_)))
+    return op.Dropout(input, op.Constant(value=ir.tensor(np.array(p, np.float32))),
+                      op.Constant(value=ir.tensor(np.array(bool(train)))))
 
 
 def _info(matrix):
@@ -1075,6 +1104,8 @@ def translation_table() -> dict:
         torch.ops.aten._embedding_bag.default: embedding_bag,
         torch.ops.aten._embedding_bag_forward_only.default: embedding_bag,
         torch.ops.aten.detach.default: detach,
+        torch.ops.aten.native_dropout.default: native_dropout,
+        torch.ops.aten.scalar_tensor.default: scalar_tensor,
         torch.ops.aten.clamp.Tensor: clamp,
         torch.ops.aten.clamp_min.Tensor: clamp_min,
         torch.ops.aten.clamp_max.Tensor: clamp_max,

@@ -116,3 +116,28 @@ def test_embedding_gradients_scaled_by_frequency_match_eager(padding_idx):
     indices = torch.tensor([[1, 3, 3, 7], [3, 1, 0, 11]])  # row 3 three times, row 1 twice
     grads = assert_steps_match(eager, wrapped, indices)
     assert grads[0][3].abs().sum() > 0
+
+
+def test_a_sparse_embedding_runs_in_pytorch_for_its_sparse_gradient(tmp_path):
+    # onnxruntime's gradient is dense: SparseAdam refused it. ORTModule falls back, saying why;
+    # artifacts, whose optimizer is dense, train it with a dense gradient
+    import copy
+    import warnings
+
+    from onnxtrain.torch import ORTModule, ORTModuleFallbackWarning, export_for_training
+
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    model = ORTModule(copy.deepcopy(embedding))
+    ids = torch.tensor([[1, 2, 2], [3, 1, 0]])
+    optimizer = torch.optim.SparseAdam(list(model.parameters()), lr=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(ids).square().sum().backward()
+    assert any(issubclass(w.category, ORTModuleFallbackWarning) and "sparse=True" in str(w.message) for w in caught)
+    assert model.weight.grad.is_sparse
+    optimizer.step()
+    embedding(ids).square().sum().backward()
+    torch.testing.assert_close(model.weight.grad.to_dense(), embedding.weight.grad.to_dense())
+    onnx_model = export_for_training(copy.deepcopy(embedding), (ids,))
+    assert [n.op_type for n in onnx_model.graph.node if n.op_type == "Gather"]

@@ -132,7 +132,13 @@ def embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool =
     """``aten.embedding``: Gather rows of ``weight``; the padding row gets no gradient. With
     ``scale_grad_by_freq``, each row's gradient is divided by how often the batch uses it (a
     gradient-only factor on each gathered row: the values are the rows themselves). A negative
-    index fails the run, as PyTorch's raises (ONNX's Gather would read it from the end)."""
+    index fails the run, as PyTorch's raises (ONNX's Gather would read it from the end). With
+    ``sparse`` PyTorch's gradient is a sparse tensor of the rows looked up (what SparseAdam and
+    SparseSGD take), which onnxruntime's dense gradient cannot stand in for: refused."""
+    if sparse:
+        raise NotImplementedError("nn.Embedding(sparse=True): its gradient is a sparse tensor of the rows "
+                                  "looked up (for SparseAdam, SparseSGD), which ONNX Runtime's dense gradient "
+                                  "cannot stand in for; use sparse=False to train the embedding in ONNX Runtime")
     indices = _negative_out_of_range(indices, op.Squeeze(op.Shape(weight, start=0, end=1)))
     out = op.Gather(weight, indices, axis=0)
     if padding_idx is not None and padding_idx >= 0:
@@ -1183,8 +1189,9 @@ def artifacts_translation_table() -> dict:
     """The ``custom_translation_table`` to export a model with for artifacts (public as
     ``onnxtrain.torch.onnx_translation_table``; :func:`onnxtrain.torch.export_for_training` uses
     it): ORTModule's, except that training-mode BatchNorm is an ONNX ``BatchNormalization`` whose
-    running statistics the artifacts update and evaluate with. Padded embeddings carry their
-    padding index, ``nn.EmbeddingBag`` exports without a ``Loop``, ``detach()`` stops gradients.
+    running statistics the artifacts update and evaluate with, and a sparse ``nn.Embedding``
+    trains with a dense gradient. Padded embeddings carry their padding index,
+    ``nn.EmbeddingBag`` exports without a ``Loop``, ``detach()`` stops gradients.
 
     Example:
         >>> torch.onnx.export(model, args, dynamo=True, optimize=False,
@@ -1192,4 +1199,12 @@ def artifacts_translation_table() -> dict:
     """
     table = translation_table()
     table[torch.ops.aten._native_batch_norm_legit_functional.default] = batch_norm_for_artifacts
+    table[torch.ops.aten.embedding.default] = dense_gradient_embedding
     return table
+
+
+def dense_gradient_embedding(weight, indices, padding_idx: int = -1, scale_grad_by_freq: bool = False,
+                             sparse: bool = False):
+    """``aten.embedding`` for artifacts: :func:`embedding`, ``nn.Embedding(sparse=True)`` too (the
+    artifacts' optimizer updates dense gradients whatever PyTorch's optimizer would have taken)."""
+    return embedding(weight, indices, padding_idx, scale_grad_by_freq, sparse=False)

@@ -264,6 +264,20 @@ def test_export_intermediate_value_and_errors(module, tmp_path):
         module.export_model_for_inferencing(path, [])
 
 
+def test_export_keeps_an_input_requested_as_output_and_aliases_a_repeated_one(module, tmp_path):
+    # the input stays "x" (it was renamed "x_orig", so feeding {"x": ...} failed)
+    path = tmp_path / "inference.onnx"
+    module.export_model_for_inferencing(path, ["pred", "x", "pred"])
+    model = onnx.load(path)
+    onnx.checker.check_model(model, full_check=True)
+    assert [i.name for i in model.graph.input] == ["x"]
+    assert [o.name for o in model.graph.output] == ["pred", "x", "pred_alias_1"]
+    x, _ = batch()
+    pred, same_x, again = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_array_equal(same_x, x)
+    np.testing.assert_array_equal(again, pred)
+
+
 def test_export_needs_eval_model(artifacts, tmp_path):
     module = Module(artifacts.training, CheckpointState.load_checkpoint(artifacts.checkpoint))
     with pytest.raises(ModelError, match="eval model"):

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import OutputFixPass, RemoveUnusedNodesPass
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain.errors import ModelError
 from onnxtrain.ir import io
@@ -47,8 +47,25 @@ def export_inference_model(eval_model_uri: str, inference_model_uri: str | os.Pa
             kept.append(value)
     graph.inputs.clear()
     graph.inputs.extend(kept)
-    OutputFixPass()(model)  # an output that is a graph input or repeated gets an Identity
+    _alias_repeated_outputs(graph)
     for key in _METADATA_KEYS:
         model.metadata_props.pop(key, None)
         graph.metadata_props.pop(key, None)
     io.save_model(model, inference_model_uri)
+
+
+def _alias_repeated_outputs(graph: ir.Graph) -> None:
+    """An output requested again becomes an Identity of it named ``<name>_alias_<k>`` (a value is
+    one graph output). An input requested as an output stays the input, under its own name:
+    ONNX and onnxruntime take that, and the model is fed by the input's name."""
+    seen: dict[ir.Value, int] = {}
+    for position, value in enumerate(list(graph.outputs)):
+        if value not in seen:
+            seen[value] = 0
+            continue
+        seen[value] += 1
+        alias = ir.node("Identity", [value], name=f"{value.name}_alias_{seen[value]}")
+        alias.outputs[0].name = f"{value.name}_alias_{seen[value]}"
+        alias.outputs[0].type, alias.outputs[0].shape = value.type, value.shape
+        graph.append(alias)
+        graph.outputs[position] = alias.outputs[0]

@@ -150,10 +150,15 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
     leaves, spec = pytree.tree_flatten((args, kwargs))
     _reject_arrays(leaves, args, kwargs)
     positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    tensors = [leaves[i] for i in positions]
+    state, modules = _named_state(module)
+    # a view of the module's own parameter or buffer (m(x, m.weight[:2])) as an argument: torch's
+    # export cannot take an input that aliases the module's state; a copy (autograd carries its
+    # gradient back to the parameter) can
+    state_ids = {id(t) for t in state.values()}
+    tensors = [leaves[i].clone() if leaves[i]._base is not None and id(leaves[i]._base) in state_ids else leaves[i]
+               for i in positions]
     tensor_positions = set(positions)
     constants = tuple(_freeze(leaf) for i, leaf in enumerate(leaves) if i not in tensor_positions)
-    state, modules = _named_state(module)
     schema = CallSchema(
         tree=str(spec),
         constants=constants,

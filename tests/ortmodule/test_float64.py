@@ -35,7 +35,7 @@ def test_layer_norm_statistics_are_float64_for_a_float64_model(with_bias):
 
 class _Scalars(torch.nn.Module):
     """Python numbers in a float64 forward: a product, a sum, clamp and hardtanh bounds, BatchNorm's
-    momentum and eps."""
+    momentum and eps; and a tanh-approximate GELU (onnxruntime's float64 kernel has float32 constants)."""
 
     def __init__(self):
         super().__init__()
@@ -44,7 +44,8 @@ class _Scalars(torch.nn.Module):
 
     def forward(self, x):
         h = self.norm(self.linear(x)) * 0.7978845608028654 + 0.1
-        return torch.clamp(h, -0.3, 0.7) + torch.nn.functional.hardtanh(h, -0.45, 0.35) + h * h
+        return (torch.clamp(h, -0.3, 0.7) + torch.nn.functional.hardtanh(h, -0.45, 0.35) + h * h
+                + torch.nn.functional.gelu(h, approximate="tanh"))
 
 
 def test_python_numbers_of_a_float64_forward_are_float64():

@@ -14,6 +14,7 @@ from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.batch_norm import TrainingBatchNormPass
 from onnxtrain.passes.column_product import ColumnVectorProductPass
 from onnxtrain.passes.cse import DistinctDrawsCSEPass
+from onnxtrain.passes.double_gelu import DoubleTanhGeluPass
 from onnxtrain.passes.double_layer_norm import DoubleLayerNormPass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
@@ -40,12 +41,13 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     product with a column, which onnxruntime's fused kernel gets right (passes/column_product.py).
     The logarithm of a sigmoid becomes a softplus, which onnxruntime computes without underflow
     (passes/log_sigmoid.py). A float64 LayerNormalization becomes float64 primitives (onnxruntime
-    keeps its statistics in float32: passes/double_layer_norm.py). A negative class label of a
-    cross entropy or negative log-likelihood loss fails the run, as in PyTorch, instead of
-    training as a class from the end (passes/negative_labels.py).
+    keeps its statistics in float32: passes/double_layer_norm.py), a float64 tanh-approximate
+    Gelu too (onnxruntime's kernel has float32 constants: passes/double_gelu.py). A negative
+    class label of a cross entropy or negative log-likelihood loss fails the run, as in PyTorch,
+    instead of training as a class from the end (passes/negative_labels.py).
     """
-    return [InlinePass(), DoubleLayerNormPass(), DecomposePass(), NegativeLabelsPass(), FoldConstantsPass(),
-            LogSigmoidPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(), ColumnVectorProductPass(),
+    return [InlinePass(), DoubleLayerNormPass(), DoubleTanhGeluPass(), DecomposePass(), NegativeLabelsPass(),
+            FoldConstantsPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(), ColumnVectorProductPass(),
             RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 

@@ -14,14 +14,14 @@ from tests.passes._graphs import model_of, run
 SCORES = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
 
 
-def _losses(label_type=TensorProto.INT64, nll: bool = True):
+def _losses(label_type=TensorProto.INT64, nll: bool = True, opset: int = 17):
     nodes = [helper.make_node("SoftmaxCrossEntropyLoss", ["scores", "labels"], ["sce"], reduction="mean",
                               ignore_index=-100)]
     if nll:
         nodes += [helper.make_node("LogSoftmax", ["scores"], ["log_prob"], axis=1),
                   helper.make_node("NegativeLogLikelihoodLoss", ["log_prob", "labels"], ["nll"], reduction="sum")]
     return model_of(nodes, [("scores", ["N", 3]), ("labels", ["N"], label_type)], ["sce", "nll"][:1 + nll],
-                    opset=17)
+                    opset=opset)
 
 
 def _rewritten(proto, times=1):
@@ -30,9 +30,10 @@ def _rewritten(proto, times=1):
     return ir.to_proto(model), modified
 
 
+@pytest.mark.parametrize("opset", [13, 17])  # Shape takes start and end from opset 15 on
 @pytest.mark.parametrize("label_type, dtype", [(TensorProto.INT64, np.int64), (TensorProto.INT32, np.int32)])
-def test_labels_in_range_give_the_same_losses_and_negative_ones_fail(label_type, dtype):
-    proto = _losses(label_type)
+def test_labels_in_range_give_the_same_losses_and_negative_ones_fail(label_type, dtype, opset):
+    proto = _losses(label_type, opset=opset)
     negative = np.array([0, -1, 2, 1], dtype)
     before = run(proto, {"scores": SCORES, "labels": negative})  # the bug: -1 read as class 2
     np.testing.assert_array_equal(before, run(proto, {"scores": SCORES, "labels": np.array([0, 2, 2, 1], dtype)}))

@@ -28,18 +28,20 @@ _LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 # set on a loss node whose labels this pass guarded, so that running it again adds nothing
 GUARDED_METADATA = "onnxtrain.negative_labels_guarded"
 _LABEL_DTYPES = {ir.DataType.INT32: np.int32, ir.DataType.INT64: np.int64}
+# Shape takes start and end from this opset on
+_SHAPE_SLICE_OPSET = 15
 
 
 class NegativeLabelsPass(NodeRewritePass):
     """Guard the class labels of every ``SoftmaxCrossEntropyLoss`` and ``NegativeLogLikelihoodLoss``
     of the main graph: a negative one (but ``ignore_index``) is moved out of range."""
 
-    def match(self, node: ir.Node, opset: int) -> bool | None:
+    def match(self, node: ir.Node, opset: int) -> int | None:
         if not is_onnx_op(node, *_LOSSES) or node.metadata_props.get(GUARDED_METADATA):
             return None
-        return True if len(node.inputs) > 1 and node.inputs[1] is not None else None
+        return opset if len(node.inputs) > 1 and node.inputs[1] is not None else None
 
-    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: bool) -> None:
+    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: int) -> None:
         scores, labels = node.inputs[0], node.inputs[1]
         new = NewNodes(node, "negative_labels")
 
@@ -61,8 +63,11 @@ class NegativeLabelsPass(NodeRewritePass):
             ignored = add("Equal", [labels, constant(ignore.as_int())], ir.DataType.BOOL)
             negative = add("And", [negative, add("Not", [ignored], ir.DataType.BOOL)], ir.DataType.BOOL)
         class_axis = 0 if scores.shape is not None and len(scores.shape) == 1 else 1
-        classes = add("Gather", [add("Shape", [scores], ir.DataType.INT64), constant(class_axis, ir.DataType.INT64)],
-                      ir.DataType.INT64, {"axis": 0})
+        if plan >= _SHAPE_SLICE_OPSET:  # [classes]: folds to a constant where the class count is static
+            classes = add("Shape", [scores], ir.DataType.INT64, {"start": class_axis, "end": class_axis + 1})
+        else:
+            classes = add("Gather", [add("Shape", [scores], ir.DataType.INT64), constant(class_axis, ir.DataType.INT64)],
+                          ir.DataType.INT64, {"axis": 0})
         if label_type != ir.DataType.INT64:
             classes = add("Cast", [classes], label_type, {"to": int(label_type)})
         guarded = add("Where", [negative, add("Sub", [classes, labels], label_type), labels], label_type)

@@ -19,13 +19,44 @@ from onnxtrain.runtime.session import list_for_default_order
 BATCH, WIDTH, LAYERS = 8, 6, 3
 
 
-def _mlp() -> onnx.ModelProto:
-    """LAYERS blocks of h = LayerNorm(x); x = x + W2 @ tanh(W1 @ h) (symbolic batch), loss-free."""
+def _norm(kind: str, k: int) -> list[onnx.NodeProto]:
+    """``n{k}`` = the normalization of ``x{k}`` with scale ``g{k}`` (and shift ``c{k}``): the op, or
+    its decomposition as exporters write a model's own RMSNorm (Llama's) or LayerNorm."""
+    x, n = f"x{k}", f"n{k}"
+    if kind == "op":
+        return [helper.make_node("LayerNormalization", [x, f"g{k}", f"c{k}"], [n], axis=-1)]
+    nodes = [helper.make_node("Constant", [], [f"axes{k}"], value_ints=[-1]),
+             helper.make_node("Constant", [], [f"eps{k}"], value_float=1e-5)]
+    if kind == "rms":
+        nodes += [helper.make_node("Constant", [], [f"two{k}"], value_float=2.0),
+                  helper.make_node("Pow", [x, f"two{k}"], [f"sq{k}"]),
+                  helper.make_node("ReduceMean", [f"sq{k}", f"axes{k}"], [f"ms{k}"]),
+                  helper.make_node("Add", [f"ms{k}", f"eps{k}"], [f"mse{k}"]),
+                  helper.make_node("Sqrt", [f"mse{k}"], [f"rms{k}"]),
+                  helper.make_node("Reciprocal", [f"rms{k}"], [f"inv{k}"]),
+                  helper.make_node("Mul", [x, f"inv{k}"], [f"xs{k}"]),
+                  helper.make_node("Mul", [f"xs{k}", f"g{k}"], [n])]
+    else:
+        nodes += [helper.make_node("ReduceMean", [x, f"axes{k}"], [f"mean{k}"]),
+                  helper.make_node("Sub", [x, f"mean{k}"], [f"cen{k}"]),
+                  helper.make_node("Mul", [f"cen{k}", f"cen{k}"], [f"sq{k}"]),
+                  helper.make_node("ReduceMean", [f"sq{k}", f"axes{k}"], [f"var{k}"]),
+                  helper.make_node("Add", [f"var{k}", f"eps{k}"], [f"vare{k}"]),
+                  helper.make_node("Sqrt", [f"vare{k}"], [f"std{k}"]),
+                  helper.make_node("Div", [f"cen{k}", f"std{k}"], [f"z{k}"]),
+                  helper.make_node("Mul", [f"z{k}", f"g{k}"], [f"zs{k}"]),
+                  helper.make_node("Add", [f"zs{k}", f"c{k}"], [n])]
+    return nodes
+
+
+def _mlp(norm: str = "op") -> onnx.ModelProto:
+    """LAYERS blocks of h = LayerNorm(x); x = x + W2 @ tanh(W1 @ h) (symbolic batch), loss-free;
+    the normalization as ``_norm(norm)`` writes it."""
     nodes, inputs = [], [helper.make_tensor_value_info("x0", TensorProto.FLOAT, ["batch", WIDTH])]
     for k in range(LAYERS):
         x = f"x{k}"
+        nodes += _norm(norm, k)
         nodes += [
-            helper.make_node("LayerNormalization", [x, f"g{k}", f"c{k}"], [f"n{k}"], axis=-1),
             helper.make_node("MatMul", [f"n{k}", f"W1_{k}"], [f"a{k}"]),
             helper.make_node("Tanh", [f"a{k}"], [f"t{k}"]),
             helper.make_node("Mul", [f"t{k}", f"t{k}"], [f"s{k}"]),
@@ -50,8 +81,8 @@ def _values(model: onnx.ModelProto, seed=0) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _gradients(options: MemoryOptions | None):
-    proto = _mlp()
+def _gradients(options: MemoryOptions | None, norm: str = "op"):
+    proto = _mlp(norm)
     feeds = _values(proto)
     wrt = [n for n in feeds if n != "x0"]
     shapes = {n: v.shape for n, v in feeds.items()}
@@ -72,9 +103,11 @@ def _gradients(options: MemoryOptions | None):
 @pytest.mark.parametrize("options", [MemoryOptions(level=1), MemoryOptions(level=2), MemoryOptions(budget=0),
                                      MemoryOptions(budget=BATCH * 4 * WIDTH * 4 * 3)],
                          ids=["level1", "level2", "budget0", "budget-some"])
-def test_recompute_keeps_gradients_and_saves_less(options):
-    expected, plain = _gradients(None)
-    got, planned = _gradients(options)
+@pytest.mark.parametrize("norm", ["op", "rms", "layer"], ids=["LayerNormalization", "decomposed-RMSNorm",
+                                                          "decomposed-LayerNorm"])
+def test_recompute_keeps_gradients_and_saves_less(options, norm):
+    expected, plain = _gradients(None, norm)
+    got, planned = _gradients(options, norm)
     for name in expected:
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
     report = planned.memory
@@ -83,8 +116,9 @@ def test_recompute_keeps_gradients_and_saves_less(options):
     assert report.recomputed, "nothing recomputed"
     if options.budget is not None and options.budget > 0:
         assert report.saved_bytes <= options.budget
-    # layer inputs (read by LayerNormalization) are never recomputed
-    assert not {name for name, _ in report.recomputed} & {f"node_Add_{k}" for k in range(LAYERS)}
+    # layer inputs (read by a normalization, or its decomposition) are saved, never recomputed: a
+    # recomputed one chains the recompute of every layer below into the first backward use
+    assert {f"x{k}" for k in range(1, LAYERS)} <= {v.name for v in planned.forward.graph.outputs}
     assert "saved activations" in report.explain()
 
 

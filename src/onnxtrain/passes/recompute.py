@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import onnx_ir as ir
+from onnx_ir.convenience import get_const_tensor
 
 from onnxtrain.passes.memory import ValueSizes
 
@@ -62,11 +63,55 @@ BISECTION_STEPS = 24
 _WEIGHT_RANGE = (1e-6, 1.0)
 
 
+# How far (elementwise ops) a decomposed normalization's statistic travels before it meets the
+# normalized value again: RMSNorm's mean of squares -> + eps -> Sqrt -> Reciprocal -> Mul(x, .)
+_STATISTIC_STEPS = 5
+_STATISTIC_CHAIN = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Pow", "Cast", "Expand"})
+
+
 def layer_boundaries(nodes: Sequence[ir.Node]) -> set[ir.Node]:
-    """Forward nodes whose output a normalization reads: the layer inputs, never recomputed."""
+    """Forward nodes whose output a normalization reads: the layer inputs, never recomputed. The
+    normalization may be an op (LayerNormalization, ...) or its decomposition as exporters write
+    a model's own norm (Llama's RMSNorm, a training-mode BatchNorm): a mean over ``x`` or ``x``
+    squared whose result comes back to scale or shift ``x`` itself."""
     inside = set(nodes)
-    return {i.producer() for n in nodes if n.op_type in NORMALIZATIONS
-            for i in n.inputs[:1] if i is not None and i.producer() in inside}
+    inputs = [n.inputs[0] for n in nodes if n.op_type in NORMALIZATIONS and n.inputs and n.inputs[0] is not None]
+    inputs += [x for n in nodes if n.op_type == "ReduceMean" and (x := _decomposed_norm_input(n, inside)) is not None]
+    return {x.producer() for x in inputs if x.producer() in inside}
+
+
+def _decomposed_norm_input(mean: ir.Node, inside: set[ir.Node]) -> ir.Value | None:
+    """``x`` where ``mean`` is ``ReduceMean(x)`` or ``ReduceMean(x * x)`` (``Pow(x, 2)``) and its
+    result reaches, through a few elementwise ops, a Sub, Mul or Div that reads ``x`` too."""
+    source = mean.inputs[0] if mean.inputs else None
+    if source is None:
+        return None
+    square = source.producer()
+    x = source
+    if square is not None and square.op_type == "Mul" and square.inputs[0] is square.inputs[1]:
+        x = square.inputs[0]
+    elif square is not None and square.op_type == "Pow" and _is_two(square.inputs[1]):
+        x = square.inputs[0]
+    if x is not source and x.producer() is not None and x.producer().op_type == "Sub":
+        return None  # a variance of centered values: the mean subtracted marks the layer input
+    frontier = list(mean.outputs)
+    for _ in range(_STATISTIC_STEPS):
+        reached = []
+        for value in frontier:
+            for use in value.uses():
+                node = use.node
+                if node not in inside or node.op_type not in _STATISTIC_CHAIN:
+                    continue
+                if node.op_type in ("Sub", "Mul", "Div") and x in node.inputs:
+                    return x
+                reached.extend(node.outputs)
+        frontier = reached
+    return None
+
+
+def _is_two(value: ir.Value | None) -> bool:
+    tensor = get_const_tensor(value) if value is not None else None
+    return tensor is not None and tensor.size == 1 and float(tensor.numpy().reshape(-1)[0]) == 2.0
 
 
 def node_cost(node: ir.Node, sizes: ValueSizes) -> float:

@@ -9,13 +9,15 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from onnxtrain.errors import OnnxTrainError  # noqa: E402
-from onnxtrain.torch.optim import FP16_Optimizer, FusedAdam, LAMB, OptimizerConfigError  # noqa: E402
+from onnxtrain.torch.optim import FP16_Optimizer, FusedAdam, LAMB, OptimizerConfigError, ZeroOptimizer  # noqa: E402
 
 INNER = {
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01),
     "SGD": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "FusedAdam": lambda ps: FusedAdam(ps, lr=1e-3, weight_decay=0.01),
     "LAMB": lambda ps: LAMB(ps, lr=1e-3, weight_decay=0.01),
+    # keeps parameter references beside its groups: it rebuilds over the masters FP16_Optimizer puts there
+    "ZeroOptimizer": lambda ps: ZeroOptimizer(ps, FusedAdam, lr=1e-3, weight_decay=0.01),
 }
 
 

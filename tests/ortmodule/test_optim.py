@@ -361,6 +361,36 @@ def test_a_torch_adamw_state_dict_resumes_as_torch_adamw_would():
         torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-7)
     amsgrad = torch.optim.Adam(_params(), amsgrad=True).state_dict()
     before = copy.deepcopy(optimizer.state_dict())
-    with pytest.raises(OptimizerConfigError, match=r"group 0: it asks for \['amsgrad'\]"):
+    with pytest.raises(OptimizerConfigError, match=r"state dict's parameter group 0 asks for \['amsgrad'\]"):
         optimizer.load_state_dict(amsgrad)
     assert optimizer.state_dict()["param_groups"] == before["param_groups"]
+
+
+@pytest.mark.parametrize("optimizer_class", [FusedAdam, LAMB])
+@pytest.mark.parametrize("option", ["maximize", "amsgrad"])
+def test_a_group_asking_for_an_option_not_implemented_is_refused(optimizer_class, option):
+    # given in a group dict (not as an argument) it was accepted and silently ignored
+    params = _params()
+    with pytest.raises(OptimizerConfigError, match=rf"parameter group 0 asks for \['{option}'\]"):
+        optimizer_class([{"params": params[:1], option: True}], lr=1e-3)
+    optimizer = optimizer_class([{"params": params[:1]}], lr=1e-3)
+    with pytest.raises(OptimizerConfigError, match=option):
+        optimizer.add_param_group({"params": params[1:], option: True})
+
+
+@pytest.mark.parametrize("optimizer_class", [FusedAdam, LAMB])
+def test_a_learning_rate_from_a_numpy_scalar_or_tensor_trains_as_the_number(optimizer_class):
+    # a LambdaLR returning np.float32 (or a tensor lr) was refused in the middle of training
+    np = pytest.importorskip("numpy")
+    results = []
+    for lr in (0.01, np.float32(0.01), torch.tensor(0.01)):
+        params = _params()
+        optimizer = optimizer_class(params, lr=lr)
+        for step in range(3):
+            for p, g in zip(params, _grads(step, params)):
+                p.grad = g
+            optimizer.step()
+        results.append([p.detach().clone() for p in params])
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

@@ -3,6 +3,7 @@ run before any update, grouping by device and dtype, Adam's moment buffers."""
 
 from __future__ import annotations
 
+import numbers
 from collections import defaultdict
 
 import torch
@@ -35,7 +36,9 @@ def adam_hyperparameter_problems(lr, betas, eps, weight_decay) -> list[str]:
     """What is wrong with Adam-family hyperparameters (learning rate, betas, epsilon, weight
     decay), one message each; empty when they are valid."""
     problems = []
-    if not (isinstance(lr, (int, float)) and lr >= 0):
+    # any real number (a NumPy scalar from a scheduler's lambda too) or a one-element tensor
+    number = isinstance(lr, numbers.Real) or (isinstance(lr, torch.Tensor) and lr.numel() == 1)
+    if not (number and float(lr) >= 0):
         problems.append(f"lr must be a number >= 0, got {lr!r}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         problems.append(f"betas must be two numbers in [0, 1), got {betas!r}")
@@ -44,6 +47,18 @@ def adam_hyperparameter_problems(lr, betas, eps, weight_decay) -> list[str]:
     if not weight_decay >= 0:
         problems.append(f"weight_decay must be >= 0, got {weight_decay!r}")
     return problems
+
+
+# torch.optim.Adam options that this package's Adam-family optimizers do not implement
+UNIMPLEMENTED_ADAM_OPTIONS = ("amsgrad", "maximize")
+
+
+def refuse_unimplemented_options(optimizer: str, group: dict, what: str) -> None:
+    """``OptimizerConfigError`` if parameter group ``group`` (``what``: which one) asks for an
+    option in :data:`UNIMPLEMENTED_ADAM_OPTIONS`: it would be ignored, not honoured."""
+    asked = [key for key in UNIMPLEMENTED_ADAM_OPTIONS if group.get(key)]
+    if asked:
+        raise OptimizerConfigError(f"{optimizer}: {what} asks for {asked}, which {optimizer} does not implement")
 
 
 def by_device_and_dtype(params) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:

@@ -102,6 +102,8 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
         if len(devices) > 1:
             raise OptimizerConfigError(f"FP16_Optimizer: parameters on several device types {sorted(devices)}; "
                                        "expected one")
+        if self._masters:
+            _tell_parameters_replaced(optimizer)
         device = devices.pop() if devices else "cpu"
         from onnxtrain.torch.amp import GradScaler  # not at the top: amp imports this package's errors
         if self.dynamic_loss_scale:
@@ -233,3 +235,17 @@ def _clear(p: torch.Tensor, set_to_none: bool) -> None:
     else:
         p.grad.detach_()
         p.grad.zero_()
+
+
+def _tell_parameters_replaced(optimizer) -> None:
+    """Let ``optimizer`` know that its groups now hold the fp32 masters. An optimizer that keeps
+    parameter references of its own beside its groups (onnxtrain's ZeroOptimizer, PyTorch's
+    ZeroRedundancyOptimizer) would otherwise go on updating the low-precision tensors and leave
+    the masters as they were: ZeroOptimizer rebuilds itself, one that cannot is refused."""
+    replaced = getattr(optimizer, "parameters_replaced", None)
+    if callable(replaced):
+        replaced()
+        return
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer":
+        raise OptimizerConfigError("FP16_Optimizer cannot wrap torch's ZeroRedundancyOptimizer (it keeps its own "
+                                   "parameter references); use onnxtrain.torch.optim.ZeroOptimizer")

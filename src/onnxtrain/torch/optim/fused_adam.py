@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_hyperparameter_problems, adam_moments,
-                                           by_device_and_dtype, check_gradients, evaluate_closure)
+                                           by_device_and_dtype, check_gradients, evaluate_closure,
+                                           refuse_unimplemented_options)
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
@@ -130,7 +131,7 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
             group["step"] = group.get("step", 0) + 1
             beta1, beta2 = group["betas"]
             for step, at_step in self._count_steps(with_grad, group["step"]).items():
-                update = _update_for(self.adam_w_mode, group["lr"], beta1, beta2, group["eps"],
+                update = _update_for(self.adam_w_mode, float(group["lr"]), beta1, beta2, group["eps"],
                                      group["weight_decay"], step, group["bias_correction"])
                 self._apply(update, at_step, beta1, beta2)
         return loss
@@ -174,8 +175,15 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
                 _fused_update(*alike, update, beta1, beta2, device)
             _foreach_update(*(tuple([ts[i] for i in sorted(unlike)] for ts in tensors)), update, beta1, beta2)
 
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``; a group asking for ``amsgrad`` or ``maximize``
+        is refused (FusedAdam would not honour it)."""
+        refuse_unimplemented_options("FusedAdam", param_group, f"parameter group {len(self.param_groups)}")
+        super().add_param_group(param_group)
+
     def _check_groups(self) -> None:
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
+            refuse_unimplemented_options("FusedAdam", group, f"parameter group {index}")
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         check_gradients("FusedAdam", self.param_groups, "; use torch.optim.SparseAdam")
 
@@ -185,10 +193,7 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
         group lacks). A group asking for what this optimizer does not do (``amsgrad``,
         ``maximize``) is refused before anything is loaded."""
         for index, group in enumerate(state_dict.get("param_groups", [])):
-            unsupported = [key for key in ("amsgrad", "maximize") if group.get(key)]
-            if unsupported:
-                raise OptimizerConfigError(f"FusedAdam cannot resume parameter group {index}: it asks for "
-                                           f"{unsupported}, which FusedAdam does not implement")
+            refuse_unimplemented_options("FusedAdam", group, f"the state dict's parameter group {index}")
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for key, value in self.defaults.items():

@@ -29,7 +29,8 @@ from collections import defaultdict
 import torch
 
 from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_hyperparameter_problems, adam_moments,
-                                           by_device_and_dtype, check_gradients, evaluate_closure)
+                                           by_device_and_dtype, check_gradients, evaluate_closure,
+                                           refuse_unimplemented_options)
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 
@@ -82,6 +83,12 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         self.max_grad_norm = max_grad_norm
         self.use_nvlamb = bool(use_nvlamb)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``; a group asking for ``amsgrad`` or ``maximize``
+        is refused (LAMB would not honour it)."""
+        refuse_unimplemented_options("LAMB", param_group, f"parameter group {len(self.param_groups)}")
+        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -153,7 +160,7 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
             # as apex: 1 where a norm is 0; a NaN norm gives a NaN ratio (the tensor is spoiled)
             ratios = torch.where((p_norms != 0) & (u_norms != 0), ratios, torch.ones_like(ratios))
             torch._foreach_mul_(updates, list(ratios.unbind()))
-        torch._foreach_add_(params, updates, alpha=-group["lr"])
+        torch._foreach_add_(params, updates, alpha=-float(group["lr"]))
 
     def _check_groups(self) -> None:
         for group in self.param_groups:
@@ -173,6 +180,7 @@ def _norms(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
 
 
 def _check_group(group: dict) -> None:
+    refuse_unimplemented_options("LAMB", group, "a parameter group")
     problems = adam_hyperparameter_problems(group["lr"], group["betas"], group["eps"], group["weight_decay"])
     if not group["ratio_min"] <= group["ratio_max"]:
         problems.append(f"ratio_min must be <= ratio_max, got ratio_min={group['ratio_min']!r}, "

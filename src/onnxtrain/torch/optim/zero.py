@@ -185,16 +185,30 @@ class ZeroOptimizer(torch.optim.Optimizer):
         else:
             self.world_size, self.rank, sources = 1, 0, [0]
         self.reduce_gradients = reduce_gradients
+        self._optimizer_class, self._defaults, self._sources, self._bucket_bytes = (
+            optimizer_class, defaults, sources, bucket_bytes)
+        self._partition_and_build()
+
+    def _partition_and_build(self) -> None:
+        """Partition the parameters of ``param_groups`` and build this rank's optimizer over its own."""
         self._params = [p for group in self.param_groups for p in group["params"]]
         if self.world_size > 1:
             self._check_same_parameters_everywhere()
         self.partition = partition_parameters(self._params, self.world_size)
         owned = set(self.partition.owned(self.rank))
         self._local_positions = sorted(owned)  # the local optimizer's parameter order
-        self.optim = optimizer_class(self._local_groups(self.param_groups, owned), **defaults)
+        self.optim = self._optimizer_class(self._local_groups(self.param_groups, owned), **self._defaults)
         self.state = self.optim.state
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)  # its filled-in defaults
-        self._buckets = _buckets(self._params, self.partition, sources, bucket_bytes)
+        self._buckets = _buckets(self._params, self.partition, self._sources, self._bucket_bytes)
+
+    def parameters_replaced(self) -> None:
+        """Rebuild over the tensors ``param_groups`` now lists, after a wrapper put others in their
+        places before the first step (``FP16_Optimizer``'s fp32 masters): the local optimizer and
+        the exchange held the old ones, so the masters were never updated."""
+        if any(self.optim.state.values()):
+            raise OptimizerConfigError("ZeroOptimizer: parameters can be replaced before the first step only")
+        self._partition_and_build()
 
     def _check_same_parameters_everywhere(self) -> None:
         """Every rank must partition the same list, or the exchange would mix tensors up."""

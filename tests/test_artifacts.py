@@ -339,3 +339,30 @@ def test_parameters_keep_the_models_order_whatever_order_the_lists_name_them_in(
     values = {p.name: numpy_helper.to_array(p) for p in regression_model().graph.initializer}
     np.testing.assert_array_equal(module.get_contiguous_parameters(trainable_only=True).numpy(),
                                   np.concatenate([values[n].ravel() for n in ("b1", "w2", "b2")]))
+
+
+@pytest.mark.parametrize("requires_grad", [None, ["w", "scale", "shift"]], ids=["default", "listed"])
+def test_running_statistics_of_a_training_batch_norm_update_whatever_the_lists(tmp_path, requires_grad):
+    # listed parameters (upstream's usual call) left the statistics out of both lists: they became
+    # constants, and the eval model normalized with the initial 0 / 1 forever
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(np.ones(3, np.float32), "scale"),
+             numpy_helper.from_array(np.zeros(3, np.float32), "shift"),
+             numpy_helper.from_array(np.zeros(3, np.float32), "mean"),
+             numpy_helper.from_array(np.ones(3, np.float32), "var")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("BatchNormalization", ["h", "scale", "shift", "mean", "var"],
+                              ["y", "new_mean", "new_var"], training_mode=1, momentum=0.9)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])], inits)
+    artifacts.generate_artifacts(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)]),
+                                 requires_grad=requires_grad, loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert {"mean", "var"} <= {name for name, _ in state.parameters} and not state.parameters["mean"].requires_grad
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    x = (rng.standard_normal((8, 4)) * 3 + 2).astype(np.float32)
+    module(x, np.zeros((8, 3), np.float32))
+    h = x @ state.parameters["w"].data
+    np.testing.assert_allclose(state.parameters["mean"].data, 0.1 * h.mean(axis=0), rtol=1e-5, atol=1e-6)

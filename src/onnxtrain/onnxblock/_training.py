@@ -37,12 +37,17 @@ class Parameters:
     frozen: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def _batch_norm_statistics(graph: ir.Graph) -> list[str]:
-    """Initializers used as BatchNormalization running mean/variance (buffers, not parameters)."""
+def _batch_norm_statistics(graph: ir.Graph, training_mode_only: bool = False) -> list[str]:
+    """Initializers used as BatchNormalization running mean/variance (buffers, not parameters);
+    with ``training_mode_only``, of the nodes in training mode (which update them)."""
     stats = []
     for node in graph:
-        if is_onnx_op(node, "BatchNormalization"):
-            stats += [v.name for v in node.inputs[3:5] if v is not None and v.is_initializer()]
+        if not is_onnx_op(node, "BatchNormalization"):
+            continue
+        mode = node.attributes.get("training_mode")
+        if training_mode_only and not (mode is not None and mode.as_int()):
+            continue
+        stats += [v.name for v in node.inputs[3:5] if v is not None and v.is_initializer() and v.name not in stats]
     return stats
 
 
@@ -87,6 +92,12 @@ def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
         # what PyTorch froze stays a parameter (in the checkpoint), not trained
         declared = declared_parameters(model) or {"frozen": []}
         frozen_params += [n for n in declared["frozen"] if n not in frozen_params and n in model.graph.initializers]
+    else:
+        # running statistics a training-mode BatchNormalization updates are state, whatever the
+        # lists say: left out of both, they would become constants and never move
+        requires_grad = list(requires_grad)
+        frozen_params += [n for n in _batch_norm_statistics(model.graph, training_mode_only=True)
+                          if n not in frozen_params and n not in requires_grad]
     requires_grad = list(requires_grad)
     requires_grad += [n for n in added if n not in requires_grad and n not in frozen_params]
     inits = model.graph.initializers

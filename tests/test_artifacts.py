@@ -209,6 +209,21 @@ def test_custom_loss_block_and_loss_input_names(tmp_path):
     assert meta["loss_inputs"] == ["target"] and meta["user_inputs"] == ["x"]
 
 
+def test_a_training_block_as_the_loss_is_refused_with_the_reason(tmp_path):
+    # it is a Block too: accepted, it built a training model of its own and failed on a renamed loss
+    class Combined(onnxblock.TrainingBlock):
+        def __init__(self):
+            super().__init__()
+            self.mse = onnxblock.loss.MSELoss()
+
+        def build(self, output_name):
+            return self.mse(output_name, "target")
+
+    with pytest.raises(ArtifactError, match=r"loss is an onnxblock.TrainingBlock \(Combined\).*onnxblock.Block"):
+        make(tmp_path, loss=Combined())
+    assert not list(tmp_path.iterdir())
+
+
 RESUME_SCRIPT = textwrap.dedent("""
     import sys, numpy as np
     sys.path.insert(0, {tests!r})

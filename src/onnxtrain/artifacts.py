@@ -81,6 +81,10 @@ def _loss_block(loss) -> blocks.Block:
         return blocks.PassThrough()
     if isinstance(loss, LossType):
         return _LOSS_BLOCKS[loss]()
+    if isinstance(loss, TrainingBlock):  # a Block too, but one that builds a whole training model
+        raise ArtifactError(f"loss is an onnxblock.TrainingBlock ({type(loss).__name__}): generate_artifacts builds "
+                            "the training model itself; write the loss as an onnxblock.Block (subclass Block, "
+                            "whose build returns the loss's name)")
     if isinstance(loss, blocks.Block):
         return loss
     raise ArtifactError(f"loss must be an artifacts.LossType or an onnxblock.Block, got {type(loss).__name__}")

@@ -255,3 +255,32 @@ def test_a_view_of_the_modules_parameter_as_an_argument(view):
     for m in (model, ref):
         m(x, view(m.w)).square().sum().backward()
     torch.testing.assert_close(module.w.grad, ref.w.grad, rtol=1e-5, atol=1e-5)
+
+
+class _CausalWhenLong(torch.nn.Module):
+    """Causal attention only over more than one position (transformers' ``is_causal = length > 1``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=x.shape[1] > 1)
+
+
+def test_a_call_that_cannot_export_dynamically_gets_its_own_shapes():
+    # with dynamic=True (ORTTrainer's default) a model whose code needs a concrete length (in
+    # transformers, a length-1 batch's is_causal) failed the export, and ran in PyTorch from then on
+    torch.manual_seed(0)
+    ref = _CausalWhenLong()
+    module = copy.deepcopy(ref)
+    model = ORTModule(module, DebugOptions(fallback=False), dynamic=True)
+    for length in (5, 1, 7):
+        x = torch.randn(2, length, 8)
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        for p, q in zip(module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    # no dynamic graph exports (the symbolic bool): each length gets a graph of its own shapes
+    assert model.export_count == 3 and model.fallback_reason is None

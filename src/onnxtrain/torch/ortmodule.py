@@ -595,9 +595,18 @@ class ORTModule(ModuleWrapper):
         if like is not None:
             graph = export(like.dynamic)
             return _Variant(graph, dynamic=like.dynamic, dynamic_tried=like.dynamic_tried)
-        if self._dynamic is not None:
-            graph = export(self._dynamic)
-            return _Variant(graph, dynamic=self._dynamic, dynamic_tried=self._dynamic)
+        if self._dynamic is False:
+            return _Variant(export(False))
+        if self._dynamic:
+            try:
+                return _Variant(export(True), dynamic=True, dynamic_tried=True)
+            except ExportError as exc:
+                # a shape the model's code decides on (transformers' attention takes
+                # ``is_causal = length > 1``): this call gets a graph of its own shapes, later
+                # calls of other shapes still a dynamic one
+                logger.info("%s does not export with dynamic shapes for this call (%s); exporting its shapes",
+                            type(self._original_module).__name__, exc)
+                return _Variant(export(False), dynamic_tried=True)
         if not variants or any(v.dynamic_tried for v in variants):
             return _Variant(export(False))
         try:

@@ -281,6 +281,14 @@ def test_training_arguments_accept_every_trainer_optim_and_ours(tmp_path):
     assert args.to_dict()["optim"] == "adamw_ort_fused"
     with pytest.raises(ValueError):
         ORTTrainingArguments(str(tmp_path), optim="no_such_optimizer")
+    # on a command line, as Hugging Face's example scripts parse it (argparse refused it as a choice)
+    parser = transformers.HfArgumentParser(ORTTrainingArguments)
+    for name, expected in (("adamw_ort_fused", ORTOptimizerNames.ADAMW_ORT_FUSED),
+                           ("adamw_torch", transformers.training_args.OptimizerNames.ADAMW_TORCH)):
+        (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--optim", name])
+        assert parsed.optim == expected
+    (parsed,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path)])
+    assert parsed.optim == transformers.TrainingArguments(str(tmp_path)).optim  # the default is Trainer's
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import onnxruntime
 import torch
@@ -55,6 +55,10 @@ def _ort_optimizer(name) -> ORTOptimizerNames | None:
         return None
 
 
+# TrainingArguments' own optim field (its default and help)
+_BASE_OPTIM = next(f for f in fields(transformers.TrainingArguments) if f.name == "optim")
+
+
 @dataclass
 class ORTTrainingArguments(transformers.TrainingArguments):
     """``transformers.TrainingArguments`` that also accept ``optim="adamw_ort_fused"`` and
@@ -71,6 +75,11 @@ class ORTTrainingArguments(transformers.TrainingArguments):
         ...                             weight_decay=0.01, report_to="none")
     """
 
+    # redeclared as a plain string: HfArgumentParser offers OptimizerNames' values as the only
+    # choices of the inherited field, so `--optim adamw_ort_fused` was refused on a command line
+    optim: str = field(default=_BASE_OPTIM.default, metadata={
+        "help": f"{_BASE_OPTIM.metadata.get('help', 'The optimizer to use.')} Also 'adamw_ort_fused' "
+                f"(onnxtrain's FusedAdam in torch.optim.AdamW's update)."})
     use_module_with_loss: bool = False
     save_onnx: bool = False
     onnx_prefix: str | None = None

@@ -97,6 +97,13 @@ test('the exported inference model computes the eval model\'s logits without the
   assert.deepEqual(parameters['fc.weight'].dims, [10, 64]);
   await assert.rejects(module.exportModelForInferencing(['loss']), (error) =>
     error instanceof node.ModelError && /depend on the loss inputs \["labels"\]/.test(error.message));
+  // an input requested as an output stays the input; a repeated output gets an alias (as Python's)
+  const both = await node.ort.InferenceSession.create(await module.exportModelForInferencing(['logits', 'image', 'logits']));
+  assert.deepEqual(both.inputNames, ['image']);
+  assert.deepEqual(both.outputNames, ['logits', 'image', 'logits_alias_1']);
+  const out = await both.run({ image: images });
+  assert.deepEqual(out.logits_alias_1.data, out.logits.data);
+  assert.deepEqual(out.image.data, images.data);
 });
 
 test('gradients accumulate until lazyResetGrad, as in the Python runtime', async () => {

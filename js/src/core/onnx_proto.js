@@ -18,7 +18,7 @@ export const OPTIMIZER_METADATA_KEY = 'onnxtrain.optimizer';
 
 const MODEL = { graph: 7, metadataProps: 14 };
 const GRAPH = { node: 1, initializer: 5, input: 11, output: 12, valueInfo: 13, metadataProps: 16 };
-const NODE = { input: 1, output: 2, attribute: 5 };
+const NODE = { input: 1, output: 2, name: 3, opType: 4, attribute: 5 };
 const ATTRIBUTE = { graph: 6, graphs: 11 };
 const TENSOR = { dims: 1, dataType: 2, name: 8, rawData: 9 };
 const NAMED = { name: 1 }; // ValueInfoProto.name, StringStringEntryProto.key
@@ -334,7 +334,25 @@ export function buildInferenceModel(evalModel, outputNames, parameters, lossInpu
       parts.push(raw);
     }
   }
-  for (const name of outputNames) parts.push(bytesField(GRAPH.output, /** @type {Uint8Array} */ (typed.get(name))));
+  // a value is one graph output: a repeated one is an Identity of it named `<name>_alias_<k>`
+  // (as the Python runtime writes it); an input requested as an output stays that input
+  /** @type {Map<string, number>} */
+  const repeats = new Map();
+  for (const name of outputNames) {
+    const info = /** @type {Uint8Array} */ (typed.get(name));
+    const seen = repeats.get(name);
+    repeats.set(name, seen === undefined ? 0 : seen + 1);
+    if (seen === undefined) {
+      parts.push(bytesField(GRAPH.output, info));
+      continue;
+    }
+    const alias = `${name}_alias_${seen + 1}`;
+    const encoded = (/** @type {string} */ text) => new TextEncoder().encode(text);
+    parts.push(bytesField(GRAPH.node, concat([bytesField(NODE.input, encoded(name)), bytesField(NODE.output, encoded(alias)),
+      bytesField(NODE.name, encoded(alias)), bytesField(NODE.opType, encoded('Identity'))])));
+    const rest = splitFields(info).filter((f) => f.number !== NAMED.name).map((f) => info.subarray(f.start, f.end));
+    parts.push(bytesField(GRAPH.output, concat([bytesField(NAMED.name, encoded(alias)), ...rest])));
+  }
   const newGraph = concat([...parts, ...initializers]);
 
   const modelParts = [];

@@ -381,3 +381,44 @@ def test_running_statistics_of_a_training_batch_norm_update_whatever_the_lists(t
     module(x, np.zeros((8, 3), np.float32))
     h = x @ state.parameters["w"].data
     np.testing.assert_allclose(state.parameters["mean"].data, 0.1 * h.mean(axis=0), rtol=1e-5, atol=1e-6)
+
+
+def _scored_model():
+    """x @ w -> y, and y's mean as a second output m (for the output-order tests)."""
+    w = numpy_helper.from_array(np.ones((3, 2), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("ReduceMean", ["y"], ["m"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("m", TensorProto.FLOAT, []),
+                               helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_outputs_follow_upstreams_order_and_loss_none_takes_the_first_output(tmp_path):
+    # upstream: (loss, what the loss block returned after it, additional_output_names); loss=None with
+    # several outputs: the first is the loss, the others outputs (it was refused)
+    artifacts.generate_artifacts(_scored_model(), requires_grad=["w"], loss=None, artifact_directory=tmp_path / "a")
+    outputs = [o.name for o in onnx.load(tmp_path / "a" / "eval_model.onnx").graph.output]
+    assert outputs == ["m", "y"]
+
+    class LossAndScores(onnxblock.Block):
+        def __init__(self):
+            super().__init__()
+            self.mse = onnxblock.loss.MSELoss()
+
+        def build(self, mean_name, output_name):
+            return self.mse(output_name, "target"), output_name
+
+    artifacts.generate_artifacts(_scored_model(), requires_grad=["w"], loss=LossAndScores(),
+                                 additional_output_names=["m"], artifact_directory=tmp_path / "b")
+    outputs = [o.name for o in onnx.load(tmp_path / "b" / "eval_model.onnx").graph.output]
+    assert outputs == ["loss", "y", "m"]
+
+
+def test_an_empty_requires_grad_trains_nothing(tmp_path):
+    # as upstream: only what is named trains ([] was taken as "not given": everything trained)
+    artifacts.generate_artifacts(_scored_model(), requires_grad=[], loss=None, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert [name for name, _ in state.parameters] == []
+    with pytest.raises(ArtifactError, match="at least one parameter that requires gradients"):
+        artifacts.generate_artifacts(_scored_model(), requires_grad=[], loss=None, optimizer=artifacts.OptimType.SGD,
+                                     artifact_directory=tmp_path / "b")

@@ -208,10 +208,8 @@ def generate_artifacts(
         if unknown:
             raise ArtifactError(f"loss_input_names {unknown} are not outputs of the model {output_names}")
         output_names = list(loss_input_names)
-    if loss is None and len(output_names) != 1:
-        raise ArtifactError(f"with loss=None the model must have exactly one output (the loss), it has {output_names}")
-
-    training_block = _Training(_loss_block(loss))
+    training_block = _Training(_loss_block(loss))  # loss=None: the first output is the loss, the others outputs
+    training_block._trains_every_parameter = requires_grad is None  # noqa: SLF001
     for name in requires_grad or []:
         training_block.requires_grad(name)
     for name in frozen_params or []:

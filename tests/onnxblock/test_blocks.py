@@ -59,7 +59,8 @@ def test_linear_parameters_train_and_the_base_stays_frozen():
     assert not np.array_equal(other, weight)
 
 
-def test_without_requires_grad_every_parameter_trains_and_two_heads_get_their_own_names():
+def test_the_models_initializers_train_when_named_blocks_parameters_always_and_two_heads_get_their_own_names():
+    # as upstream: a model initializer named in neither requires_grad list stays a constant
     class TwoHeads(onnxblock.TrainingBlock):
         def __init__(self):
             super().__init__()
@@ -70,7 +71,12 @@ def test_without_requires_grad_every_parameter_trains_and_two_heads_get_their_ow
         def build(self, features):
             return self.loss(self.second(self.first(features)))
 
-    block = _built(TwoHeads(), frozen=())
+    unnamed = _built(TwoHeads(), frozen=())
+    assert [t.name for t in unnamed.parameters()[0]] == ["linear.weight", "linear_1.weight", "linear_1.bias"]
+    assert not unnamed.parameters()[1]
+    block = TwoHeads()
+    block.requires_grad("F")
+    block = _built(block, frozen=())
     trainable, frozen = block.parameters()
     assert [t.name for t in trainable] == ["F", "linear.weight", "linear_1.weight", "linear_1.bias"] and not frozen
     # alpha scales the product, beta the bias: the eval model computes alpha * x @ W + beta * b
@@ -154,7 +160,9 @@ class _LossAndScores(onnxblock.TrainingBlock):
 
 
 def test_upstream_call_forms_build_models_whose_outputs_are_the_names_returned():
-    block = _built(_LossAndScores(), frozen=())
+    block = _LossAndScores()
+    block.requires_grad("F")
+    block = _built(block, frozen=())
     with onnxblock.base(_feature_extractor(), "model.onnx"):  # upstream's model_path: not needed
         loss_name, scores_name = block("features")
     training, evaluation = block.to_model_proto()
@@ -181,3 +189,11 @@ def test_sgd_takes_clip_grad_first_as_upstream():
     assert onnxblock.optim.SGD(onnxblock.optim.ClipGradNorm(2.5)).clip_grad.max_norm == 2.5
     with pytest.raises(ArtifactError, match="clip_grad must be an optim.ClipGradNorm"):
         onnxblock.optim.SGD(0.9)
+
+
+def test_constant_in_upstreams_slot_is_float32_whatever_the_number():
+    # upstream writes Constant(value_float) as float32: Constant(2) * a float loss was an int64 model
+    for value in (2, np.float64(2.0), 2.5, np.int64(3)):
+        assert onnxblock.blocks.Constant(value)._value_array.dtype == np.float32  # noqa: SLF001
+    assert onnxblock.blocks.Constant(value=np.arange(3))._value_array.dtype == np.arange(3).dtype  # noqa: SLF001
+    assert onnxblock.blocks.PassThrough().build("a", "b") == ("a", "b")

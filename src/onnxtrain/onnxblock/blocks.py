@@ -177,12 +177,10 @@ class Cast(Block):
 
 
 class Constant(Block):
-    """A constant value: a numpy array or scalar (its dtype kept), or Python numbers; given
-    positionally, as ``value_float=`` (upstream's keyword) or ``value=``.
-
-    Python floats (alone or in lists) become float32, the dtype models train in, as upstream's
-    ``Constant(value_float)`` (a float64 constant would make ``Mul(constant, loss)`` a model
-    onnxruntime refuses); Python ints become int64. ``dtype`` overrides either.
+    """A constant value, given positionally or as ``value_float=`` (upstream's slot: float32,
+    whatever the number's type, as upstream's ``Constant(value_float)``; ``Constant(2)`` times a
+    float loss is a float model), or as ``value=`` (a numpy array or scalar keeps its dtype,
+    Python floats become float32 and Python ints int64). ``dtype`` overrides either.
     """
 
     def __init__(self, value_float=None, dtype=None, *, value=None):
@@ -190,6 +188,8 @@ class Constant(Block):
         if (value_float is None) == (value is None):
             raise TypeError("Constant takes one value: Constant(x), Constant(value_float=x) (upstream's "
                             "keyword) or Constant(value=array)")
+        if value is None and dtype is None:  # upstream's slot: a float32 constant, whatever the number's type
+            dtype = np.float32
         value = value_float if value is None else value
         array = np.asarray(value, dtype=dtype)
         if dtype is None and array.dtype == np.float64 and not isinstance(value, (np.ndarray, np.generic)):
@@ -201,10 +201,13 @@ class Constant(Block):
 
 
 class PassThrough(Block):
-    """Returns its input name unchanged (e.g. a model whose output already is the loss)."""
+    """Returns its input names unchanged (e.g. a model whose outputs already are the loss, then
+    other values): one name as it is, several as a tuple (upstream's)."""
 
-    def build(self, input_name: str) -> str:
-        return input_name
+    def build(self, *input_names: str) -> str | tuple[str, ...]:
+        if not input_names:
+            raise TypeError("PassThrough takes at least one input name")
+        return input_names[0] if len(input_names) == 1 else input_names
 
 
 class InputLike(Block):

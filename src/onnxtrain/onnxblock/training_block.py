@@ -89,6 +89,9 @@ class TrainingBlock(Block):
         super().__init__()
         self._requires_grad: list[str] = []
         self._frozen: list[str] = []
+        # as upstream, only what requires_grad() named trains; generate_artifacts(requires_grad=None)
+        # sets this to train every float initializer instead (onnxtrain's default there)
+        self._trains_every_parameter = False
         self._parameters: Parameters | None = None
         self._training_model: ir.Model | None = None
         self._eval_model: ir.Model | None = None
@@ -117,7 +120,8 @@ class TrainingBlock(Block):
         built = super().__call__(*args, **kwargs)
         # initializers the blocks added are constants of the loss, unless a block made them parameters
         constants = set(ctx.graph.initializers) - before - set(ctx.new_parameters)
-        self._parameters = select_parameters(ctx.ir_model, self._requires_grad or None, self._frozen,
+        named = None if self._trains_every_parameter else self._requires_grad
+        self._parameters = select_parameters(ctx.ir_model, named, self._frozen,
                                              added=ctx.new_parameters, constants=constants)
         # the loss name, or (as upstream) the loss then more outputs for the training and eval models
         names = list(built) if isinstance(built, (tuple, list)) else [built]
@@ -125,7 +129,8 @@ class TrainingBlock(Block):
             raise ArtifactError(f"a TrainingBlock's build must return the loss name (or the loss name then "
                                 f"other output names), got {built!r}")
         loss_name, extra = names[0], names[1:]
-        additional = [*self.additional_output_names, *(n for n in extra if n not in self.additional_output_names)]
+        # as upstream: the loss, the values the build returned after it, then additional_output_names
+        additional = [*extra, *(n for n in self.additional_output_names if n not in extra)]
         model = io.load_model(io.to_proto(ctx.ir_model))
         self._training_model, self._eval_model = build_training_and_eval(
             model, loss_name, self._parameters, user_inputs, additional,

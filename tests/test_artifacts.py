@@ -422,3 +422,11 @@ def test_an_empty_requires_grad_trains_nothing(tmp_path):
     with pytest.raises(ArtifactError, match="at least one parameter that requires gradients"):
         artifacts.generate_artifacts(_scored_model(), requires_grad=[], loss=None, optimizer=artifacts.OptimType.SGD,
                                      artifact_directory=tmp_path / "b")
+
+
+@pytest.mark.parametrize("argument", ["requires_grad", "frozen_params", "additional_output_names", "loss_input_names"])
+def test_a_name_list_given_as_one_string_is_refused_and_errors_are_runtime_errors_as_upstreams(tmp_path, argument):
+    # "logits" was split into ['l', 'o', ...] and reported as unknown values; upstream raised RuntimeError
+    with pytest.raises(ArtifactError, match=rf"{argument} must be a list of names, got the string 'w'") as info:
+        artifacts.generate_artifacts(_scored_model(), **{argument: "w"}, artifact_directory=tmp_path)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)

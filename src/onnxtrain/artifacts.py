@@ -201,6 +201,11 @@ def generate_artifacts(
 
     if custom_op_library is not None:
         raise ArtifactError("custom_op_library is not supported: onnxtrain emits standard ONNX ops only")
+    for argument, names in (("requires_grad", requires_grad), ("frozen_params", frozen_params),
+                            ("additional_output_names", additional_output_names),
+                            ("loss_input_names", loss_input_names)):
+        if isinstance(names, (str, bytes)):
+            raise ArtifactError(f"{argument} must be a list of names, got the string {names!r}")
     base_model = io.load_model(model)
     output_names = [o.name for o in base_model.graph.outputs]
     if loss_input_names is not None:

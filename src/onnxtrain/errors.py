@@ -43,8 +43,9 @@ class CheckpointError(OnnxTrainError):
     """A checkpoint is missing, corrupt, or does not match the model."""
 
 
-class ArtifactError(OnnxTrainError, ValueError):
-    """The arguments to artifact generation are inconsistent with the model."""
+class ArtifactError(OnnxTrainError, ValueError, RuntimeError):
+    """The arguments to artifact generation are inconsistent with the model (a ``RuntimeError``
+    too: upstream's ``generate_artifacts`` and onnxblock raised that for the same misuse)."""
 
 
 class ModelError(OnnxTrainError, ValueError):

@@ -100,6 +100,10 @@ def _optimizer_block(optimizer):
     )
 
 
+# upstream's size above which it handled the model through a file (protobuf's 2 GB limit); onnx_ir
+# holds models of any size, so nothing here depends on it: kept for code that reads it
+USE_PATH_THRESHOLD = 2**31
+
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 

@@ -197,3 +197,33 @@ def test_constant_in_upstreams_slot_is_float32_whatever_the_number():
         assert onnxblock.blocks.Constant(value)._value_array.dtype == np.float32  # noqa: SLF001
     assert onnxblock.blocks.Constant(value=np.arange(3))._value_array.dtype == np.arange(3).dtype  # noqa: SLF001
     assert onnxblock.blocks.PassThrough().build("a", "b") == ("a", "b")
+
+
+def test_upstreams_argument_names_and_accessors_work_after_the_import_change():
+    from onnxtrain import artifacts
+    from onnxtrain.errors import ArtifactError
+
+    class Scratch(onnxblock.Block):
+        def __init__(self):
+            super().__init__(temp_file_name="scratch.onnx")  # upstream's; nothing is written
+
+        def build(self, name):
+            blocks = onnxblock.blocks
+            summed = blocks.Add()(input_name1=name, input_name2=name)
+            squared = blocks.Pow(2.0)(pow_input_name=summed)
+            clipped = blocks.Clip(0.0, 4.0)(clip_input_name=squared)
+            cast = blocks.Cast(TensorProto.DOUBLE)(cast_input_name=clipped)
+            head = blocks.Linear(FEATURES, 2, seed=0)(linear_input_name=clipped)
+            return blocks.SequenceConstruct()(cast, cast), head
+
+    block = Scratch()
+    with onnxblock.base(_feature_extractor(), "model.onnx") as accessor:
+        sequence, head = block("features")
+        inferred = block.infer_shapes_on_base()
+    assert accessor.has_path and accessor.path == "model.onnx"
+    assert accessor.find(sequence).producer().op_type == "SequenceConstruct"
+    assert any(v.name == head for v in inferred.graph.value_info)  # shape inference ran
+    with pytest.raises(ArtifactError, match="custom op libraries are not supported"), \
+            onnxblock.custom_op_library("libcustom.so"):
+        pass
+    assert artifacts.USE_PATH_THRESHOLD == 2**31

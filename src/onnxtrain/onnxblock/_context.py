@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
-from onnxtrain.errors import ModelError
+from onnxtrain.errors import ArtifactError, ModelError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 
@@ -29,8 +29,10 @@ class BuildContext:
     model as an ``onnx.ModelProto``, as upstream's accessor (``onnx.save(accessor.model, path)``).
     """
 
-    def __init__(self, model: ir.Model):
+    def __init__(self, model: ir.Model, path: str | None = None):
         self.ir_model = model
+        # upstream's accessor: the file given to base() for models over 2 GB (not needed here)
+        self.path = path
         self.builder = GraphBuilder(model.graph, scope="onnxblock")
         # initializers blocks added as parameters to train (blocks.Linear's weight and bias)
         self.new_parameters: list[str] = []
@@ -72,6 +74,11 @@ class BuildContext:
             if value.type is None:
                 value.type = found.type
         return value.shape
+
+    @property
+    def has_path(self) -> bool:
+        """Whether ``base()`` was given a path (upstream's accessor)."""
+        return self.path is not None
 
     @property
     def model(self):
@@ -122,10 +129,20 @@ def base(model: io.ModelLike, model_path: str | None = None) -> contextlib.Abstr
         >>> ctx.find(name).producer().op_type
         'Neg'
     """
-    return _activate(BuildContext(io.load_model(model)))
+    return _activate(BuildContext(io.load_model(model), model_path))
 
 
 def empty_base(opset_version: int | None = None) -> contextlib.AbstractContextManager[BuildContext]:
     """Make an empty model the model that blocks called inside the ``with`` build into."""
     graph = ir.Graph([], [], nodes=[], opset_imports={"": opset_version or EMPTY_BASE_OPSET}, name="onnxtrain")
     return _activate(BuildContext(ir.Model(graph, ir_version=io.MAX_IR_VERSION, producer_name="onnxtrain")))
+
+
+@contextlib.contextmanager
+def custom_op_library(custom_op_library_path: str) -> Iterator[None]:
+    """Upstream's context manager registering a custom op library for the blocks built inside it.
+    onnxtrain's graphs use standard ONNX ops (and the contrib ops stock onnxruntime ships), so
+    artifacts train on any stock onnxruntime: a custom op library is refused, naming it."""
+    raise ArtifactError(f"custom op libraries are not supported ({custom_op_library_path!r}): onnxtrain emits "
+                        "standard ONNX ops only, so its artifacts train on any stock onnxruntime")
+    yield  # pragma: no cover

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnxtrain.ir import io
 from onnxtrain.onnxblock._context import BuildContext, _activate, active
 
 
@@ -31,7 +32,8 @@ class Block(ABC):
         ...         return self.mul(d, d)
     """
 
-    def __init__(self):
+    def __init__(self, temp_file_name: str | None = None):
+        # temp_file_name: upstream's scratch file for models over 2 GB; onnx_ir needs none
         self.base: ir.Model | None = None
         self.context: BuildContext | None = None
 
@@ -43,6 +45,10 @@ class Block(ABC):
         ctx = active()
         self.context, self.base = ctx, ctx.ir_model
         return self.build(*args, **kwargs)
+
+    def infer_shapes_on_base(self):
+        """The model being built, shape-inferred by ONNX, as an ``onnx.ModelProto`` (upstream's)."""
+        return io.to_proto(io.infer_shapes(io.load_model(active().model)))
 
     def apply(self, context: BuildContext, *args, **kwargs):
         """Build into ``context`` explicitly (no ``with base(...)`` needed)."""
@@ -70,24 +76,38 @@ class _Elementwise(Block):
         return self.context.builder.add_node(self.op_type, values, self._attributes).name
 
 
-def _op_block(op_type: str, doc: str) -> type[_Elementwise]:
-    return type(op_type, (_Elementwise,), {"op_type": op_type, "__doc__": doc})
+class _Binary(_Elementwise):
+    """Two inputs, under upstream's argument names (``Add()(input_name1=..., input_name2=...)``)."""
+
+    def build(self, input_name1: str, input_name2: str) -> str:
+        return super().build(input_name1, input_name2)
 
 
-Add = _op_block("Add", "Adds its two inputs.")
-Sub = _op_block("Sub", "Subtracts its second input from its first.")
-Mul = _op_block("Mul", "Multiplies its two inputs.")
-Div = _op_block("Div", "Divides its first input by its second.")
-MatMul = _op_block("MatMul", "Matrix product of its two inputs.")
-Neg = _op_block("Neg", "Negates its input.")
-Abs = _op_block("Abs", "Absolute value of its input.")
-Log = _op_block("Log", "Natural logarithm of its input.")
-Exp = _op_block("Exp", "Exponential of its input.")
-Sqrt = _op_block("Sqrt", "Square root of its input.")
-Sigmoid = _op_block("Sigmoid", "Logistic sigmoid of its input.")
-Relu = _op_block("Relu", "Rectified linear unit.")
-Tanh = _op_block("Tanh", "Hyperbolic tangent.")
-Identity = _op_block("Identity", "Returns its input.")
+class _Unary(_Elementwise):
+    """One input, under upstream's argument name (``input_name``)."""
+
+    def build(self, input_name: str) -> str:
+        return super().build(input_name)
+
+
+def _op_block(op_type: str, doc: str, base: type[_Elementwise]) -> type[_Elementwise]:
+    return type(op_type, (base,), {"op_type": op_type, "__doc__": doc})
+
+
+Add = _op_block("Add", "Adds its two inputs.", _Binary)
+Sub = _op_block("Sub", "Subtracts its second input from its first.", _Binary)
+Mul = _op_block("Mul", "Multiplies its two inputs.", _Binary)
+Div = _op_block("Div", "Divides its first input by its second.", _Binary)
+MatMul = _op_block("MatMul", "Matrix product of its two inputs.", _Binary)
+Neg = _op_block("Neg", "Negates its input.", _Unary)
+Abs = _op_block("Abs", "Absolute value of its input.", _Unary)
+Log = _op_block("Log", "Natural logarithm of its input.", _Unary)
+Exp = _op_block("Exp", "Exponential of its input.", _Unary)
+Sqrt = _op_block("Sqrt", "Square root of its input.", _Unary)
+Sigmoid = _op_block("Sigmoid", "Logistic sigmoid of its input.", _Unary)
+Relu = _op_block("Relu", "Rectified linear unit.", _Unary)
+Tanh = _op_block("Tanh", "Hyperbolic tangent.", _Unary)
+Identity = _op_block("Identity", "Returns its input.", _Unary)
 
 
 class Softmax(_Elementwise):
@@ -115,8 +135,8 @@ class Pow(Block):
         super().__init__()
         self._exponent = exponent
 
-    def build(self, input_name: str) -> str:
-        x = self._value(input_name)
+    def build(self, pow_input_name: str) -> str:
+        x = self._value(pow_input_name)
         return self.op.Pow(x, self.context.builder.like(x, self._exponent)).name
 
 
@@ -157,8 +177,8 @@ class Clip(Block):
         super().__init__()
         self._min, self._max = clip_min, clip_max
 
-    def build(self, input_name: str) -> str:
-        x = self._value(input_name)
+    def build(self, clip_input_name: str) -> str:
+        x = self._value(clip_input_name)
         b = self.context.builder
         lo = b.like(x, self._min) if self._min is not None else None
         hi = b.like(x, self._max) if self._max is not None else None
@@ -172,8 +192,8 @@ class Cast(Block):
         super().__init__()
         self._to = int(to)
 
-    def build(self, input_name: str) -> str:
-        return self.op.Cast(self._value(input_name), to=self._to).name
+    def build(self, cast_input_name: str) -> str:
+        return self.op.Cast(self._value(cast_input_name), to=self._to).name
 
 
 class Constant(Block):
@@ -270,8 +290,8 @@ class Linear(Block):
         self.context.new_parameters.append(name)
         return value
 
-    def build(self, input_name: str) -> str:
-        x = self._value(input_name)
+    def build(self, linear_input_name: str) -> str:
+        x = self._value(linear_input_name)
         dtype = x.dtype.numpy() if x.dtype is not None and x.dtype.is_floating_point() else np.float32
         rng = np.random.default_rng(self._seed)
         in_features, out_features = self._sizes
@@ -302,6 +322,14 @@ class ReduceAllL2(Block):
         return self.op.Sqrt(total).name
 
 
+class SequenceConstruct(Block):
+    """A sequence of its inputs (``SequenceConstruct``), e.g. to pass several tensors to a block
+    that takes one sequence."""
+
+    def build(self, *sequence_input_names: str) -> str:
+        return self.op.SequenceConstruct(*[self._value(n) for n in sequence_input_names]).name
+
+
 class LabelEncoder(Block):
     """Maps labels through a table (``ai.onnx.ml.LabelEncoder``, upstream's arguments): e.g. string
     class names to the integer labels a loss takes, inside the training model."""
@@ -321,10 +349,10 @@ class LabelEncoder(Block):
         self._attributes = {"default_float": float(default_float), "default_int64": int(default_int64),
                             "default_string": default_string, **tables}
 
-    def build(self, input_name: str) -> str:
+    def build(self, label_encoder_input_name: str) -> str:
         opsets = self.context.ir_model.opset_imports
         opsets.setdefault(_ML_DOMAIN, _LABEL_ENCODER_OPSET)
-        out = self.op.LabelEncoder(self._value(input_name), _domain=_ML_DOMAIN, **self._attributes)
+        out = self.op.LabelEncoder(self._value(label_encoder_input_name), _domain=_ML_DOMAIN, **self._attributes)
         out.type = ir.TensorType(self._output_dtype)
         return out.name
 

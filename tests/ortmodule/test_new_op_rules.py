@@ -541,3 +541,11 @@ def test_the_grouped_product_of_mixture_of_experts_layers_with_empty_experts():
         torch.testing.assert_close(row_grads[0], row_grads[1])
         torch.testing.assert_close(wrapped.module.weight.grad, eager.weight.grad)
     assert wrapped.export_count == 2  # the first call's row count, then a dynamic one
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_conv3d_with_and_without_bias(bias):
+    # the exporter wrote a missing Conv3d bias as zeros of shape [C_out, 2]: onnxruntime failed the run
+    eager, wrapped = eager_and_wrapped(lambda: torch.nn.Conv3d(2, 3, 3, padding=1, stride=(1, 2, 1), bias=bias),
+                                       debug_options=DebugOptions(fallback=False))
+    assert_steps_match(eager, wrapped, torch.randn(2, 2, 4, 5, 6))

@@ -935,6 +935,20 @@ _INVERSE = onnxscript.values.Op(
                                           "matrices of floats")]))
 
 
+def conv3d(input, weight, bias=None, stride=(1, 1, 1), padding=(0, 0, 0), dilation=(1, 1, 1), groups: int = 1):
+    """``aten.conv3d``: a Conv, without a bias input where the layer has none (the exporter's
+    writes the missing bias as zeros of shape ``[C_out, 2]``, which onnxruntime refuses)."""
+    from onnxscript.function_libs.torch_lib.ops.core import _aten_convolution_onnx
+
+    def per_axis(value):
+        values = list(value) if isinstance(value, (list, tuple)) else [value]
+        return values * 3 if len(values) == 1 else values
+
+    pads = per_axis(padding)
+    return _aten_convolution_onnx(input, weight, bias, transposed=False, strides=per_axis(stride),
+                                  pads=[*pads, *pads], dilations=per_axis(dilation), groups=groups)
+
+
 def scalar_tensor(s, dtype: int = 1, layout: str = "", device: str = "", pin_memory: bool = False):
     """``aten.scalar_tensor`` (how a Python number enters arithmetic): a 0-d constant of ``dtype``
     (an ONNX element type), exact. The exporter's writes a float32 constant and casts it, so a
@@ -1112,6 +1126,7 @@ def translation_table() -> dict:
         torch.ops.aten.detach.default: detach,
         torch.ops.aten.native_dropout.default: native_dropout,
         torch.ops.aten.scalar_tensor.default: scalar_tensor,
+        torch.ops.aten.conv3d.default: conv3d,
         torch.ops.aten.clamp.Tensor: clamp,
         torch.ops.aten.clamp_min.Tensor: clamp_min,
         torch.ops.aten.clamp_max.Tensor: clamp_max,

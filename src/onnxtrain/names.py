@@ -38,10 +38,6 @@ PARAMETERS_METADATA = "onnxtrain.parameters"
 # Node metadata on a Clip translating PyTorch's hardtanh or relu6, whose gradient passes strictly
 # inside the bounds (clamp's includes them, as an unmarked Clip's does).
 OPEN_CLIP_METADATA = "onnxtrain.open_clip"
-# Node metadata on a node of constant inputs that onnxtrain's constant folding must leave to
-# onnxruntime (which folds it at session creation with the kernel the model runs): one whose
-# result onnx's reference implementation computes otherwise (an antialiased Resize by scales).
-FOLD_IN_ONNXRUNTIME_METADATA = "onnxtrain.fold_in_onnxruntime"
 
 
 def grad_name(param: str) -> str:

@@ -119,3 +119,33 @@ def test_antialiased_downscaling_by_a_scale_the_length_does_not_hold_exactly(tmp
     state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
     Module(tmp_path / "training_model.onnx", state)(np.zeros((1, 1, 1, n), np.float32))
     np.testing.assert_allclose(state.parameters["w"].grad.ravel(), jacobian.T @ weights.ravel(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode, scale, size", [("bilinear", 1.3, (20, 20)), ("nearest", 0.6, (4, 9)),
+                                               ("bicubic", 0.7, (20, 20))])
+def test_static_matrices_come_from_onnxruntimes_resize_for_any_scale(mode, scale, size):
+    """onnx's reference implementation, which folded the constant matrices, rounds otherwise than
+    onnxruntime: 20 * 1.3 made 25 rows (the backward did not load) and nearest at 0.6 sent the
+    gradient to the pixel next to the one the forward read."""
+    torch = pytest.importorskip("torch")
+    from onnxtrain.torch import DebugOptions, ORTModule
+
+    class Resample(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.interpolate(x, scale_factor=scale, mode=mode)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, *size, generator=g)
+    model = ORTModule(Resample(), DebugOptions(fallback=False))
+    out = model(x)
+    weight = torch.randn(out.shape, generator=g)
+    grads = []
+    for m in (Resample(), model):
+        leaf = x.clone().requires_grad_()
+        (m(leaf) * weight).sum().backward()
+        grads.append(leaf.grad)
+    if mode == "nearest":  # the output itself may read a pixel over from PyTorch's: compare with ORT's forward
+        picked = out.detach()
+        torch.testing.assert_close((grads[1] * x).sum(), (weight * picked).sum(), rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-5)

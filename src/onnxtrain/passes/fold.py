@@ -19,11 +19,9 @@ _HIDDEN_STOP_GRADIENT = ("StopGradient", "onnxtrain.hidden")
 
 
 def never_fold_random(node: ir.Node) -> bool | None:
-    """The folder's ``should_fold`` hook: ``False`` for random ops (and hidden stop-gradients)
-    and nodes left to onnxruntime (``names.FOLD_IN_ONNXRUNTIME_METADATA``), no opinion otherwise."""
-    if node.op_type in _NEVER_FOLD or (node.op_type, node.domain) == _HIDDEN_STOP_GRADIENT:
-        return False
-    return False if names.FOLD_IN_ONNXRUNTIME_METADATA in node.metadata_props else None
+    """The folder's ``should_fold`` hook: ``False`` for random ops (and hidden stop-gradients),
+    no opinion otherwise."""
+    return False if node.op_type in _NEVER_FOLD or (node.op_type, node.domain) == _HIDDEN_STOP_GRADIENT else None
 
 
 class FoldConstantsPass(ir.passes.InPlacePass):

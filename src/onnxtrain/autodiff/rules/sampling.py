@@ -7,10 +7,9 @@ an ``[m, n]`` matrix ``A``, and its gradient is the product with ``Aᵀ``. The r
 by resizing an ``n x n`` identity along its first axis with the node's own attributes and that
 axis' scale or size: column ``j`` of the result is what input ``e_j`` contributes, whatever the
 mode, coordinate transformation, rounding, cubic coefficient or antialiasing. With static
-shapes the matrices are constants (folded); with dynamic ones they are built at run time.
-Under ``align_corners`` and ``tf_crop_and_resize`` the identity is resized to the output's size
-rather than by the scale: those divide by the output length, the integer ``floor(n * scale)`` in
-onnxruntime and PyTorch, the fractional ``n * scale`` in onnx's reference evaluator, which folds.
+shapes and a constant scale or size the matrices are constants, resized by onnxruntime when the
+graph is built (the kernel that runs the forward: onnx's reference implementation rounds
+lengths and sample positions otherwise); with dynamic ones they are built at run time.
 Nearest resizing of the last axis by a whole factor, under the transformations where it copies
 each input to a block of outputs (PyTorch's ``nearest`` and ``nearest-exact`` upsampling), skips
 the matrix: the gradient sums the blocks (a reshape and a sum over the innermost axis).
@@ -23,7 +22,6 @@ import itertools
 import numpy as np
 import onnx_ir as ir
 
-from onnxtrain import names
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.ir.shapes import dims_equal, rank_of
 
@@ -59,43 +57,79 @@ def _resized_axes(ctx: GradContext, axes: list[int], scales, sizes, crop: bool) 
 
 def _axis_matrix(ctx: GradContext, axis: int, k: int, count: int, uses_scales: bool) -> ir.Value:
     """``A`` of shape ``[m, n]`` (float32): Resize along ``axis`` (the ``k``-th of ``count`` resized
-    axes) as a matrix, from an ``n x n`` identity resized along its first axis."""
+    axes) as a matrix, from an ``n x n`` identity resized along its first axis by the node's own
+    scale (or size), roi and attributes, in onnxruntime: computed now where all of them are
+    constants (onnx's reference implementation, which constant folding would run, rounds lengths
+    and sample positions otherwise: 13 rows for 20 * 0.7 where onnxruntime makes 14, nearest one
+    pixel over at 0.6, align_corners over the fractional length), else at run time."""
     op, b, node = ctx.op, ctx.b, ctx.node
-    length = ctx.x.shape[axis] if ctx.x.shape is not None else None
-    if isinstance(length, int) and length * length <= _FOLDED_IDENTITY_SIZE:
-        # a constant: with a constant scale or size, the matrix folds
-        n = b.ints([length])
-        identity = b.const(np.eye(length, dtype=np.float32))
-    else:
-        n = op.Gather(op.Shape(ctx.x), b.ints([axis]), axis=0)
-        identity = op.EyeLike(op.ConstantOfShape(op.Concat(n, n, axis=0),
-                                                 value=ir.tensor(np.zeros([1], np.float32))))
     attributes = {name: attr.value for name, attr in node.attributes.items()
                   if name not in ("axes", "keep_aspect_ratio_policy", "extrapolation_value")}
-    # these transformations divide by the output length: onnxruntime takes the integer length
-    # (floor(n * scale)), onnx's reference evaluator (which folds the constant matrix) the
-    # fractional n * scale, a different matrix for a scale such as 1.7: give them the size
-    transformation = _text(ctx.attr("coordinate_transformation_mode", "half_pixel"))
+    crop = _text(ctx.attr("coordinate_transformation_mode", "half_pixel")) == "tf_crop_and_resize"
+    roi_given = crop and len(node.inputs) > 1 and node.inputs[1] is not None
+    length = ctx.x.shape[axis] if ctx.x.shape is not None else None
+    if isinstance(length, int) and length * length <= _FOLDED_IDENTITY_SIZE:
+        matrix = _matrix_in_onnxruntime(ctx, axis, k, count, uses_scales, roi_given, length, attributes)
+        if matrix is not None:
+            return b.const(matrix)
+    n = op.Gather(op.Shape(ctx.x), b.ints([axis]), axis=0)
+    identity = op.EyeLike(op.ConstantOfShape(op.Concat(n, n, axis=0), value=ir.tensor(np.zeros([1], np.float32))))
     roi = None
-    if transformation == "tf_crop_and_resize" and len(node.inputs) > 1 and node.inputs[1] is not None:
+    if roi_given:
         # roi (read under this transformation only, often empty otherwise) lists the starts of
         # the resized axes, then their ends
         roi = op.Cast(op.Gather(node.inputs[1], b.ints([k, k + count]), axis=0), to=_FLOAT)
         roi = op.Concat(op.Slice(roi, b.ints([0]), b.ints([1])), b.const(np.array([0.0], np.float32)),
                         op.Slice(roi, b.ints([1]), b.ints([2])), b.const(np.array([1.0], np.float32)), axis=0)
-    # with antialias, onnxruntime widens the filter by the scale itself where scales are given, and
-    # by m / n where sizes are: given scales it is the scale, and the matrix is left for
-    # onnxruntime to fold (the reference implementation divides by the fractional length here)
-    exact_length = transformation in ("align_corners", "tf_crop_and_resize")
-    if uses_scales and (not exact_length or ctx.attr("antialias", 0)):
+    if uses_scales:  # as the forward: by the scale (antialias widens its filter by the scale given)
         scale = op.Gather(node.inputs[2], b.ints([k]), axis=0)
-        matrix = op.Resize(identity, roi, op.Concat(scale, b.const(np.array([1.0], np.float32)), axis=0),
-                           **attributes)
-        if exact_length:
-            matrix.producer().metadata_props[names.FOLD_IN_ONNXRUNTIME_METADATA] = "1"
-        return matrix
+        return op.Resize(identity, roi, op.Concat(scale, b.const(np.array([1.0], np.float32)), axis=0), **attributes)
     m = op.Gather(op.Shape(ctx.y), b.ints([axis]), axis=0)
     return op.Resize(identity, roi, None, op.Concat(m, n, axis=0), **attributes)
+
+
+def _matrix_in_onnxruntime(ctx: GradContext, axis: int, k: int, count: int, uses_scales: bool, roi_given: bool,
+                           length: int, attributes: dict) -> np.ndarray | None:
+    """The axis matrix, resized now by onnxruntime's Resize (the forward's kernel), or None if
+    the scale, size or roi is not a constant."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    if uses_scales:
+        scales = ctx.const_input(2)
+        if scales is None:
+            return None
+        scales, sizes = np.array([float(scales.reshape(-1)[k]), 1.0], np.float32), None
+    else:
+        m = ctx.y.shape[axis] if ctx.y.shape is not None else None
+        if not isinstance(m, int):
+            return None
+        scales, sizes = None, np.array([m, length], np.int64)
+    roi = None
+    if roi_given:
+        given = ctx.const_input(1)
+        if given is None:
+            return None
+        given = given.reshape(-1)
+        roi = np.array([given[k], 0.0, given[k + count], 1.0], np.float32)
+    inits = [numpy_helper.from_array(np.eye(length, dtype=np.float32), "identity")]
+    names_in = ["identity", "", "", ""]
+    for position, (name, array) in enumerate((("roi", roi), ("scales", scales), ("sizes", sizes)), start=1):
+        if array is not None:
+            inits.append(numpy_helper.from_array(array, name))
+            names_in[position] = name
+    while names_in[-1] == "":
+        names_in.pop()
+    resize = helper.make_node("Resize", names_in, ["matrix"], **attributes)
+    graph = helper.make_graph([resize], "axis_matrix", [], [helper.make_tensor_value_info("matrix", onnx.TensorProto.FLOAT,
+                                                                                           None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", max(ctx.opset, 13))], ir_version=8)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3  # onnx's shape inference may expect another length: onnxruntime's is the one
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {})[0]
 
 
 # (coordinate transformation, nearest mode) pairs under which nearest resizing by a whole factor s

@@ -148,6 +148,15 @@ def run_failures(rank: int) -> dict:
         result["step_error"] = (type(exc).__name__, str(exc))
     result["params"] = [p.detach().clone() for p in params]
     result["owned"] = optimizer.partition.owned(rank)
+    # reduce_gradients with a gradient on rank 0 only: every rank raises (none waits in a reduce)
+    reducing = ZeroOptimizer([torch.ones(4, requires_grad=True), torch.ones(4, requires_grad=True)], FusedAdam,
+                             lr=0.1, reduce_gradients=True)
+    for k, p in enumerate(reducing.param_groups[0]["params"]):
+        p.grad = torch.ones(4) if k == 0 or rank == 0 else None
+    try:
+        reducing.step()
+    except Exception as exc:  # noqa: BLE001 -- the test checks the type
+        result["uneven_error"] = (type(exc).__name__, str(exc))
     return result
 
 

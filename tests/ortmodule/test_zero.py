@@ -187,6 +187,8 @@ def test_zero_failures_are_reported_on_every_rank(ranks):
             assert kind == "ZeroStepError" and "rank(s) [1] of 2" in message
             assert not torch.equal(failures["params"][0], torch.ones(4))
             assert torch.equal(failures["params"][1], torch.ones(4))
+        kind, message = failures["uneven_error"]
+        assert kind == "ZeroStepError" and "positions [1] have a gradient on some ranks only" in message
 
 
 @needs_gloo

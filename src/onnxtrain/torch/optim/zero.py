@@ -289,6 +289,17 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 _unflatten_into([p.detach() for p in bucket.params], flat)
 
     def _reduce_gradients(self) -> None:
+        # every rank must reduce the same buckets: a gradient some ranks lack would make them
+        # reduce different sizes, or leave a rank waiting in a reduce the others never start
+        present = torch.tensor([p.grad is not None for p in self._params], dtype=torch.int32)
+        everywhere = present.clone()
+        dist.all_reduce(everywhere, group=self.process_group)
+        uneven = [i for i, count in enumerate(everywhere.tolist()) if count not in (0, self.world_size)]
+        if uneven:
+            here = [i for i in uneven if present[i]]
+            raise ZeroStepError(f"ZeroOptimizer(reduce_gradients=True): parameters at positions {uneven[:8]} have a "
+                                f"gradient on some ranks only (on this rank: {here[:8]}); every rank must produce "
+                                "gradients for the same parameters. Nothing was reduced or updated")
         pending = []
         for bucket in self._buckets:
             grads = [p.grad for p in bucket.params if p.grad is not None]

@@ -259,13 +259,21 @@ def parse_args(argv=None):
     return args
 
 
+def default_report_path(args, out: Path) -> Path:
+    """Where the markdown report goes: ``--report``, else ``bench/RESULTS.md`` for a full run into
+    the default results folder (the committed table is a full run's), else next to the results
+    (a ``--quick`` run does not replace the committed table)."""
+    if args.report:
+        return Path(args.report)
+    return HERE / "RESULTS.md" if out == DEFAULT_OUT.resolve() and not args.quick else out / "RESULTS.md"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    report_path = Path(args.report) if args.report else (
-        HERE / "RESULTS.md" if out == DEFAULT_OUT.resolve() else out / "RESULTS.md")
+    report_path = default_report_path(args, out)
     env = bench_env(args.threads)
     start = time.perf_counter()
     started = datetime.datetime.now(datetime.timezone.utc)

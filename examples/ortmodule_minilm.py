@@ -5,7 +5,8 @@ The training script is plain PyTorch + Hugging Face transformers: the only chang
 ``torch.optim.AdamW`` updates the parameters as usual. The 64 labelled sentences are
 generated from templates inside this file (nothing is downloaded); batches are padded
 to their longest sentence, so the attention masks carry padding and the sequence length
-varies from batch to batch (one export serves all of them).
+varies from batch to batch (ORTModule's default exports the first batch's shapes, then, at the
+first batch of another length, a graph with a dynamic length that serves the rest).
 
 The same steps run side by side on an eager PyTorch copy of the model, so the script
 prints both losses per step and the mean time per training step (forward, backward,
@@ -136,7 +137,7 @@ def main(steps: int | None = None, epochs: int = 3, batch_size: int = 8, lr: flo
     accuracy = _accuracy(model, everything)
     eager_accuracy = _accuracy(eager, everything)
     print(f"accuracy on the {len(data)} training sentences: ORTModule {accuracy:.3f}, "
-          f"eager PyTorch {eager_accuracy:.3f} ({model.export_count} exports: training and eval)")
+          f"eager PyTorch {eager_accuracy:.3f} ({model.export_count} exports in all, training's and eval's)")
     return {
         "losses": losses,
         "eager_losses": eager_losses,

@@ -215,6 +215,16 @@ def test_peak_matmul_rate_is_the_faster_library(monkeypatch):
     assert "no such library here" in peak["by_library"]["onnxruntime MatMul"]["error"]
 
 
+def test_a_quick_run_does_not_replace_the_committed_table():
+    from bench import run
+
+    out = run.DEFAULT_OUT.resolve()
+    assert run.default_report_path(run.parse_args(["--upstream-venv", ""]), out) == run.HERE / "RESULTS.md"
+    assert run.default_report_path(run.parse_args(["--quick", "--upstream-venv", ""]), out) == out / "RESULTS.md"
+    assert run.default_report_path(run.parse_args(["--quick", "--report", "r.md", "--upstream-venv", ""]), out) \
+        == Path("r.md")
+
+
 def test_quick_preset_and_options():
     from bench import run
 

@@ -176,6 +176,7 @@ def test_browser_page_trains_digits_to_90_percent(served_site, tmp_path):
     assert screenshot.stat().st_size > 10_000
 
 
+@pytest.mark.slow  # ~17 s; WebGPU training itself is checked by the two webgpu parity tests below
 def test_browser_page_trains_digits_on_webgpu(served_site, tmp_path):
     """The page with ``?ep=webgpu`` (one epoch): trains on the WebGPU provider, no fallback to wasm."""
     _, url = served_site

@@ -77,7 +77,10 @@ def _batch(lengths, batch_first=True, steps=7, seed=0):
     return x, torch.tensor(lengths)
 
 
-@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
+# GRU and RNN share the packed-sequence path with LSTM (and have other tests of their own here):
+# ~15 s of the default run, kept for pytest -m slow
+@pytest.mark.parametrize("kind", ["LSTM", pytest.param("GRU", marks=pytest.mark.slow),
+                                  pytest.param("RNN", marks=pytest.mark.slow)])
 def test_bidirectional_stacked_layers(kind):
     _assert_matches(lambda: _Tagger(kind), [_batch([5, 7, 2, 4])])
 

@@ -56,9 +56,10 @@ _OPTIM_BLOCKS = {OptimType.AdamW: optim_blocks.AdamW, OptimType.SGD: optim_block
 
 
 class _Training(TrainingBlock):
-    def __init__(self, loss_block: blocks.Block):
+    def __init__(self, loss_block: blocks.Block, trains_every_parameter: bool):
         super().__init__()
         self._loss = loss_block
+        self._trains_every_parameter = trains_every_parameter  # generate_artifacts(requires_grad=None)
 
     def build(self, *inputs_to_loss):
         return self._loss(*inputs_to_loss)
@@ -217,8 +218,8 @@ def generate_artifacts(
         if unknown:
             raise ArtifactError(f"loss_input_names {unknown} are not outputs of the model {output_names}")
         output_names = list(loss_input_names)
-    training_block = _Training(_loss_block(loss))  # loss=None: the first output is the loss, the others outputs
-    training_block._trains_every_parameter = requires_grad is None  # noqa: SLF001
+    # loss=None: the first output is the loss, the others outputs
+    training_block = _Training(_loss_block(loss), trains_every_parameter=requires_grad is None)
     for name in requires_grad or []:
         training_block.requires_grad(name)
     for name in frozen_params or []:

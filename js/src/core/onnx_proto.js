@@ -208,6 +208,8 @@ function concat(parts) {
   return out;
 }
 
+/** @param {string} text */
+const utf8 = (text) => new TextEncoder().encode(text);
 /** A length-delimited field. @param {number} number @param {Uint8Array} value */
 const bytesField = (number, value) => concat([varint(number * 8 + WIRE.bytes), varint(value.length), value]);
 /** @param {number} number @param {number} value */
@@ -225,7 +227,7 @@ function tensorProto(name, dtype, shape, data) {
   return concat([
     bytesField(TENSOR.dims, concat(shape.map(varint))),
     varintField(TENSOR.dataType, ONNX_DATA_TYPE[/** @type {keyof ONNX_DATA_TYPE} */ (dtype)]),
-    bytesField(TENSOR.name, new TextEncoder().encode(name)),
+    bytesField(TENSOR.name, utf8(name)),
     bytesField(TENSOR.rawData, new Uint8Array(data.buffer, data.byteOffset, data.byteLength)),
   ]);
 }
@@ -347,11 +349,10 @@ export function buildInferenceModel(evalModel, outputNames, parameters, lossInpu
       continue;
     }
     const alias = `${name}_alias_${seen + 1}`;
-    const encoded = (/** @type {string} */ text) => new TextEncoder().encode(text);
-    parts.push(bytesField(GRAPH.node, concat([bytesField(NODE.input, encoded(name)), bytesField(NODE.output, encoded(alias)),
-      bytesField(NODE.name, encoded(alias)), bytesField(NODE.opType, encoded('Identity'))])));
+    parts.push(bytesField(GRAPH.node, concat([bytesField(NODE.input, utf8(name)), bytesField(NODE.output, utf8(alias)),
+      bytesField(NODE.name, utf8(alias)), bytesField(NODE.opType, utf8('Identity'))])));
     const rest = splitFields(info).filter((f) => f.number !== NAMED.name).map((f) => info.subarray(f.start, f.end));
-    parts.push(bytesField(GRAPH.output, concat([bytesField(NAMED.name, encoded(alias)), ...rest])));
+    parts.push(bytesField(GRAPH.output, concat([bytesField(NAMED.name, utf8(alias)), ...rest])));
   }
   const newGraph = concat([...parts, ...initializers]);
 

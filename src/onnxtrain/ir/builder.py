@@ -17,7 +17,6 @@ import onnx_ir as ir
 from onnxtrain.ir.nodes import infer_output_dtypes
 
 
-
 def _attr_value(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return ir.tensor(value)

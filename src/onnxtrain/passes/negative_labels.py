@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
-from onnxtrain.passes.rewrite import NodeRewritePass
+from onnxtrain.passes.rewrite import NodeRewritePass, constant_maker
 
 _LOSSES = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 # set on a loss node whose labels this pass guarded, so that running it again adds nothing
@@ -43,34 +43,24 @@ class NegativeLabelsPass(NodeRewritePass):
 
     def rewrite(self, graph: ir.Graph, node: ir.Node, plan: int) -> None:
         scores, labels = node.inputs[0], node.inputs[1]
-        new = NewNodes(node, "negative_labels")
-
-        def add(op_type: str, inputs: list, dtype: ir.DataType, attributes: dict | None = None) -> ir.Value:
-            out = new.add(op_type, inputs, attributes)
-            out.dtype = dtype  # typed now: autodiff takes an untyped value for a possible float
-            return out
-
+        new = NewNodes(node, "negative_labels")  # it types what it makes: autodiff sees integers
+        add = new.add
         label_type = labels.dtype if labels.dtype in _LABEL_DTYPES else ir.DataType.INT64
         if labels.dtype != label_type:  # not known here: the loss takes int64 labels as well
-            labels = add("Cast", [labels], label_type, {"to": int(label_type)})
-
-        def constant(value, dtype: ir.DataType = label_type) -> ir.Value:
-            return add("Constant", [], dtype, {"value": ir.tensor(np.asarray(value, _LABEL_DTYPES[dtype]))})
-
-        negative = add("Less", [labels, constant(0)], ir.DataType.BOOL)
+            labels = add("Cast", [labels], {"to": int(label_type)})
+        constant = constant_maker(add, _LABEL_DTYPES[label_type])
+        negative = add("Less", [labels, constant(0)])
         ignore = node.attributes.get("ignore_index")
         if ignore is not None and ignore.as_int() < 0:
-            ignored = add("Equal", [labels, constant(ignore.as_int())], ir.DataType.BOOL)
-            negative = add("And", [negative, add("Not", [ignored], ir.DataType.BOOL)], ir.DataType.BOOL)
+            negative = add("And", [negative, add("Not", [add("Equal", [labels, constant(ignore.as_int())])])])
         class_axis = 0 if scores.shape is not None and len(scores.shape) == 1 else 1
         if plan >= _SHAPE_SLICE_OPSET:  # [classes]: folds to a constant where the class count is static
-            classes = add("Shape", [scores], ir.DataType.INT64, {"start": class_axis, "end": class_axis + 1})
+            classes = add("Shape", [scores], {"start": class_axis, "end": class_axis + 1})
         else:
-            classes = add("Gather", [add("Shape", [scores], ir.DataType.INT64), constant(class_axis, ir.DataType.INT64)],
-                          ir.DataType.INT64, {"axis": 0})
+            classes = add("Gather", [add("Shape", [scores]), constant(class_axis, np.int64)], {"axis": 0})
         if label_type != ir.DataType.INT64:
-            classes = add("Cast", [classes], label_type, {"to": int(label_type)})
-        guarded = add("Where", [negative, add("Sub", [classes, labels], label_type), labels], label_type)
+            classes = add("Cast", [classes], {"to": int(label_type)})
+        guarded = add("Where", [negative, add("Sub", [classes, labels]), labels])
         guarded.shape = labels.shape
         graph.insert_before(node, new.nodes)
         node.replace_input_with(1, guarded)

@@ -218,10 +218,6 @@ def _number_like(value: float, x):
     return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float64))), x)
 
 
-def _bound(x, value: float):
-    return _number_like(float(value), x)
-
-
 def _scalar(bound) -> bool:
     return bound is None or (bound.shape is not None and len(bound.shape) == 0)
 
@@ -249,7 +245,7 @@ def clamp_max(x, max):  # noqa: A002
 def hardtanh(x, min_val: float = -1.0, max_val: float = 1.0):
     """``aten.hardtanh``: a Clip marked so that its gradient passes strictly inside the bounds, as
     torch's hardtanh (and relu6) backward does."""
-    out = op.Clip(x, _bound(x, min_val), _bound(x, max_val))
+    out = op.Clip(x, _number_like(float(min_val), x), _number_like(float(max_val), x))
     out.producer().metadata_props[names.OPEN_CLIP_METADATA] = "1"
     return out
 

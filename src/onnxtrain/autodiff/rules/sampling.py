@@ -96,6 +96,8 @@ def _matrix_in_onnxruntime(ctx: GradContext, axis: int, k: int, count: int, uses
     import onnxruntime as ort
     from onnx import helper, numpy_helper
 
+    from onnxtrain.runtime.session import create_session, quiet_session_options
+
     if uses_scales:
         scales = ctx.const_input(2)
         if scales is None:
@@ -125,10 +127,10 @@ def _matrix_in_onnxruntime(ctx: GradContext, axis: int, k: int, count: int, uses
     graph = helper.make_graph([resize], "axis_matrix", [], [helper.make_tensor_value_info("matrix", onnx.TensorProto.FLOAT,
                                                                                            None)], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", max(ctx.opset, 13))], ir_version=8)
-    options = ort.SessionOptions()
+    # quiet: onnx's shape inference may expect another length, onnxruntime's is the one
+    options = quiet_session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3  # onnx's shape inference may expect another length: onnxruntime's is the one
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = create_session(model.SerializeToString(), ["CPUExecutionProvider"], options, "Resize gradient's axis matrix")
     return session.run(None, {})[0]
 
 

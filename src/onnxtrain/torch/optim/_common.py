@@ -61,6 +61,15 @@ def refuse_unimplemented_options(optimizer: str, group: dict, what: str) -> None
         raise OptimizerConfigError(f"{optimizer}: {what} asks for {asked}, which {optimizer} does not implement")
 
 
+class RefusesUnimplementedOptions:
+    """``add_param_group`` (the constructor's groups too) refuses a group asking for an option in
+    :data:`UNIMPLEMENTED_ADAM_OPTIONS`, naming the optimizer class: it would not be honoured."""
+
+    def add_param_group(self, param_group: dict) -> None:
+        refuse_unimplemented_options(type(self).__name__, param_group, f"parameter group {len(self.param_groups)}")
+        super().add_param_group(param_group)
+
+
 def by_device_and_dtype(params) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
     """``params`` grouped for multi-tensor kernels (one device and dtype per call)."""
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_hyperparameter_problems, adam_moments,
-                                           by_device_and_dtype, check_gradients, evaluate_closure,
-                                           refuse_unimplemented_options)
+                                           RefusesUnimplementedOptions, by_device_and_dtype, check_gradients,
+                                           evaluate_closure, refuse_unimplemented_options)
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 _FUSED_DEVICES = frozenset({"cpu", "cuda"})
@@ -74,7 +74,7 @@ def _update_for(mode: AdamWMode, lr: float, beta1: float, beta2: float, eps: flo
     return _Update(A=1.0, B=B, E=E, l2=weight_decay)
 
 
-class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
+class FusedAdam(GradNoneOnZero, RefusesUnimplementedOptions, torch.optim.Optimizer):
     """Adam / AdamW over all parameters at once (upstream's ``FusedAdam``, same defaults).
 
     Args:
@@ -174,12 +174,6 @@ class FusedAdam(GradNoneOnZero, torch.optim.Optimizer):
             if alike[0]:
                 _fused_update(*alike, update, beta1, beta2, device)
             _foreach_update(*(tuple([ts[i] for i in sorted(unlike)] for ts in tensors)), update, beta1, beta2)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """``torch.optim.Optimizer.add_param_group``; a group asking for ``amsgrad`` or ``maximize``
-        is refused (FusedAdam would not honour it)."""
-        refuse_unimplemented_options("FusedAdam", param_group, f"parameter group {len(self.param_groups)}")
-        super().add_param_group(param_group)
 
     def _check_groups(self) -> None:
         for index, group in enumerate(self.param_groups):

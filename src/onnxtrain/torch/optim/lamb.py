@@ -29,12 +29,12 @@ from collections import defaultdict
 import torch
 
 from onnxtrain.torch.optim._common import (GradNoneOnZero, adam_hyperparameter_problems, adam_moments,
-                                           by_device_and_dtype, check_gradients, evaluate_closure,
-                                           refuse_unimplemented_options)
+                                           RefusesUnimplementedOptions, by_device_and_dtype, check_gradients,
+                                           evaluate_closure, refuse_unimplemented_options)
 from onnxtrain.torch.optim.errors import OptimizerConfigError
 
 
-class LAMB(GradNoneOnZero, torch.optim.Optimizer):
+class LAMB(GradNoneOnZero, RefusesUnimplementedOptions, torch.optim.Optimizer):
     """LAMB over all parameters at once (apex ``FusedLAMB``'s arguments, upstream's trust-ratio bounds).
 
     Args:
@@ -83,12 +83,6 @@ class LAMB(GradNoneOnZero, torch.optim.Optimizer):
         self.set_grad_none = set_grad_none
         self.max_grad_norm = max_grad_norm
         self.use_nvlamb = bool(use_nvlamb)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """``torch.optim.Optimizer.add_param_group``; a group asking for ``amsgrad`` or ``maximize``
-        is refused (LAMB would not honour it)."""
-        refuse_unimplemented_options("LAMB", param_group, f"parameter group {len(self.param_groups)}")
-        super().add_param_group(param_group)
 
     @torch.no_grad()
     def step(self, closure=None):

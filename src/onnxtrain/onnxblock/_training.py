@@ -19,6 +19,7 @@ from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.nodes import is_onnx_op
 from onnxtrain.passes import pipeline
+from onnxtrain.passes.full_dropout import FullDropoutPass
 from onnxtrain.passes.fake_quant import QuantizeDequantizeStraightThroughPass, quantization_parameters
 from onnxtrain.passes.precision import PrecisionConfig
 
@@ -297,6 +298,7 @@ def build_training_and_eval(
     eval_model = pipeline.run(io.load_model(io.to_proto(model)), pipeline.eval_model())
     # quantize-dequantize pairs train with a straight-through gradient (the training model only)
     QuantizeDequantizeStraightThroughPass()(model)
+    FullDropoutPass()(model)  # a Dropout of ratio 1 drops everything (onnxruntime's kernel refuses it)
 
     b = GraphBuilder(graph, scope="")
     trainable = [v for v in graph.inputs if v.name in params.trainable]

@@ -70,7 +70,14 @@ def sum_to_shape(b: GraphBuilder, dx: ir.Value, x: ir.Value, dx_shape: ir.Shape 
     return _sum_to_shape_dynamic(b, dx, x)
 
 
-def _sum_to_shape_dynamic(b: GraphBuilder, dx: ir.Value, x: ir.Value) -> ir.Value:
+def sum_or_expand_to_shape(b: GraphBuilder, dx: ir.Value, x: ir.Value) -> ir.Value:
+    """``dx`` (of ``x``'s rank or more) as ``x``'s shape, at run time: summed over its leading
+    axes and where ``x`` has size 1 and ``dx`` more, expanded where ``dx`` has size 1 and ``x``
+    more (an operand broadcast against another in both directions, as Einsum's labels)."""
+    return _sum_to_shape_dynamic(b, dx, x, expand=True)
+
+
+def _sum_to_shape_dynamic(b: GraphBuilder, dx: ir.Value, x: ir.Value, expand: bool = False) -> ir.Value:
     op = b.op
     x_shape = op.Shape(x)
     dx_shape = op.Shape(dx)
@@ -81,6 +88,8 @@ def _sum_to_shape_dynamic(b: GraphBuilder, dx: ir.Value, x: ir.Value) -> ir.Valu
     broadcast = op.And(op.Equal(x_shape_padded, one), op.Not(op.Equal(dx_shape, one)))
     axes = op.Reshape(op.NonZero(broadcast), b.ints([-1]))
     summed = op.ReduceSum(dx, axes, keepdims=1, noop_with_empty_axes=1)
+    if expand:
+        summed = op.Expand(summed, x_shape_padded)
     return op.Reshape(summed, x_shape)
 
 

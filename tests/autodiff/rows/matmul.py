@@ -34,6 +34,13 @@ ROWS += [
     Case("Einsum", [I(2, 3, 4)], attrs={"equation": "abc->cb"}, opsets=(13, 23), id="Einsum-unary-sum-transpose"),
     Case("Einsum", [I(2, 1, 3, 4), I(2, 5, 4, 3)], attrs={"equation": "...ij,...jk->...ik"}, opsets=(13, 23),
          id="Einsum-ellipsis-broadcast"),
+    # a label of size 1 in one operand broadcasts against the other's (numpy's rule): the gradient
+    # is summed down to 1 there, and expanded where the other operand's 1 met a contracted label
+    Case("Einsum", [I(2, 3), I(1)], attrs={"equation": "ij,i->ij"}, opsets=(13, 23), id="Einsum-label-broadcast"),
+    Case("Einsum", [I(2, 1), I(3, 4)], attrs={"equation": "ij,jk->ik"}, opsets=(13, 23),
+         id="Einsum-contracted-label-broadcast"),
+    Case("Einsum", [I(4, 2, 3), I(1, 3, 2)], attrs={"equation": "bij,bjk->bik"}, opsets=(13, 23),
+         id="Einsum-batch-label-broadcast"),
     # onnxruntime rejects an output without '...' when an input has it (even implicit "i...j,ji")
     Case("Einsum", [I("N", 2, 3, 4), I(4, 5)], attrs={"equation": "...ij,jk->...ik"}, opsets=(13, 23),
          id="Einsum-ellipsis-weight-symbolic"),

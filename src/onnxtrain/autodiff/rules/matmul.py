@@ -6,7 +6,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import grad
-from onnxtrain.ir.shapes import rank_of, sum_to_shape
+from onnxtrain.ir.shapes import dims_equal, rank_of, sum_or_expand_to_shape, sum_to_shape
 
 
 def _batched_shape(y: ir.Value, x: ir.Value) -> ir.Shape | None:
@@ -158,10 +158,45 @@ def _einsum(ctx):
             g = op.Expand(b.unsqueeze(g, missing), shape)
         if diagonal:
             g = _on_diagonals(b, g, full_term, x)
-        if _ELLIPSIS in term:  # ellipsis dims of size 1 broadcast against the other operands
-            g = sum_to_shape(b, g, x)
+        if _ELLIPSIS in term or _labels_may_broadcast(ctx.inputs, terms, i):
+            # a dim of size 1 here and n elsewhere (or the reverse: Einsum broadcasts labels and
+            # '...' as numpy) came out of the product at the other size: summed down to 1, or
+            # expanded to n, as the operand's own dims
+            g = sum_or_expand_to_shape(b, g, x)
         grads.append(g)
     return tuple(grads)
+
+
+def _labels_may_broadcast(inputs, terms, i: int) -> bool:
+    """Whether a label of operand ``i`` may have another size in another operand (Einsum
+    broadcasts a size-1 label as numpy does): not where every operand's dims for it are the same
+    number or the same symbolic dim."""
+    def dims_of(value, term) -> dict[str, list] | None:
+        if value is None or value.shape is None or _ELLIPSIS in term and len(value.shape) < len(term) - 1:
+            return None
+        shape = list(value.shape)
+        if _ELLIPSIS in term:
+            at = term.index(_ELLIPSIS)
+            tail = len(term) - at - 1
+            shape = [*shape[:at], None, *shape[len(shape) - tail:]]
+        found: dict[str, list] = {}
+        for token, dim in zip(term, shape):
+            if token != _ELLIPSIS:
+                found.setdefault(token, []).append(dim)
+        return found
+
+    own = dims_of(inputs[i], terms[i])
+    if own is None:
+        return True
+    for j, (value, term) in enumerate(zip(inputs, terms)):
+        if j == i or not set(own) & set(term):
+            continue
+        theirs = dims_of(value, term)
+        if theirs is None:
+            return True
+        if any(dims_equal(own[label][0], dim) is not True for label in own if label in theirs for dim in theirs[label]):
+            return True
+    return False
 
 
 def _on_diagonals(b, g, term: list[str], x):

@@ -15,6 +15,8 @@ from onnxtrain.ir import io
 CASES = [
     ("GroupNormalization", {"num_groups": 2, "epsilon": 1e-5}, 21, [("N", 4, 3), (4,), (4,)]),
     ("MeanVarianceNormalization", {"axes": [0, 2, 3]}, 13, [(2, 3, 4, 5)]),
+    # attributes left at their defaults: the body reads them by reference (the schema's default)
+    ("MeanVarianceNormalization", {}, 18, [(2, 3, 4, 5)]),
     ("RMSNormalization", {"axis": -1, "epsilon": 1e-5}, 23, [("N", 3, 4), (4,)]),
 ]
 
@@ -27,13 +29,26 @@ def _model(op, attrs, opset, shapes):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-@pytest.mark.parametrize(("op", "attrs", "opset", "shapes"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(("op", "attrs", "opset", "shapes"), CASES,
+                         ids=[f"{c[0]}-{'-'.join(c[1]) or 'defaults'}" for c in CASES])
 def test_decomposed_op_matches_finite_differences(op, attrs, opset, shapes):
     assert DEFAULT_REGISTRY.lookup("", op, opset) is None  # else this test checks a rule, not decomposition
     rng = np.random.default_rng(0)
     feeds = {f"in{k}": rng.uniform(-2, 2, [3 if isinstance(d, str) else d for d in s]).astype(np.float32)
              for k, s in enumerate(shapes)}
     check_gradients(_model(op, attrs, opset, shapes), feeds)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"align_corners": 1}])
+def test_affine_grid_with_and_without_its_default_attribute(attrs):
+    from onnx import numpy_helper
+
+    graph = helper.make_graph([helper.make_node("AffineGrid", ["theta", "size"], ["grid"], **attrs)], "affine",
+                              [helper.make_tensor_value_info("theta", TensorProto.FLOAT, [2, 2, 3])],
+                              [helper.make_tensor_value_info("grid", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(np.array([2, 1, 3, 4], np.int64), "size")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    check_gradients(model, {"theta": np.random.default_rng(0).standard_normal((2, 2, 3)).astype(np.float32)})
 
 
 def test_group_norm_gradient_matches_torch():

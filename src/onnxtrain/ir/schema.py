@@ -38,6 +38,11 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
             return None
     if not body:
         return None
+    # a function body reads the node's attributes by reference, and one the node leaves at its
+    # default would be missing there (AffineGrid's align_corners, MVN's axes): write the defaults in
+    for name, attribute in schema.attributes.items():
+        if name not in node.attributes and attribute.default_value.type != onnx.AttributeProto.UNDEFINED:
+            node.attributes[name] = ir.serde.deserialize_attribute(attribute.default_value)
     try:
         function = ir.serde.deserialize_function(_parse(body))
     except Exception:  # noqa: BLE001  (a body onnx_ir cannot read, e.g. Attention-23's): no decomposition

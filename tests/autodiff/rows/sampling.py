@@ -99,6 +99,11 @@ ROWS += [
     _grid_row([I(2, 1, 4, 3), I(2, 3, 2, 2, low=-2.5, high=2.5)], "reflection", padding_mode="reflection"),
     _grid_row([I(2, 1, 3, 4), I(2, 2, 3, 2, low=-2.5, high=2.5)], "reflection-align-corners",
               padding_mode="reflection", align_corners=1),
+    # an axis of length 1 with aligned corners: every reflected tap reads its one pixel
+    _grid_row([I(1, 1, 4, 1), I(1, 2, 3, 2, low=-1.3, high=1.3)], "reflection-align-corners-width-1",
+              padding_mode="reflection", align_corners=1),
+    _grid_row([I(1, 1, 1, 1), C(_GRID[:1])], "reflection-align-corners-single-pixel", opsets=(16, 23),
+              padding_mode="reflection", align_corners=1),
     _grid_row([I(2, 2, 3, 4), C(_GRID)], "x-only-zeros", opsets=(16, 23)),
     _grid_row([I(2, 2, 3, 4), C(_GRID)], "x-only-reflection", opsets=(16, 23), padding_mode="reflection"),
     _grid_row([I(2, 2, 3, 4), C(_GRID)], "nearest-zeros", opsets=(16, 23), mode="nearest"),

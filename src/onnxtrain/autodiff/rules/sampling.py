@@ -214,9 +214,12 @@ def _resize(ctx):
 
 def _reflect(ctx: GradContext, tap: ir.Value, low: ir.Value, high: ir.Value) -> ir.Value:
     """A pixel position reflected at ``low``/``high`` until inside, as onnxruntime's kernel
-    reflects the positions of the taps (not the sampling coordinate)."""
+    reflects the positions of the taps (not the sampling coordinate). An axis of length 1 with
+    aligned corners has ``low == high``: every tap reads it (not 0 / 0)."""
     op = ctx.op
     span = op.Sub(high, low)
+    empty = op.LessOrEqual(span, ctx.like(span, 0.0))
+    span = op.Where(empty, ctx.like(span, 1.0), span)
 
     def odd_turns_and_rest(distance):  # distance >= 0 past a bound, in whole spans and the rest
         turns = op.Floor(op.Div(distance, span))
@@ -228,7 +231,8 @@ def _reflect(ctx: GradContext, tap: ir.Value, low: ir.Value, high: ir.Value) -> 
     below = op.Where(odd, op.Sub(high, rest), op.Add(low, rest))
     odd, rest = odd_turns_and_rest(op.Sub(tap, high))  # above high: an even count lands below high
     above = op.Where(odd, op.Add(low, rest), op.Sub(high, rest))
-    return op.Where(op.Less(tap, low), below, op.Where(op.Greater(tap, high), above, tap))
+    reflected = op.Where(op.Less(tap, low), below, op.Where(op.Greater(tap, high), above, tap))
+    return op.Where(empty, op.Add(low, op.Mul(tap, ctx.like(tap, 0.0))), reflected)
 
 
 def _grid_tap(ctx: GradContext, tap: ir.Value, size: ir.Value, padding: str, align: bool):

@@ -295,3 +295,27 @@ def test_missing_element_types_come_from_the_attribute_or_input_that_decides_the
     assert [[o.dtype for o in n.outputs] for n in nodes] == [
         [ir.DataType.FLOAT16], [ir.DataType.FLOAT], [ir.DataType.FLOAT, ir.DataType.INT64], [ir.DataType.DOUBLE],
         [ir.DataType.INT32]]
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_reducing_scatter_is_legalized_to_fp32(precision):
+    """ScatterElements with reduction="add" (a max pool's or a gather's gradient) computes: no CPU
+    kernel takes fp16 or bf16 there. One that only moves data may stay low."""
+    elem_type, _ = LOW[precision]
+    nodes = [helper.make_node("ScatterElements", ["data", "indices", "updates"], ["added"], axis=0, reduction="add"),
+             helper.make_node("ScatterElements", ["data", "indices", "updates"], ["moved"], axis=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("data", elem_type, [4]),
+                                           helper.make_tensor_value_info("indices", TensorProto.INT64, [2]),
+                                           helper.make_tensor_value_info("updates", elem_type, [2])],
+                              [helper.make_tensor_value_info("added", elem_type, [4]),
+                               helper.make_tensor_value_info("moved", elem_type, [4])])
+    model = io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    PrecisionPass(PrecisionConfig(precision, "cpu"))(model)
+    scatters = {n.attributes.get_string("reduction", "none"): n for n in model.graph if n.op_type == "ScatterElements"}
+    assert scatters["add"].outputs[0].dtype == ir.DataType.FLOAT
+    assert scatters["none"].outputs[0].dtype == ir.DataType(elem_type)
+    if precision == "fp16":
+        data = np.array([0, 1, 2, 3], np.float16)
+        out = _session(model).run(["added"], {"data": data, "indices": np.array([1, 1]),
+                                              "updates": np.array([0.5, 0.25], np.float16)})[0]
+        np.testing.assert_array_equal(out, np.array([0, 1.75, 2, 3], np.float16))

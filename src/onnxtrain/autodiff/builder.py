@@ -13,6 +13,8 @@ depends on the values its subgraphs capture from the enclosing graph as much as 
 
 from __future__ import annotations
 
+import copy
+
 from collections.abc import Iterable, Sequence
 
 import onnx_ir as ir
@@ -101,7 +103,9 @@ def _with_shape_of(grad: ir.Value, primal: ir.Value) -> ir.Value:
     if grad.shape is None and primal.shape is not None:
         grad.shape = primal.shape
     if grad.type is None and primal.type is not None:
-        grad.type = primal.type
+        # a copy: a pass that retypes the gradient (``value.dtype = ...`` edits the type object in
+        # place) must not retype the parameter with it
+        grad.type = copy.deepcopy(primal.type)
     return grad
 
 

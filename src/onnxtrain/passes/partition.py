@@ -15,6 +15,8 @@ activation next to ``y``).
 
 from __future__ import annotations
 
+import copy
+
 import enum
 import os
 from collections.abc import Mapping, Sequence
@@ -254,7 +256,7 @@ def build_forward_backward(model: ir.Model, wrt: Sequence[str], no_grad_outputs:
         if g.is_graph_input() or g in model_outputs or g in grad_outputs or g.producer() is None:
             g = b.op.Identity(g)
         g.name = names.grad_name(w.name) if names.grad_name(w.name) not in inputs else f"{w.name}.gradient"
-        g.type, g.shape = w.type, w.shape
+        g.type, g.shape = copy.deepcopy(w.type), w.shape  # a copy: retyping a gradient leaves its parameter
         grad_outputs.append(g)
     graph.outputs.extend(grad_outputs)
     pipeline.run(model, pipeline.after_autodiff())

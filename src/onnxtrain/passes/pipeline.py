@@ -16,6 +16,7 @@ from onnxtrain.passes.column_product import ColumnVectorProductPass
 from onnxtrain.passes.cse import DistinctDrawsCSEPass
 from onnxtrain.passes.double_gelu import DoubleTanhGeluPass
 from onnxtrain.passes.double_layer_norm import DoubleLayerNormPass
+from onnxtrain.passes.float_accumulation import FloatAccumulationPass
 from onnxtrain.passes.fold import FoldConstantsPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
@@ -56,9 +57,11 @@ def after_autodiff() -> list[ir.passes.PassBase]:
     then write ops as stock onnxruntime runs them fastest (after autodiff: their gradient rules
     are the better ones; a sum of squares as a sum of products; a sum over leading axes as a
     product with ones; a transposed matrix times a vector as a product with a column, which
-    onnxruntime's fused kernel gets right)."""
+    onnxruntime's fused kernel gets right); float16/bfloat16 gradients accumulated by scatters add
+    in float32 (onnxruntime's CPU kernels have no low-precision reduction)."""
     return [
         SplitCrossEntropyPass(),
+        FloatAccumulationPass(),
         ColumnVectorProductPass(),
         SumOfSquaresPass(),
         LeadingAxesSumPass(),

@@ -173,7 +173,8 @@ class PrecisionPass(ir.passes.InPlacePass):
             if not is_onnx_op(node) or node.op_type in ("Cast", "Constant") or _has_subgraph(node):
                 continue
             touches_low = any(_is(v, self.low) for v in (*node.inputs, *node.outputs))
-            if touches_low and (node.op_type in FP32_OPS or node.op_type not in self.supported):
+            if touches_low and (node.op_type in FP32_OPS or node.op_type not in self.supported
+                                or _accumulates(node)):
                 _retype(b, node, self.low, FP32)
                 changed = True
         return changed
@@ -189,6 +190,13 @@ def _unused_scope(graph: ir.Graph, base: str) -> str:
         k += 1
         scope = f"{base}_{k}"
     return scope
+
+
+def _accumulates(node: ir.Node) -> bool:
+    """A scatter that adds or multiplies into its data (gradients of gathers and pools): it
+    computes, in fp32 (onnxruntime's CPU kernel has no fp16 reduction; sums of many fp16
+    gradients would lose their small terms)."""
+    return node.op_type == "ScatterElements" and node.attributes.get_string("reduction", "none") != "none"
 
 
 def _is(value: ir.Value | None, dtype: ir.DataType) -> bool:
@@ -216,7 +224,7 @@ def _retype(b: GraphBuilder, node: ir.Node, old: ir.DataType, new: ir.DataType) 
         back.producer().replace_input_with(0, out)  # replace_all_uses_with rewired the Cast too
         name = out.name
         out.name, back.name = f"{name}.{new.name.lower()}", name
-        out.dtype = new
+        out.type = ir.TensorType(new)  # a new type object: ``out.dtype = new`` would edit a shared one
 
 
 def _cast(b: GraphBuilder, value: ir.Value, dtype: ir.DataType) -> ir.Value:

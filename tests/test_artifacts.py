@@ -430,3 +430,24 @@ def test_a_name_list_given_as_one_string_is_refused_and_errors_are_runtime_error
     with pytest.raises(ArtifactError, match=rf"{argument} must be a list of names, got the string 'w'") as info:
         artifacts.generate_artifacts(_scored_model(), **{argument: "w"}, artifact_directory=tmp_path)
     assert isinstance(info.value, RuntimeError) and isinstance(info.value, ValueError)
+
+
+def test_weights_folded_by_the_exporters_optimizer_are_refused_by_name(tmp_path):
+    """torch.onnx.export's default optimize=True writes Transpose(weight) as an initializer named
+    ``val_<n>``: requires_grad=None left every Linear weight untrained (biases only), silently."""
+    torch = pytest.importorskip("torch")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.ReLU(), torch.nn.Linear(5, 3))
+    example = (torch.randn(2, 7, 4),)  # 3-D: the product is a MatMul with the transposed weight
+    for optimize in (True, False):
+        torch.onnx.export(model, example, tmp_path / f"model_{optimize}.onnx", dynamo=True, optimize=optimize,
+                          verbose=False)
+    with pytest.raises(ArtifactError, match=r"val_0.*0\.weight.*optimize=False"):
+        artifacts.generate_artifacts(str(tmp_path / "model_True.onnx"), requires_grad=None,
+                                     loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "folded")
+    # naming what trains is the user's call, and unfolded exports train every parameter
+    artifacts.generate_artifacts(str(tmp_path / "model_True.onnx"), requires_grad=["val_0", "0.bias"],
+                                 loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "named")
+    artifacts.generate_artifacts(str(tmp_path / "model_False.onnx"), requires_grad=None,
+                                 loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "plain")
+    state = CheckpointState.load_checkpoint(tmp_path / "plain" / "checkpoint")
+    assert sorted(state.parameters.keys()) == ["0.bias", "0.weight", "2.bias", "2.weight"]

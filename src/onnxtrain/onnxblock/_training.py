@@ -60,6 +60,34 @@ def declared_parameters(model: ir.Model) -> dict[str, list[str]] | None:
     return json.loads(declared) if declared else None
 
 
+# (op, input positions) that read a weight: a matrix, a kernel, a recurrent weight
+_WEIGHT_INPUTS = {"MatMul": (0, 1), "Gemm": (0, 1), "Conv": (1,), "ConvTranspose": (1,),
+                  "LSTM": (1, 2), "GRU": (1, 2), "RNN": (1, 2)}
+_FOLDED_FROM = "pkg.onnxscript.optimizer.folded_from"
+
+
+def folded_weights(model: ir.Model) -> list[str]:
+    """Initializers named like exporter constants that ops read as weights (rank >= 2 floats in a
+    weight slot of a MatMul, Gemm, Conv or recurrent op): parameters an exporter's constant folding
+    renamed (``Transpose(W)`` as ``val_0``), each with the parameter it came from where the
+    in-memory model still records it. None in a model exported by ``export_for_training``."""
+    if declared_parameters(model) is not None:
+        return []
+    found = []
+    for node in model.graph:
+        for position in _WEIGHT_INPUTS.get(node.op_type, ()) if is_onnx_op(node) else ():
+            value = node.inputs[position] if len(node.inputs) > position else None
+            if (value is None or not value.is_initializer() or value.dtype not in FLOAT_TYPES
+                    or value.const_value is None or len(value.const_value.shape) < 2
+                    or not _EXPORTER_CONSTANT.match(value.name or "")):
+                continue
+            origin = value.metadata_props.get(_FOLDED_FROM)
+            label = f"{value.name} (from {origin})" if origin else value.name
+            if label not in found:
+                found.append(label)
+    return found
+
+
 def default_trainable(model: ir.Model, frozen: Sequence[str] = ()) -> list[str]:
     """Float initializers of rank >= 1 that are not exporter constants, statistics, quantization
     scales or frozen; for a model exported from PyTorch those among the parameters that
@@ -88,6 +116,15 @@ def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
     """
     frozen_params = list(frozen_params or [])
     if requires_grad is None:
+        folded = folded_weights(model)
+        if folded:
+            raise ArtifactError(
+                f"the model's weight(s) {folded} are constants the exporter folded from parameters (named like "
+                f"exporter constants: torch.onnx.export's default optimize=True writes Transpose(weight) as a new "
+                f"initializer), so requires_grad=None would leave them untrained, and a tied weight folded into a "
+                f"copy would train apart from its original; export with torch.onnx.export(..., optimize=False) "
+                f"(or onnxtrain.torch.export_for_training) so that parameters keep their names, or name what "
+                f"trains in requires_grad")
         requires_grad = [n for n in default_trainable(model, frozen_params) if n not in constants]
         frozen_params += [n for n in _batch_norm_statistics(model.graph) if n not in frozen_params]
         # what PyTorch froze stays a parameter (in the checkpoint), not trained

@@ -37,7 +37,8 @@ which the exporter writes in forms that overflow, are in ``onnxtrain.torch._log_
 axis, ``std`` and p-norms (PyTorch's 0 gradient where the value is 0) are in
 ``onnxtrain.torch._reductions``; random draws the exporter gets wrong or lacks (``randint``,
 ``multinomial`` without replacement, ``uniform_``, ``randperm``) in ``onnxtrain.torch._random``.
-Nearest-neighbour interpolation reads PyTorch's source pixels (``onnxtrain.torch._nearest``).
+Nearest-neighbour interpolation reads PyTorch's source pixels (``onnxtrain.torch._nearest``);
+window functions are PyTorch's, as constants (``onnxtrain.torch._windows``).
 ``atan2`` keeps PyTorch's signed zeros and a
 finite gradient on the axes; ``fmax``/``fmin`` (the exporter has none) skip NaNs. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
@@ -57,7 +58,7 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain import names
-from onnxtrain.torch import _log_space, _nearest, _random, _reductions
+from onnxtrain.torch import _log_space, _nearest, _random, _reductions, _windows
 from onnxtrain.torch._log_space import constant_like as _like
 
 
@@ -1194,6 +1195,7 @@ def translation_table() -> dict:
         torch.ops.aten.linalg_vector_norm.default: _reductions.linalg_vector_norm,
         torch.ops.aten._grouped_mm.default: grouped_mm,
         **_nearest.translations(),
+        **_windows.translations(),
         **_optional_ops(),
     }
 

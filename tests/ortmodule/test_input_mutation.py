@@ -94,3 +94,26 @@ def test_an_argument_that_requires_grad_changed_in_place_runs_in_pytorch():
     eager_changed, eager_out = eager(eager_h)
     torch.testing.assert_close(out, eager_out)
     torch.testing.assert_close(h, eager_h)
+
+
+class _SliceCopy(torch.nn.Module):
+    """Writes a broadcast source into a slice of a new tensor (``torch.vander`` does the same)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 5))
+
+    def forward(self, x):
+        canvas = torch.ones(x.shape[0], 4)
+        canvas.narrow(1, 1, 3).copy_((x * self.weight).unsqueeze(1))  # [5, 1] into [5, 3]
+        return canvas * 2 + torch.vander(x * self.weight, N=4)
+
+
+def test_a_broadcast_copy_into_a_slice_trains_as_eager():
+    """aten.copy broadcasts its source to the destination (the exporter's only cast it, and
+    onnxruntime failed the run)."""
+    from onnxtrain.torch import DebugOptions
+
+    from ._parity import assert_steps_match
+    eager, wrapped = eager_and_wrapped(_SliceCopy, debug_options=DebugOptions(fallback=False))
+    assert_steps_match(eager, wrapped, torch.randn(5))

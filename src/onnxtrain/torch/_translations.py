@@ -958,6 +958,13 @@ def scalar_tensor(s, dtype: int = 1, layout: str = "", device: str = "", pin_mem
     return aten_scalar_tensor(s, dtype, layout, device, pin_memory)
 
 
+def copy(self, src, non_blocking: bool = False):
+    """``aten.copy`` (``x.copy_(src)``, also inside ``torch.vander``): ``src`` in ``self``'s type,
+    broadcast to ``self``'s shape. The exporter's only casts, and a broadcast source written into
+    a slice failed the run (ScatterND's updates of the source's shape)."""
+    return op.Expand(op.CastLike(src, self), op.Shape(self))
+
+
 def native_dropout(input, p: float, train: bool | None = True):
     """``aten.native_dropout``: ONNX's Dropout (onnxruntime takes a ratio below 1 only). With
     ``p = 1`` in training everything is dropped: ``input * 0`` (NaN where the input is not
@@ -1123,6 +1130,7 @@ def translation_table() -> dict:
         torch.ops.aten._embedding_bag_forward_only.default: embedding_bag,
         torch.ops.aten.detach.default: detach,
         torch.ops.aten.native_dropout.default: native_dropout,
+        torch.ops.aten.copy.default: copy,
         torch.ops.aten.scalar_tensor.default: scalar_tensor,
         torch.ops.aten.conv3d.default: conv3d,
         torch.ops.aten.clamp.Tensor: clamp,

@@ -273,6 +273,40 @@ def _value_with_gradient(value, source, factor=None):
     return op.Add(detach(value), carried)
 
 
+def _x_log(x, y, log, lowest: float):
+    """``x * log(y)`` as PyTorch's ``xlogy`` family computes it and its gradient: 0 where ``x`` is 0
+    (NaN where ``y`` is), the gradient to ``x`` ``log(y)`` there too (0 where ``y <= lowest``, the
+    log's domain ending), to ``y`` ``x / y``. The exporter's ``Where(x == 0, x, x * log(y))`` gave
+    ``x`` a gradient of 1 where it is 0; the branch not taken reads a safe ``y``, so that its
+    gradient has no NaN to leak."""
+    y = op.CastLike(y, x)
+    at_zero = op.And(op.Equal(x, _number_like(0.0, x)), op.Not(op.IsNaN(y)))
+    below = op.LessOrEqual(y, _number_like(lowest, y))
+    log_at_zero = detach(op.Where(below, _number_like(0.0, y), log(op.Where(below, _number_like(lowest + 1.0, y), y))))
+    elsewhere = op.Mul(x, log(op.Where(at_zero, _number_like(lowest + 1.0, y), y)))
+    return op.Where(at_zero, op.Mul(x, log_at_zero), elsewhere)
+
+
+def xlogy(self, other):
+    """``aten.xlogy.Tensor``: :func:`_x_log` with ``log``."""
+    return _x_log(self, other, op.Log, 0.0)
+
+
+def xlogy_scalar_other(self, other: float):
+    """``aten.xlogy.Scalar_Other`` (``torch.xlogy(x, 3.0)``): :func:`xlogy`."""
+    return _x_log(self, _number_like(float(other), self), op.Log, 0.0)
+
+
+def xlog1py(self, other):
+    """``aten.special_xlog1py``: :func:`_x_log` with ``log(1 + y)``."""
+    return _x_log(self, other, lambda y: op.Log(op.Add(y, _number_like(1.0, y))), -1.0)
+
+
+def xlog1py_other_scalar(self, other: float):
+    """``aten.special_xlog1py.other_scalar``: :func:`xlog1py`."""
+    return xlog1py(self, _number_like(float(other), self))
+
+
 def instance_norm(input, weight=None, bias=None, running_mean=None, running_var=None, use_input_stats: bool = True,
                   momentum: float = 0.1, eps: float = 1e-5, cudnn_enabled: bool = False):
     """``aten.instance_norm``: the exporter's translation, except where it would be wrong: with
@@ -1131,6 +1165,10 @@ def translation_table() -> dict:
         torch.ops.aten.detach.default: detach,
         torch.ops.aten.native_dropout.default: native_dropout,
         torch.ops.aten.copy.default: copy,
+        torch.ops.aten.xlogy.Tensor: xlogy,
+        torch.ops.aten.xlogy.Scalar_Other: xlogy_scalar_other,
+        torch.ops.aten.special_xlog1py.default: xlog1py,
+        torch.ops.aten.special_xlog1py.other_scalar: xlog1py_other_scalar,
         torch.ops.aten.scalar_tensor.default: scalar_tensor,
         torch.ops.aten.conv3d.default: conv3d,
         torch.ops.aten.clamp.Tensor: clamp,

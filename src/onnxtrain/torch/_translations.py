@@ -38,7 +38,8 @@ axis, ``std`` and p-norms (PyTorch's 0 gradient where the value is 0) are in
 ``onnxtrain.torch._reductions``; random draws the exporter gets wrong or lacks (``randint``,
 ``multinomial`` without replacement, ``uniform_``, ``randperm``) in ``onnxtrain.torch._random``.
 Nearest-neighbour interpolation reads PyTorch's source pixels (``onnxtrain.torch._nearest``);
-window functions are PyTorch's, as constants (``onnxtrain.torch._windows``).
+window functions are PyTorch's, as constants (``onnxtrain.torch._windows``); antialiased
+interpolation takes PyTorch's weights, as two matrix products (``onnxtrain.torch._antialias``).
 ``atan2`` keeps PyTorch's signed zeros and a
 finite gradient on the axes; ``fmax``/``fmin`` (the exporter has none) skip NaNs. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
@@ -58,7 +59,7 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain import names
-from onnxtrain.torch import _log_space, _nearest, _random, _reductions, _windows
+from onnxtrain.torch import _antialias, _log_space, _nearest, _random, _reductions, _windows
 from onnxtrain.torch._log_space import constant_like as _like
 
 
@@ -1242,6 +1243,7 @@ def translation_table() -> dict:
         torch.ops.aten._grouped_mm.default: grouped_mm,
         **_nearest.translations(),
         **_windows.translations(),
+        **_antialias.translations(),
         **_optional_ops(),
     }
 

@@ -225,14 +225,20 @@ def _lazy_registry_class():
     return LazyRegistry
 
 
-def registry(opset_version: int, custom_translations: Mapping[Callable, Callable]):
+def registry(opset_version: int, custom_translations: Mapping[Callable, Callable],
+             complex_translations: Mapping[Callable, Callable] = {}):  # noqa: B006  (read only)
     """A fresh ``ONNXRegistry`` for one export: the cached torchlib functions plus
-    ``custom_translations`` (registered first, as ``torch.onnx.export`` does)."""
+    ``custom_translations`` (registered first, as ``torch.onnx.export`` does) and
+    ``complex_translations``, which the exporter dispatches to for complex arguments (as real
+    tensors with a last axis of 2, torchlib's representation; ``torch.onnx.export``'s
+    ``custom_translation_table`` cannot take them)."""
     fresh = _lazy_registry_class()()
     fresh._opset_version = opset_version
     fresh.functions = {target: list(metas) for target, metas in torchlib_functions(opset_version).items()}
     for op, function in custom_translations.items():
         fresh.register_op(op, function, is_complex=False)
+    for op, function in complex_translations.items():
+        fresh.register_op(op, function, is_complex=True)
     return fresh
 
 
@@ -615,15 +621,16 @@ def contiguous_as_clone(program: torch.export.ExportedProgram) -> int:
     return count
 
 
-def export_program(program: torch.export.ExportedProgram, custom_translations: Mapping[Callable, Callable]):
+def export_program(program: torch.export.ExportedProgram, custom_translations: Mapping[Callable, Callable],
+                   complex_translations: Mapping[Callable, Callable] = {}):  # noqa: B006  (read only)
     """``torch.onnx.export(program, dynamo=True, optimize=False,
-    custom_translation_table=custom_translations)`` with the cached registry; returns the
-    ``ONNXProgram``."""
+    custom_translation_table=custom_translations)`` with the cached registry (and
+    ``complex_translations``, see :func:`registry`); returns the ``ONNXProgram``."""
     internal = _internal_export()
     if internal is not None:
         core_export, opset_version = internal
         try:
-            table = registry(opset_version, custom_translations)
+            table = registry(opset_version, custom_translations, complex_translations)
         except Exception:  # noqa: BLE001  (the internal API changed: use the public path)
             _LOG.debug("building the export registry failed; using torch.onnx.export", exc_info=True)
         else:

@@ -1248,6 +1248,22 @@ def translation_table() -> dict:
     }
 
 
+def angle_complex(self):
+    """``aten.angle`` of a complex tensor (a real one with a last axis of 2): :func:`atan2` of
+    its imaginary and real parts (torchlib's own arctangent gives -π on the negative real axis
+    with a +0 imaginary part, and NaN gradients where the real part is 0)."""
+    last = op.Constant(value_ints=[-1])
+    real = op.Squeeze(op.Slice(self, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), last), last)
+    imaginary = op.Squeeze(op.Slice(self, op.Constant(value_ints=[1]), op.Constant(value_ints=[2]), last), last)
+    return atan2(imaginary, real)
+
+
+def complex_translation_table() -> dict:
+    """Translations of ops on complex tensors (the exporter dispatches to them for complex
+    arguments; ORTModule's and ``export_for_training``'s exports register them)."""
+    return {torch.ops.aten.angle.default: angle_complex}
+
+
 def artifacts_translation_table() -> dict:
     """The ``custom_translation_table`` to export a model with for artifacts (public as
     ``onnxtrain.torch.onnx_translation_table``; :func:`onnxtrain.torch.export_for_training` uses

@@ -228,11 +228,32 @@ def _scalar(bound) -> bool:
 def clamp(x, min=None, max=None):  # noqa: A002  (aten's argument names)
     """``aten.clamp.Tensor`` (number bounds reach it as 0-d tensors): with scalar bounds a Clip,
     whose gradient passes at the bounds as torch's clamp does (the exporter's Max and Min split
-    it in half there); with tensor bounds the exporter's translation."""
+    it in half there); with tensor bounds :func:`_clamp_between`."""
     if _scalar(min) and _scalar(max):
         return op.Clip(x, None if min is None else op.CastLike(min, x), None if max is None else op.CastLike(max, x))
-    from onnxscript.function_libs.torch_lib.ops.core import aten_clamp_tensor
-    return aten_clamp_tensor(x, min, max)
+    return _clamp_between(x, None if min is None else op.CastLike(min, x),
+                          None if max is None else op.CastLike(max, x))
+
+
+def _clamp_between(x, low, high):
+    """``min(max(x, low), high)`` with tensor bounds, each element taken from the one PyTorch's
+    gradient goes to: ``x`` inside the bounds (ties included: the exporter's Max and Min split
+    the gradient there), ``low`` below them (where ``low < high``), ``high`` above them or where
+    ``high < low``, and a detached ``high`` where ``x < low == high`` (PyTorch gives neither bound
+    a gradient there). NaN in ``x`` or a bound comes through as PyTorch's."""
+    floating = x.dtype is None or x.dtype.is_floating_point()
+
+    def nan_or(value, condition):
+        return op.Or(op.IsNaN(value), condition) if floating else condition
+
+    if high is None:
+        return op.Where(nan_or(x, op.GreaterOrEqual(x, low)), x, low)
+    if low is None:
+        return op.Where(nan_or(x, op.LessOrEqual(x, high)), x, high)
+    inside = nan_or(x, op.And(op.GreaterOrEqual(x, low), op.LessOrEqual(x, high)))
+    low_wins = nan_or(low, op.And(op.Less(x, low), op.Less(low, high)))
+    high_wins = nan_or(high, op.Or(op.Greater(x, high), op.Less(high, low)))
+    return op.Where(inside, x, op.Where(low_wins, low, op.Where(high_wins, high, detach(high))))
 
 
 def clamp_min(x, min):  # noqa: A002

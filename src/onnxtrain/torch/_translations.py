@@ -1021,6 +1021,33 @@ def copy(self, src, non_blocking: bool = False):
     return op.Expand(op.CastLike(src, self), op.Shape(self))
 
 
+def _repeated_positions(repeats):
+    """``[0] * r0 + [1] * r1 + ...``: each position of ``repeats`` as often as it says (int64)."""
+    ends = op.CumSum(op.Reshape(op.Cast(repeats, to=ir.DataType.INT64), op.Constant(value_ints=[-1])),
+                     op.Constant(value_int=0))
+    total = op.ReduceSum(op.Slice(ends, op.Constant(value_ints=[-1]), op.Constant(value_ints=[2**62])),
+                         keepdims=0)
+    steps = op.Range(op.Constant(value_int=0), total, op.Constant(value_int=1))
+    # position t repeats the entry whose run it falls in: the number of runs ended at or before t
+    ended = op.LessOrEqual(op.Unsqueeze(ends, op.Constant(value_ints=[0])), op.Unsqueeze(steps, op.Constant(value_ints=[1])))
+    return op.ReduceSum(op.Cast(ended, to=ir.DataType.INT64), op.Constant(value_ints=[1]), keepdims=0)
+
+
+def repeat_interleave_self_tensor(self, repeats, dim=None, output_size=None):
+    """``aten.repeat_interleave.self_Tensor``: ``self``'s entries along ``dim`` (the flattened
+    tensor without one), each repeated as ``repeats`` says, gathered. torchlib's repeated along
+    the first axis whatever ``dim`` was, and took no ``output_size`` (a hint the graph needs not)."""
+    if dim is None:
+        self, dim = op.Reshape(self, op.Constant(value_ints=[-1])), 0
+    return op.Gather(self, _repeated_positions(repeats), axis=dim)
+
+
+def repeat_interleave_tensor(repeats, output_size=None):
+    """``aten.repeat_interleave.Tensor`` (``torch.repeat_interleave(repeats)``): the positions of
+    ``repeats``, each repeated as it says."""
+    return _repeated_positions(repeats)
+
+
 def native_dropout(input, p: float, train: bool | None = True):
     """``aten.native_dropout``: ONNX's Dropout (onnxruntime takes a ratio below 1 only). With
     ``p = 1`` in training everything is dropped: ``input * 0`` (NaN where the input is not
@@ -1187,6 +1214,8 @@ def translation_table() -> dict:
         torch.ops.aten.detach.default: detach,
         torch.ops.aten.native_dropout.default: native_dropout,
         torch.ops.aten.copy.default: copy,
+        torch.ops.aten.repeat_interleave.self_Tensor: repeat_interleave_self_tensor,
+        torch.ops.aten.repeat_interleave.Tensor: repeat_interleave_tensor,
         torch.ops.aten.xlogy.Tensor: xlogy,
         torch.ops.aten.xlogy.Scalar_Other: xlogy_scalar_other,
         torch.ops.aten.special_xlog1py.default: xlog1py,

@@ -1,0 +1,53 @@
+"""``repeat_interleave`` with a tensor of repeats repeats along the given dim
+(torch/_translations.py): torchlib's repeated along the first axis whatever ``dim`` was, and
+failed on ``output_size``."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
+
+from ._parity import assert_steps_match  # noqa: E402
+
+
+class _Repeat(torch.nn.Module):
+    def __init__(self, dim, output_size=None):
+        super().__init__()
+        self.dim, self.output_size = dim, output_size
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        repeats = torch.tensor([1, 0, 3])
+        axis = self.dim % x.dim() if self.dim is not None else x.dim() - 1  # the axis of length 3
+        shape = [3 if d == axis else 1 for d in range(x.dim())]
+        scaled = x * self.weight.reshape(shape)
+        return torch.repeat_interleave(scaled, repeats, dim=self.dim, output_size=self.output_size)
+
+
+@pytest.mark.parametrize(("shape", "dim", "output_size"), [
+    ((3, 2), 0, None), ((2, 3), 1, None), ((2, 3), -1, 4), ((2, 4, 3), 2, None), ((2, 3, 5), 1, 4), ((3,), None, None),
+])
+def test_repeats_along_the_given_dim_as_eager(shape, dim, output_size):
+    torch.manual_seed(0)
+    eager = _Repeat(dim, output_size)
+    wrapped = ORTModule(_Repeat(dim, output_size), debug_options=DebugOptions(fallback=False))
+    assert_steps_match(eager, wrapped, torch.randn(*shape))
+
+
+class _Positions(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(4, 2))
+
+    def forward(self, counts):
+        return self.table[torch.repeat_interleave(counts)]
+
+
+def test_repeated_positions_from_counts_given_at_run_time():
+    torch.manual_seed(0)
+    eager, wrapped = _Positions(), ORTModule(_Positions(), debug_options=DebugOptions(fallback=False))
+    wrapped.module.load_state_dict(eager.state_dict())
+    assert_steps_match(eager, wrapped, torch.tensor([2, 0, 1, 3]))

@@ -149,3 +149,48 @@ def test_translation_table_exports_training_batch_norm_for_artifacts(tmp_path):
     loss = module(x.numpy(), labels.numpy().astype(np.int32))
     expected = torch.nn.functional.cross_entropy(model(x), labels).item()
     np.testing.assert_allclose(float(loss), expected, rtol=1e-5)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, q, k):
+        return self.attention(q, k, k, need_weights=True)[0]
+
+
+def _unflatten_norm():
+    return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Unflatten(1, (2, 3)), torch.nn.LayerNorm((2, 3)),
+                               torch.nn.Flatten(), torch.nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize(("make", "shapes", "opset"), [
+    (_Attention, [(3, 5, 8), (3, 7, 8)], 13),  # the heads' Reshape to a computed shape
+    (_unflatten_norm, [(3, 5)], 17),  # nn.Unflatten's shape: Add, Mod and Slice of Shape
+], ids=["attention-opset13", "unflatten-layernorm-opset17"])
+def test_torchscript_exports_whose_shapes_need_folding_train_as_pytorch(tmp_path, make, shapes, opset):
+    """The TorchScript exporter (upstream's documented way) computes some shapes with arithmetic
+    on constants: the gradient rules lacked the ranks and refused the model (passes/fold.py)."""
+    import io as bytes_io
+
+    torch.manual_seed(0)
+    model = make()
+    inputs = [torch.randn(*s) for s in shapes]
+    names_in = [f"in{i}" for i in range(len(inputs))]
+    buffer = bytes_io.BytesIO()
+    torch.onnx.export(model, tuple(inputs), buffer, dynamo=False, opset_version=opset, input_names=names_in,
+                      output_names=["y"], dynamic_axes={n: {0: "batch"} for n in names_in},
+                      training=torch.onnx.TrainingMode.TRAINING, do_constant_folding=False)
+    artifacts.generate_artifacts(onnx.load_from_string(buffer.getvalue()), loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    output = model(*inputs)
+    target = torch.randn_like(output)
+    expected = torch.nn.functional.mse_loss(output, target)
+    expected.backward()
+    loss = module(*[x.numpy() for x in inputs], target.detach().numpy())
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    for name, parameter in model.named_parameters():
+        np.testing.assert_allclose(state.parameters[name].grad, parameter.grad.numpy(), rtol=1e-4, atol=1e-6)

@@ -40,3 +40,49 @@ class FoldConstantsPass(ir.passes.InPlacePass):
             for node in stops:
                 node.op_type, node.domain = "Identity", ""
         return ir.passes.PassResult(model, bool(getattr(result, "modified", True)))
+
+
+class InferMissingShapesPass(ir.passes.InPlacePass):
+    """ONNX shape inference over the graph, where a floating-point value has no shape: a shape an
+    exporter computes with arithmetic on constants (the TorchScript exporter's ``nn.Unflatten``:
+    Add, Mod and Slice of ``Shape``) is known once folding has evaluated that arithmetic, and the
+    gradient rules need the ranks. A Reshape to a shape of known length whose values inference
+    cannot tell (the TorchScript exporter's attention heads) gets that rank, with unknown dims,
+    and inference runs again from it. Models whose values all carry shapes (the dynamo
+    exporter's) are left as they are, at no cost."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        from onnx_ir.passes.common import ShapeInferencePass
+
+        modified = False
+        for _ in range(4):  # each round gives ranks to Reshapes that the one before reached
+            if not _unshaped_floats(model.graph):
+                break
+            try:
+                modified = ShapeInferencePass(strict_mode=False)(model).modified or modified
+            except Exception:  # noqa: BLE001  (inference is a help: the rules name what they lack)
+                break
+            ranked = _rank_reshapes(model.graph)
+            modified = modified or ranked
+            if not ranked:
+                break
+        return ir.passes.PassResult(model, modified)
+
+
+def _unshaped_floats(graph: ir.Graph) -> bool:
+    return any(out.shape is None and out.dtype is not None and out.dtype.is_floating_point()
+               for node in graph for out in node.outputs)
+
+
+def _rank_reshapes(graph: ir.Graph) -> bool:
+    """Give each unshaped Reshape output the rank its shape input's length says (dims unknown)."""
+    ranked = False
+    for node in graph:
+        if node.op_type != "Reshape" or node.domain not in ("", "ai.onnx") or node.outputs[0].shape is not None:
+            continue
+        target = node.inputs[1] if len(node.inputs) > 1 else None
+        if target is not None and target.shape is not None and len(target.shape) == 1 \
+                and isinstance(target.shape[0], int):
+            node.outputs[0].shape = ir.Shape([None] * target.shape[0])
+            ranked = True
+    return ranked

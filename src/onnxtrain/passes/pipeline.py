@@ -17,7 +17,7 @@ from onnxtrain.passes.cse import DistinctDrawsCSEPass
 from onnxtrain.passes.double_gelu import DoubleTanhGeluPass
 from onnxtrain.passes.double_layer_norm import DoubleLayerNormPass
 from onnxtrain.passes.float_accumulation import FloatAccumulationPass
-from onnxtrain.passes.fold import FoldConstantsPass
+from onnxtrain.passes.fold import FoldConstantsPass, InferMissingShapesPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
 from onnxtrain.passes.log_sigmoid import LogSigmoidPass
@@ -45,10 +45,12 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     keeps its statistics in float32: passes/double_layer_norm.py), a float64 tanh-approximate
     Gelu too (onnxruntime's kernel has float32 constants: passes/double_gelu.py). A negative
     class label of a cross entropy or negative log-likelihood loss fails the run, as in PyTorch,
-    instead of training as a class from the end (passes/negative_labels.py).
+    instead of training as a class from the end (passes/negative_labels.py). Values still without
+    a shape once folding has evaluated the arithmetic on constants get ONNX shape inference (the
+    TorchScript exporter computes shapes that way: passes/fold.py).
     """
     return [InlinePass(), DoubleLayerNormPass(), DoubleTanhGeluPass(), DecomposePass(), NegativeLabelsPass(),
-            FoldConstantsPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(), ColumnVectorProductPass(),
+            FoldConstantsPass(), InferMissingShapesPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(), ColumnVectorProductPass(),
             RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 

@@ -1033,6 +1033,28 @@ def _repeated_positions(repeats):
     return op.ReduceSum(op.Cast(ended, to=ir.DataType.INT64), op.Constant(value_ints=[1]), keepdims=0)
 
 
+def einsum(equation: str, tensors, path=None):
+    """``aten.einsum``: ONNX's Einsum, each operand's ``...`` first given the same number of axes
+    (leading 1s, numpy's broadcast, as PyTorch does): onnxruntime refuses ellipses of different
+    ranks (``'...ij,...jk'`` with a batched and a single matrix), and the export failed."""
+    terms = equation.replace(" ", "").split("->")[0].split(",")
+    widths = []
+    for term, tensor in zip(terms, tensors):
+        explicit = len(term.replace("...", ""))
+        widths.append(len(tensor.shape) - explicit if "..." in term and tensor.shape is not None else None)
+    known = [w for w in widths if w is not None]
+    if known and min(known) != max(known) and None not in widths:
+        widest = max(known)
+        padded = []
+        for term, tensor, width in zip(terms, tensors, widths):
+            if "..." in term and width < widest:
+                start = len(term[:term.index("...")])
+                tensor = op.Unsqueeze(tensor, op.Constant(value_ints=list(range(start, start + widest - width))))
+            padded.append(tensor)
+        tensors = padded
+    return op.Einsum(*tensors, equation=equation)
+
+
 def repeat_interleave_self_tensor(self, repeats, dim=None, output_size=None):
     """``aten.repeat_interleave.self_Tensor``: ``self``'s entries along ``dim`` (the flattened
     tensor without one), each repeated as ``repeats`` says, gathered. torchlib's repeated along
@@ -1214,6 +1236,7 @@ def translation_table() -> dict:
         torch.ops.aten.detach.default: detach,
         torch.ops.aten.native_dropout.default: native_dropout,
         torch.ops.aten.copy.default: copy,
+        torch.ops.aten.einsum.default: einsum,
         torch.ops.aten.repeat_interleave.self_Tensor: repeat_interleave_self_tensor,
         torch.ops.aten.repeat_interleave.Tensor: repeat_interleave_tensor,
         torch.ops.aten.xlogy.Tensor: xlogy,

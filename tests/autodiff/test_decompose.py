@@ -18,6 +18,10 @@ CASES = [
     # attributes left at their defaults: the body reads them by reference (the schema's default)
     ("MeanVarianceNormalization", {}, 18, [(2, 3, 4, 5)]),
     ("RMSNormalization", {"axis": -1, "epsilon": 1e-5}, 23, [("N", 3, 4), (4,)]),
+    # bodies written for an older opset whose ops mean the same at the model's (Reshape, Shape,
+    # Cast ... were bumped at 23 for new element types only)
+    ("GroupNormalization", {"num_groups": 2, "epsilon": 1e-5}, 23, [("N", 4, 3), (4,), (4,)]),
+    ("MeanVarianceNormalization", {"axes": [0, 2, 3]}, 21, [(2, 3, 4, 5)]),
 ]
 
 
@@ -30,7 +34,7 @@ def _model(op, attrs, opset, shapes):
 
 
 @pytest.mark.parametrize(("op", "attrs", "opset", "shapes"), CASES,
-                         ids=[f"{c[0]}-{'-'.join(c[1]) or 'defaults'}" for c in CASES])
+                         ids=[f"{c[0]}-{'-'.join(c[1]) or 'defaults'}-opset{c[2]}" for c in CASES])
 def test_decomposed_op_matches_finite_differences(op, attrs, opset, shapes):
     assert DEFAULT_REGISTRY.lookup("", op, opset) is None  # else this test checks a rule, not decomposition
     rng = np.random.default_rng(0)
@@ -76,6 +80,22 @@ def test_group_norm_gradient_matches_torch():
     (torch.nn.functional.group_norm(tx, 2, ts, tb, eps=1e-5) * torch.tensor(weight)).sum().backward()
     for got, want in zip(ours, (tx.grad, ts.grad, tb.grad)):
         np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_older_body_is_refused_where_one_of_its_ops_changed_meaning():
+    """ReduceMean took its axes as an attribute before opset 18 and as an input from 18 on."""
+    import onnx_ir as ir
+
+    from onnxtrain.ir.schema import _same_schemas
+
+    def function(op):
+        x = ir.Value(name="x")
+        node = ir.node(op, [x, x])
+        return ir.Function("test", "f", graph=ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 17}),
+                           attributes=[])
+
+    assert not _same_schemas(function("ReduceMean"), 17, 18)
+    assert _same_schemas(function("Reshape"), 21, 23)
 
 
 def test_op_without_rule_or_body_is_still_unsupported():

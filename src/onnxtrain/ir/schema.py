@@ -23,7 +23,8 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
         return None
     body = None
     if schema.has_function:
-        body = schema.get_function_with_opset_version(opset) or schema.function_body
+        body_opset = _latest_at_most(schema.function_opset_versions, opset)
+        body = schema.get_function_with_opset_version(body_opset) if body_opset else schema.function_body
     elif schema.has_context_dependent_function:
         if any(i is not None and i.type is None for i in node.inputs):
             return None  # the body depends on the input types, which are unknown
@@ -32,8 +33,10 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
             for i in node.inputs
         ]
         try:
+            # the body of the latest version written for an opset up to the model's
+            body_opset = _latest_at_most(schema.context_dependent_function_opset_versions, opset) or opset
             body = schema.get_context_dependent_function_with_opset_version(
-                opset, ir.serde.serialize_node(node).SerializeToString(), input_types)
+                body_opset, ir.serde.serialize_node(node).SerializeToString(), input_types)
         except Exception:  # noqa: BLE001  (onnx raises a bare RuntimeError for unsupported cases)
             return None
     if not body:
@@ -47,6 +50,42 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
         function = ir.serde.deserialize_function(_parse(body))
     except Exception:  # noqa: BLE001  (a body onnx_ir cannot read, e.g. Attention-23's): no decomposition
         return None
-    if function.opset_imports.get("", opset) != opset:
-        return None  # a body written for another opset may mean something else in this one
+    body_opset = function.opset_imports.get("", opset)
+    if body_opset != opset:
+        # a body written for another opset means the same in this one when none of its ops
+        # changed between the two; it is then stamped with the model's opset, to be inlined
+        if not _same_schemas(function, body_opset, opset):
+            return None
+        function.opset_imports[""] = opset
     return function
+
+
+def _latest_at_most(versions, opset: int) -> int | None:
+    """The greatest of ``versions`` not above ``opset`` (None when there is none)."""
+    return max((v for v in versions if v <= opset), default=None)
+
+
+def _same_schemas(function: ir.Function, opset_a: int, opset_b: int) -> bool:
+    """Whether every standard op ``function`` uses (its subgraphs' included) means the same at
+    ``opset_a`` and at ``opset_b``: the same schema version, or versions that differ only in the
+    types they accept (ONNX bumps Cast, Reshape, Shape ... for each new element type)."""
+    for node in ir.traversal.RecursiveGraphIterator(function):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        try:
+            schemas = [onnx.defs.get_schema(node.op_type, opset, "") for opset in (opset_a, opset_b)]
+        except onnx.defs.SchemaError:
+            return False
+        if len({_signature(schema) for schema in schemas}) != 1:
+            return False
+    return True
+
+
+def _signature(schema: onnx.defs.OpSchema) -> tuple:
+    """An op schema's inputs, outputs and attributes (with their defaults), not its types."""
+    return (
+        tuple((p.name, p.option) for p in schema.inputs),
+        tuple((p.name, p.option) for p in schema.outputs),
+        tuple(sorted((name, a.type, a.required, a.default_value.SerializeToString())
+                     for name, a in schema.attributes.items())),
+    )

@@ -115,3 +115,69 @@ def test_loss_block_matches_torch(case):
 def test_unknown_reduction_is_rejected():
     with pytest.raises(ArtifactError, match="reduction"):
         onnxblock.loss.MSELoss("average")
+
+
+def _tanh_model(declared_output_shape):
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Tanh", ["xw"], ["y"])],
+                              "tanh", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "L", IN])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, declared_output_shape)],
+                              [numpy_helper.from_array(np.full((IN, OUT), 0.1, np.float32), "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("declared", [["S", "S", OUT], [2, 7, OUT]],
+                         ids=["one-symbol-for-two-dims", "example-sizes-for-dynamic-dims"])
+def test_target_accepts_the_true_shape_where_the_declared_output_shape_is_wrong(tmp_path, declared):
+    """Exporters declare wrong output shapes (TorchScript: one symbol for a reflect-padded Conv1d's
+    batch and length; dynamo: a GRU's example length for a dynamic sequence). The target's shape
+    comes from what shape inference derives from the inputs, so the true shape is accepted and
+    another one still fails, naming the target."""
+    from onnxtrain import artifacts
+    from onnxtrain.api import CheckpointState, Module
+    from onnxtrain.errors import InputMismatchError, RunError
+
+    artifacts.generate_artifacts(_tanh_model(declared), loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    module = Module(str(tmp_path / "training_model.onnx"), CheckpointState.load_checkpoint(str(tmp_path / "checkpoint")))
+    x = np.random.default_rng(0).standard_normal((3, 5, IN)).astype(np.float32)
+    target = np.zeros((3, 5, OUT), np.float32)
+    loss = module(x, target)
+    np.testing.assert_allclose(loss, np.mean(np.tanh(x @ np.full((IN, OUT), 0.1, np.float32)) ** 2), rtol=1e-5)
+    for wrong in (np.zeros((3, 1, OUT), np.float32), np.zeros((3, 4, OUT), np.float32), np.zeros((3, 5, 1), np.float32)):
+        with pytest.raises((InputMismatchError, RunError), match="target"):
+            module(x, wrong)
+
+
+def test_target_keeps_the_declared_shape_where_it_is_right():
+    model, _, _ = _linear_model(np.random.default_rng(0))
+    block = _Train(onnxblock.loss.MSELoss())
+    block.requires_grad("w")
+    with onnxblock.base(model):
+        block("y")
+    training, _ = block.to_model_proto()
+    target = next(i for i in training.graph.input if i.name == "target")
+    assert [d.dim_param or d.dim_value for d in target.type.tensor_type.shape.dim] == ["N", OUT]
+    assert not any(n.op_type == "Reshape" for n in training.graph.node)  # no run-time check needed
+
+
+def test_a_target_of_another_shape_fails_where_the_outputs_dims_are_unknown(tmp_path):
+    """Where shape inference cannot tell the output's dims (a Tile by repeats given at run time) and
+    the declared ones are wrong, the target is checked at run time: one of another shape fails,
+    also one with as many elements (the check is not a reshape to the output's shape)."""
+    from onnxtrain import artifacts
+    from onnxtrain.api import CheckpointState, Module
+    from onnxtrain.errors import RunError
+
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Tile", ["xw", "repeats"], ["y"])],
+        "tiled", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", IN]),
+                  helper.make_tensor_value_info("repeats", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["S", "S"])],
+        [numpy_helper.from_array(np.full((IN, OUT), 0.1, np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    module = Module(str(tmp_path / "training_model.onnx"), CheckpointState.load_checkpoint(str(tmp_path / "checkpoint")))
+    x, repeats = np.ones((2, IN), np.float32), np.array([1, 2], np.int64)
+    y = np.tile(x @ np.full((IN, OUT), 0.1, np.float32), (1, 2))
+    np.testing.assert_allclose(module(x, repeats, np.zeros_like(y)), np.mean(y ** 2), rtol=1e-5)
+    with pytest.raises(RunError, match="target_must_have_the_shape_of"):
+        module(x, repeats, np.zeros((y.shape[1], y.shape[0]), np.float32))  # as many elements, transposed

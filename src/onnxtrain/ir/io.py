@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from typing import Union
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -131,6 +132,40 @@ def infer_shapes(model: ir.Model) -> ir.Model:
     except Exception:
         return model
     return ir.from_proto(proto)
+
+
+def infer_shapes_from_inputs(model: ir.Model) -> ir.Model:
+    """A copy of ``model`` with the shapes ONNX shape inference derives from its graph inputs
+    alone: the shapes it declares for its outputs and intermediate values (which an exporter may
+    have got wrong) are dropped first. Where inference fails, the copy declares none."""
+    proto = to_proto(model)
+    del proto.graph.value_info[:]
+    for value in proto.graph.output:
+        if value.type.HasField("tensor_type"):
+            value.type.tensor_type.ClearField("shape")
+    _weights_as_inputs(proto.graph)
+    try:
+        return ir.from_proto(onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True))
+    except Exception:  # noqa: BLE001  (onnx raises several types; the copy then declares nothing)
+        return ir.from_proto(proto)
+
+
+# initializers of more elements than this are passed to shape inference as typed inputs: their
+# values never decide a shape (shapes are short vectors), and copying them is most of its time
+_SHAPE_RELEVANT_ELEMENTS = 64
+
+
+def _weights_as_inputs(graph: onnx.GraphProto) -> None:
+    """Replace the large initializers of ``graph`` by graph inputs of their type and shape."""
+    kept = []
+    for tensor in graph.initializer:
+        if int(np.prod(tensor.dims, dtype=np.int64)) > _SHAPE_RELEVANT_ELEMENTS:
+            graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))
+        else:
+            kept.append(tensor)
+    if len(kept) < len(graph.initializer):
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
 
 
 def infer_concrete_shapes(model: ir.Model, input_shapes) -> dict[str, tuple[ir.DataType, list[int]]]:

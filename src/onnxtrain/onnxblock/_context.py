@@ -75,6 +75,38 @@ class BuildContext:
                 value.type = found.type
         return value.shape
 
+    def trusted_shape(self, value: ir.Value) -> ir.Shape | None:
+        """The shape of ``value`` as far as it can be trusted, for a new input that must match it
+        (a loss's target): exporters declare wrong output shapes (the TorchScript exporter one
+        symbol for the batch and length of a reflect-padded Conv1d, dynamo the example's length
+        for a GRU's dynamic sequence), and the runtime enforces an input's declared shape.
+
+        ONNX shape inference from the graph inputs decides each dim it can (a size, or a symbol
+        of the graph inputs). Elsewhere a declared size stays, and a declared symbol only where
+        it is a symbol of the graph inputs that the shape uses once; any other dim is left
+        unnamed (any size).
+        """
+        declared = self.shape_of(value)
+        if declared is None:
+            return None
+        input_symbols = {d.value for v in self.graph.inputs if v.shape is not None
+                         for d in v.shape if isinstance(d, ir.SymbolicDim) and d.value is not None}
+        found = BuildContext(io.infer_shapes_from_inputs(self.ir_model)).find(value.name)
+        inferred = found.shape if found is not None and found.shape is not None else None
+        if inferred is not None and len(inferred) != len(declared):
+            inferred = None
+        names = [d.value for d in declared if isinstance(d, ir.SymbolicDim)]
+        dims = []
+        for axis, dim in enumerate(declared):
+            derived = inferred[axis] if inferred is not None else None
+            if isinstance(derived, int) or (isinstance(derived, ir.SymbolicDim) and derived.value in input_symbols):
+                dims.append(derived)
+            elif isinstance(dim, int) or (dim.value in input_symbols and names.count(dim.value) == 1):
+                dims.append(dim)
+            else:
+                dims.append(None)
+        return ir.Shape(dims)
+
     @property
     def has_path(self) -> bool:
         """Whether ``base()`` was given a path (upstream's accessor)."""

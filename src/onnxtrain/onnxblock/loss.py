@@ -33,9 +33,22 @@ class _ElementwiseLoss(Block):
         found = self.context.find(target_name)
         if found is not None:
             return found
-        target = ir.Value(name=target_name, type=output.type, shape=self.context.shape_of(output))
+        shape = self.context.trusted_shape(output)
+        # what the gradient graph derives from the output's shape must not rest on a wrong one either
+        output.shape = shape
+        target = ir.Value(name=target_name, type=output.type, shape=shape)
         self.context.graph.inputs.append(target)
-        return target
+        if shape is not None and all(isinstance(d, int) or d.value is not None for d in shape):
+            return target  # the runtime checks every dim of the target against its declared shape
+        # some dim of the output is of unknown size: a target of another shape must still fail,
+        # not broadcast (nor be reshaped to the output's), with a message that names it: a Reshape
+        # to the output's shape where the two agree and to a -2 (refused) where they do not
+        # (onnxruntime names the failing node)
+        op = self.op
+        agree = op.Equal(op.Shape(target), op.Shape(output))
+        checked = op.Reshape(target, op.Where(agree, op.Shape(output), self.context.builder.ints([-2])))
+        checked.producer().name = f"onnxblock/{target_name}_must_have_the_shape_of_{output.name}"
+        return checked
 
     def _reduce(self, loss: ir.Value) -> ir.Value:
         b = self.context.builder
@@ -120,7 +133,7 @@ class CrossEntropyLoss(Block):
         labels = self.context.find(labels_name)
         if labels is None:
             shape = None
-            scores_shape = self.context.shape_of(scores)
+            scores_shape = scores.shape = self.context.trusted_shape(scores)
             if scores_shape is not None and len(scores_shape) >= 2:
                 dims = list(scores_shape)
                 shape = ir.Shape(dims[:1] + dims[2:])

@@ -294,7 +294,9 @@ export function buildInferenceModel(evalModel, outputNames, parameters, lossInpu
     const outputs = graphFields.filter((f) => f.number === GRAPH.output)
       .map((f) => stringField(valueOf(graph, f), NAMED.name));
     throw new ModelError(`graph outputs ${JSON.stringify(missing)} are not typed values of the eval model; ` +
-      `its outputs are ${JSON.stringify(outputs)}`);
+      `its outputs are ${JSON.stringify(outputs)}. The eval model keeps only what the loss and the additional ` +
+      'outputs compute: name an output of the base model the loss does not read in generate_artifacts(..., ' +
+      'additional_output_names=[...]) to export it');
   }
 
   const needed = new Set(outputNames);

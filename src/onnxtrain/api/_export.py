@@ -26,8 +26,11 @@ def export_inference_model(eval_model_uri: str, inference_model_uri: str | os.Pa
         values.update({v.name: v for v in node.outputs})
     unknown = [n for n in output_names if n not in values]
     if unknown:
-        raise ModelError(f"graph outputs {unknown} are not values of the eval model; it has e.g. "
-                         f"{[o.name for o in graph.outputs]} and {len(values)} other values")
+        raise ModelError(f"graph outputs {unknown} are not values of the eval model (its outputs are "
+                         f"{[o.name for o in graph.outputs]}, and it has {len(values)} other values): the eval "
+                         f"model keeps only what the loss and the additional outputs compute, so an output of "
+                         f"the base model the loss does not read (or an Identity of a value it does) is not "
+                         f"in it; name it in generate_artifacts(..., additional_output_names=[...]) to export it")
     graph.outputs.clear()
     graph.outputs.extend(values[n] for n in output_names)
     RemoveUnusedNodesPass()(model)

@@ -53,3 +53,22 @@ def test_a_rule_that_cannot_handle_a_variant_reports_the_node():
     with pytest.raises(UnsupportedOpError, match="repeated label in an operand with '...'") as info:
         check_gradients(model, {"x": np.ones((2, 3, 3), dtype=np.float32)})
     assert info.value.unsupported == {"Einsum": ["diag"]}
+
+
+@pytest.mark.parametrize(("opset", "statistic"), [(14, "running_mean"), (9, "saved_mean")])
+def test_a_gradient_through_batch_norm_statistics_is_refused_not_dropped(opset, statistic):
+    """Training-mode BatchNormalization's statistics outputs are buffers; a loss that reads one
+    got the normalized output's gradient alone, silently."""
+    from onnx import numpy_helper
+
+    outputs = ["y", "running_mean", "running_var"] + (["saved_mean", "saved_var"] if opset < 14 else [])
+    node = helper.make_node("BatchNormalization", ["x", "s", "b", "m", "v"], outputs, momentum=0.9,
+                            **({"training_mode": 1} if opset >= 14 else {}))
+    initializers = [numpy_helper.from_array(a, k) for k, a in
+                    [("s", np.ones(3)), ("b", np.zeros(3)), ("m", np.zeros(3)), ("v", np.ones(3))]]
+    graph = helper.make_graph([node], "bn", [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [4, 3])],
+                              [helper.make_tensor_value_info(o, TensorProto.DOUBLE, None) for o in ("y", statistic)],
+                              initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    with pytest.raises(UnsupportedOpError, match="statistics outputs"):
+        check_gradients(model, {"x": np.random.default_rng(0).standard_normal((4, 3))})

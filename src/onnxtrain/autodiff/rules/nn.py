@@ -160,6 +160,13 @@ def _per_channel_grads(ctx, x, xhat, inv_std, stat_axes, eps, norm_axes):
 def _batch_norm(ctx, training: bool):
     op, b = ctx.op, ctx.b
     x = ctx.x
+    # the statistics outputs are buffers (PyTorch's running statistics never get a gradient):
+    # a gradient that reaches one that depends on x (the saved statistics; the running ones unless
+    # momentum is 1) would be ignored, and the loss's silently wrong
+    depends_on_x = [ctx.attr("momentum", 0.9) != 1.0] * 2 + [True] * 2
+    if any(g is not None and depends for g, depends in zip(ctx.grad_outputs[1:], depends_on_x)):
+        raise NotImplementedError("a gradient through BatchNormalization's statistics outputs (running or "
+                                  "saved mean and variance): only its normalized output is differentiated")
     stat_axes = [0, *range(2, rank(x))]
     eps = ctx.attr("epsilon", 1e-5)
     if training:  # batch statistics depend on x; the running stats get no gradient

@@ -10,6 +10,8 @@ PyTorch itself, in the requested type, at export time (bit-identical to eager's)
 
 from __future__ import annotations
 
+import functools
+
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
@@ -66,6 +68,7 @@ def kaiser_window_beta(window_length, periodic, beta, dtype=None, layout=None, d
     return _constant(lambda t: torch.kaiser_window(window_length, periodic, beta, dtype=t), window_length, dtype)
 
 
+@functools.cache  # the same functions in every table (a registry compares them)
 def _simple(function_name: str):
     """Translations of ``aten.<function_name>`` (default and periodic overloads)."""
     import torch

@@ -284,3 +284,31 @@ def test_a_call_that_cannot_export_dynamically_gets_its_own_shapes():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
     # no dynamic graph exports (the symbolic bool): each length gets a graph of its own shapes
     assert model.export_count == 3 and model.fallback_reason is None
+
+
+def test_a_call_eager_also_rejects_raises_its_error_and_keeps_onnx_runtime():
+    """A batch of one through a training BatchNorm, a wrong feature size: the module's own error,
+    for that call only (a loop that skips the bad batch kept running in PyTorch for good), and
+    without the capture's pages of fake-tensor tracebacks in the log."""
+    torch.manual_seed(0)
+    model = ORTModule(torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.BatchNorm1d(4)))
+    model(torch.randn(5, 8)).sum().backward()
+    exports = model.export_count
+    import logging
+
+    logged = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    fake_tensors = logging.getLogger("torch._subclasses.fake_tensor")
+    fake_tensors.addHandler(handler)
+    try:
+        with pytest.raises(ValueError, match="more than 1 value per channel"):
+            model(torch.randn(1, 8))
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            model(torch.randn(4, 9))
+    finally:
+        fake_tensors.removeHandler(handler)
+    assert not logged
+    assert model.fallback_reason is None
+    model(torch.randn(5, 8)).sum().backward()
+    assert model.fallback_reason is None and model.export_count == exports  # the first graph again

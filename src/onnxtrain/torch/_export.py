@@ -65,8 +65,12 @@ from onnxtrain.torch._translations import complex_translation_table, translation
 _MODULE_ATTR = "module"
 _PREFIX = _MODULE_ATTR + "."
 # Loggers of the exporter that report environment facts (e.g. "torchvision is not
-# installed") as warnings on every export; quieted during our exports.
-_NOISY_LOGGERS = ("torch.onnx._internal.exporter._registration", "torch.onnx._internal.exporter._core")
+# installed") as warnings on every export; quieted during our exports. The capture's fake tensors
+# log, at ERROR, a traceback of every op the module's own code gets wrong (a wrong feature size:
+# hundreds of lines), which the error raised from the call says again.
+_NOISY_LOGGERS = {"torch.onnx._internal.exporter._registration": logging.ERROR,
+                  "torch.onnx._internal.exporter._core": logging.ERROR,
+                  "torch._subclasses.fake_tensor": logging.CRITICAL}
 
 
 @contextlib.contextmanager
@@ -76,8 +80,8 @@ def quiet_exporter():
     loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
     levels = [lg.level for lg in loggers]
     try:
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
+        for lg, quiet in zip(loggers, _NOISY_LOGGERS.values()):
+            lg.setLevel(quiet)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield

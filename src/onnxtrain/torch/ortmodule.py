@@ -422,8 +422,12 @@ class ORTModule(ModuleWrapper):
                     f"replaced by plain tensors (torch.func.functional_call), which cannot be exported; calls "
                     f"with its own parameters still run in ONNX Runtime", ORTModuleFallbackWarning, stacklevel=2)
                 return module(*args, **kwargs)
+            # the call in PyTorch first: an error the module raises there (a batch of one through a
+            # training BatchNorm, a wrong feature size) is the caller's, for this call only (eager
+            # raises it too), and the next calls still run in ONNX Runtime
+            result = module(*args, **kwargs)
             self._fall_back(exc)
-            return module(*args, **kwargs)
+            return result
         outputs = ORTFunction.apply(runner, *inputs) if training else runner.run(inputs)
         graph = variant.graph
         with torch.no_grad():

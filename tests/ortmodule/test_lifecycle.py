@@ -312,3 +312,17 @@ def test_a_call_eager_also_rejects_raises_its_error_and_keeps_onnx_runtime():
     assert model.fallback_reason is None
     model(torch.randn(5, 8)).sum().backward()
     assert model.fallback_reason is None and model.export_count == exports  # the first graph again
+
+
+def test_a_parents_strict_load_names_the_keys_as_state_dict_writes_them():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                ORTModule(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8))))
+    state = model.state_dict()
+    state.pop("2.0.weight")
+    state["2.9.weight"] = torch.zeros(1)
+    with pytest.raises(RuntimeError) as error:
+        model.load_state_dict(state)
+    assert '"2.0.weight"' in str(error.value) and '"2.9.weight"' in str(error.value)
+    assert "_original_module" not in str(error.value)
+    result = model.load_state_dict(state, strict=False)
+    assert result.missing_keys == ["2.0.weight"] and result.unexpected_keys == ["2.9.weight"]

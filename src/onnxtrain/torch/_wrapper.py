@@ -19,6 +19,13 @@ def _load_keys_into_wrapped_module(module, state_dict, prefix, *_):
         state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
+def _report_keys_as_written(module, incompatible_keys) -> None:
+    """Load-state-dict post-hook: missing and unexpected keys named as ``state_dict`` writes them
+    (without the ``_original_module.`` the pre-hook routed them through), for the strict error."""
+    for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
+        keys[:] = [key.replace(WRAPPED + ".", "") for key in keys]
+
+
 class ModuleWrapper(torch.nn.Module):
     """A module whose names, state and attributes are those of the module it wraps.
 
@@ -32,6 +39,7 @@ class ModuleWrapper(torch.nn.Module):
         self._original_module = module
         # a parent's load_state_dict walks _modules: route its keys into the wrapped module
         self._register_load_state_dict_pre_hook(_load_keys_into_wrapped_module, with_module=True)
+        self.register_load_state_dict_post_hook(_report_keys_as_written)
 
     def _wrapper_ready(self) -> None:
         self.__dict__["_wrapper_ready"] = True

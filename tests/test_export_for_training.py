@@ -346,3 +346,29 @@ def test_exporting_leaves_parameters_the_forward_updates_in_place_as_they_were()
     export_for_training(model, (torch.randn(3, 4),))
     for name, param in model.named_parameters():
         torch.testing.assert_close(param, before[name], rtol=0, atol=0, msg=name)
+
+
+class _Temperature(torch.nn.Module):
+    """A learnable scalar (CLIP's logit_scale) next to a layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 3)
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x):
+        return (self.layer(x) * self.scale.exp()).logsumexp(-1).mean()
+
+
+def test_a_scalar_parameter_trains_with_pytorchs_gradient(tmp_path):
+    """requires_grad=None left a rank-0 parameter out of the checkpoint (a constant), silently."""
+    torch.manual_seed(0)
+    model, x = _Temperature(), torch.randn(5, 4)
+    export_for_training(model, (x,), tmp_path / "model.onnx", input_names=["x"])
+    artifacts.generate_artifacts(str(tmp_path / "model.onnx"), loss=None, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    assert sorted(n for n, p in state.parameters if p.requires_grad) == ["layer.bias", "layer.weight", "scale"]
+    Module(tmp_path / "training_model.onnx", state)(x.numpy())
+    model(x).backward()
+    np.testing.assert_allclose(state.parameters["scale"].grad, model.scale.grad.numpy(), rtol=1e-5)

@@ -91,13 +91,15 @@ def folded_weights(model: ir.Model) -> list[str]:
 def default_trainable(model: ir.Model, frozen: Sequence[str] = ()) -> list[str]:
     """Float initializers of rank >= 1 that are not exporter constants, statistics, quantization
     scales or frozen; for a model exported from PyTorch those among the parameters that
-    required grad there (not its buffers, nor what it froze)."""
+    required grad there, scalars included (not its buffers, nor what it froze)."""
     stats = set(_batch_norm_statistics(model.graph)) | quantization_parameters(model.graph)
     declared = declared_parameters(model)
     required = set(declared["trainable"]) if declared else None
+    # a parameter PyTorch declared trains whatever its rank (a learnable scalar: CLIP's logit_scale)
     return [
         name for name, value in model.graph.initializers.items()
-        if value.dtype in FLOAT_TYPES and value.const_value is not None and len(value.const_value.shape) >= 1
+        if value.dtype in FLOAT_TYPES and value.const_value is not None
+        and (len(value.const_value.shape) >= 1 or required is not None)
         and not _EXPORTER_CONSTANT.match(name) and name not in frozen and name not in stats
         and (required is None or name in required)
     ]

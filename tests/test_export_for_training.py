@@ -372,3 +372,39 @@ def test_a_scalar_parameter_trains_with_pytorchs_gradient(tmp_path):
     Module(tmp_path / "training_model.onnx", state)(x.numpy())
     model(x).backward()
     np.testing.assert_allclose(state.parameters["scale"].grad, model.scale.grad.numpy(), rtol=1e-5)
+
+
+class _NormedQKV(torch.nn.Module):
+    """RMSNorm, then a fused projection split in three (Phi-3's, nanoGPT's attention input)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.RMSNorm(8)
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).split(8, dim=-1)
+        return (q * k + v).pow(2).mean()
+
+
+def test_a_split_after_rms_norm_trains_with_dynamic_shapes(tmp_path):
+    """Shape inference cannot type RMSNorm's ReduceMean (its axes a Reshape until folded), so the
+    split after it stayed SplitToSequence + SequenceAt, which have no gradient rule: refused."""
+    torch.manual_seed(0)
+    model = _NormedQKV()
+    dims = ({0: torch.export.Dim("batch", min=2, max=8), 1: torch.export.Dim("seq", min=2, max=16)},)
+    export_for_training(model, (torch.randn(2, 5, 8),), tmp_path / "model.onnx", input_names=["x"],
+                        dynamic_shapes=dims)
+    artifacts.generate_artifacts(str(tmp_path / "model.onnx"), loss=None, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    for shape in ((3, 7, 8), (2, 4, 8)):
+        x = torch.randn(*shape)
+        model.zero_grad()
+        expected = model(x)
+        expected.backward()
+        module.lazy_reset_grad()
+        np.testing.assert_allclose(module(x.numpy()), expected.item(), rtol=1e-5)
+        for name, parameter in model.named_parameters():
+            np.testing.assert_allclose(state.parameters[name].grad, parameter.grad.numpy(), rtol=1e-4, atol=1e-6)

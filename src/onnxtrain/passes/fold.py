@@ -48,8 +48,10 @@ class InferMissingShapesPass(ir.passes.InPlacePass):
     Add, Mod and Slice of ``Shape``) is known once folding has evaluated that arithmetic, and the
     gradient rules need the ranks. A Reshape to a shape of known length whose values inference
     cannot tell (the TorchScript exporter's attention heads) gets that rank, with unknown dims,
-    and inference runs again from it. Models whose values all carry shapes (the dynamo
-    exporter's) are left as they are, at no cost."""
+    and inference runs again from it; then the folder runs again, with the shapes (it rewrites
+    ``SplitToSequence`` + ``SequenceAt`` into a ``Split`` only where it knows the rank: an RMSNorm
+    before a fused-qkv ``split`` in a dynamic export). Models whose values all carry shapes (the
+    dynamo exporter's) are left as they are, at no cost."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         from onnx_ir.passes.common import ShapeInferencePass
@@ -66,6 +68,8 @@ class InferMissingShapesPass(ir.passes.InPlacePass):
             modified = modified or ranked
             if not ranked:
                 break
+        if modified:  # folding again, now with the shapes: SplitToSequence + SequenceAt -> Split
+            FoldConstantsPass()(model)
         return ir.passes.PassResult(model, modified)
 
 

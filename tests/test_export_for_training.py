@@ -408,3 +408,42 @@ def test_a_split_after_rms_norm_trains_with_dynamic_shapes(tmp_path):
         np.testing.assert_allclose(module(x.numpy()), expected.item(), rtol=1e-5)
         for name, parameter in model.named_parameters():
             np.testing.assert_allclose(state.parameters[name].grad, parameter.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+class _AnswerSpan(torch.nn.Module):
+    """Hugging Face's question-answering loss: positions past the sequence are ignored, by an
+    ignore_index that is the (dynamic) sequence length."""
+
+    def __init__(self, weighted=False):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 1)
+        self.register_buffer("class_weight", torch.linspace(0.5, 1.5, 6) if weighted else None)
+
+    def forward(self, x, positions):
+        logits = self.layer(x).squeeze(-1)
+        ignored = logits.size(1)
+        weight = self.class_weight[:ignored] if self.class_weight is not None else None
+        return torch.nn.functional.cross_entropy(logits, positions.clamp(0, ignored), weight=weight,
+                                                 ignore_index=ignored)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_an_ignore_index_known_at_run_time_only_trains_as_pytorch(tmp_path, weighted):
+    torch.manual_seed(0)
+    model = _AnswerSpan(weighted)
+    batch, seq = torch.export.Dim("batch", min=2, max=8), torch.export.Dim("seq", min=2, max=6)
+    export_for_training(model, (torch.randn(2, 6, 4), torch.tensor([1, 5])), tmp_path / "model.onnx",
+                        input_names=["x", "positions"], dynamic_shapes=({0: batch, 1: seq}, {0: batch}))
+    artifacts.generate_artifacts(str(tmp_path / "model.onnx"), loss=None, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    for x, positions in ((torch.randn(3, 5, 4), torch.tensor([4, 9, 0])),  # 9: past the end, ignored
+                         (torch.randn(2, 3, 4), torch.tensor([2, 1]))):
+        model.zero_grad()
+        expected = model(x, positions)
+        expected.backward()
+        module.lazy_reset_grad()
+        np.testing.assert_allclose(module(x.numpy(), positions.numpy()), expected.item(), rtol=1e-5)
+        for name, parameter in model.named_parameters():
+            np.testing.assert_allclose(state.parameters[name].grad, parameter.grad.numpy(), rtol=1e-4, atol=1e-6)

@@ -624,6 +624,8 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     ``target`` shaped like ``input``): :func:`_soft_cross_entropy`."""
     if target.dtype is not None and target.dtype.is_floating_point():
         return _soft_cross_entropy(input, target, weight, reduction, label_smoothing)
+    if not isinstance(ignore_index, int):
+        return _cross_entropy_ignoring_at_run_time(input, target, weight, reduction, ignore_index, label_smoothing)
     # a negative target but ignore_index fails the run, as PyTorch's raises: passes/negative_labels.py
     nll, _ = op.SoftmaxCrossEntropyLoss(input, target, weight, reduction=_REDUCTIONS[reduction],
                                         ignore_index=ignore_index)
@@ -657,6 +659,29 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     scale = op.Div(_number_like(label_smoothing, input), classes)
     keep = _number_like(1.0 - label_smoothing, input)
     return op.Add(op.Mul(nll, keep), op.Mul(term, scale))
+
+
+def _cross_entropy_ignoring_at_run_time(input, target, weight, reduction: int, ignore_index, label_smoothing: float):
+    """Cross entropy whose ``ignore_index`` is known at run time only (Hugging Face's question
+    answering heads ignore ``start_logits.size(1)``, a dynamic dim): ONNX's loss takes it as an
+    attribute, so the ignored targets are masked here instead. They read class 0 (the index
+    itself is out of range), their losses are 0, and the mean divides by the weight of the
+    others (0/0, NaN, when every target is ignored, as PyTorch's)."""
+    if label_smoothing:
+        raise NotImplementedError("cross_entropy with label_smoothing and an ignore_index known at run time only")
+    ignored = op.Equal(target, op.CastLike(ignore_index, target))
+    safe_target = op.Where(ignored, op.CastLike(op.Constant(value_int=0), target), target)
+    losses, _ = op.SoftmaxCrossEntropyLoss(input, safe_target, weight, reduction="none")
+    zero = _number_like(0.0, input)
+    losses = op.Where(ignored, zero, losses)
+    if _REDUCTIONS[reduction] == "none":
+        return losses
+    total = op.ReduceSum(losses, keepdims=0)
+    if _REDUCTIONS[reduction] == "sum":
+        return total
+    counted = op.CastLike(op.Not(ignored), input) if weight is None else \
+        op.Where(ignored, zero, op.Gather(weight, safe_target))
+    return op.Div(total, op.ReduceSum(counted, keepdims=0))
 
 
 def multilabel_margin_loss(input, target, reduction: int = 1):

@@ -16,7 +16,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import artifacts, onnxblock
 from onnxtrain.api import CheckpointState, Module, Optimizer
-from onnxtrain.errors import ArtifactError, CheckpointError, InputMismatchError, NoGradientWarning, UnsupportedOpError
+from onnxtrain.errors import (ArtifactError, CheckpointError, InputMismatchError, ModelError, NoGradientWarning,
+                              UnsupportedOpError)
 
 
 def regression_model(seed=0, hidden=8):
@@ -451,3 +452,66 @@ def test_weights_folded_by_the_exporters_optimizer_are_refused_by_name(tmp_path)
                                  loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "plain")
     state = CheckpointState.load_checkpoint(tmp_path / "plain" / "checkpoint")
     assert sorted(state.parameters.keys()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+def test_every_output_of_the_base_model_exports_and_eval_steps_return_the_loss(tmp_path):
+    # two heads, the loss on "score": "probs" is a head the loss does not read, "features" an
+    # Identity of a value it reads (as the dynamo exporter writes nn.RNN's h_n)
+    from tests.js.fixtures import two_heads_model
+
+    model = two_heads_model()
+    with pytest.warns(NoGradientWarning, match="w3"):  # the other head's parameters have no gradient
+        artifacts.generate_artifacts(model, loss=artifacts.LossType.MSELoss, loss_input_names=["score"],
+                                     artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    target = np.zeros((5, 2), np.float32)
+    assert module.output_names() == ["loss"]
+    assert np.shape(module.eval()(x, target)) == ()  # the loss alone
+    assert module.output_names() == ["loss"]
+
+    names = ["score", "probs", "features"]
+    module.export_model_for_inferencing(tmp_path / "inference.onnx", names)
+    session = ort.InferenceSession(tmp_path / "inference.onnx", providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == names
+    expected = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(names, {"x": x})
+    for name, got, want in zip(names, session.run(None, {"x": x}), expected):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=name)
+
+    # the training model computes the loss's head only; the eval model lists the others for export
+    training = onnx.load(tmp_path / "training_model.onnx")
+    assert not {"w3", "b3"} & {i for n in training.graph.node for i in n.input}
+    assert not {"probs", "features"} & {o.name for o in training.graph.output}
+    eval_meta = json.loads({p.key: p.value for p in onnx.load(tmp_path / "eval_model.onnx").metadata_props}
+                           ["onnxtrain.training"])
+    assert eval_meta["inference_outputs"] == names and eval_meta["additional_outputs"] == []
+    with pytest.raises(ModelError, match=r"\['nowhere'\] are not values of the eval model.*additional_output_names"):
+        module.export_model_for_inferencing(tmp_path / "inference.onnx", ["nowhere"])
+
+
+def test_the_eval_models_outputs_leave_the_training_model_as_it_was():
+    """Keeping the base model's outputs for the eval model changes no node of the training model."""
+    from onnxtrain.ir import io
+    from onnxtrain.onnxblock._training import build_training_and_eval, select_parameters
+
+    base = regression_model()
+    base.graph.input.append(helper.make_tensor_value_info("target", TensorProto.FLOAT, ["N", 1]))
+    base.graph.node.extend([helper.make_node("Sub", ["y", "target"], ["diff"]),
+                            helper.make_node("Mul", ["diff", "diff"], ["squared"]),
+                            helper.make_node("ReduceMean", ["squared"], ["loss"], keepdims=0)])
+
+    def build(inference_outputs):
+        model = io.load_model(base)
+        params = select_parameters(model, ["w1", "b1", "w2", "b2"], None)
+        return [io.to_proto(m).graph for m in build_training_and_eval(
+            model, "loss", params, ["x"], inference_outputs=inference_outputs)]
+
+    def nodes(graph):
+        return [(n.op_type, list(n.input), list(n.output)) for n in graph.node]
+
+    (training, evaluation), (plain_training, plain_evaluation) = build(["y"]), build(())
+    assert nodes(training) == nodes(plain_training)
+    assert [o.name for o in training.output] == [o.name for o in plain_training.output]
+    assert [o.name for o in evaluation.output] == ["loss", "y"]
+    assert [o.name for o in plain_evaluation.output] == ["loss"]

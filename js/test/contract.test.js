@@ -128,3 +128,25 @@ test('a class label out of range fails the step with a RunError naming the label
     for (const [name, grad] of before) assert.deepEqual(Float32Array.from(state.parameters.get(name).grad ?? []), grad);
   }
 });
+
+test('every output of the base model exports, the heads the loss does not read too; eval steps return the loss', async () => {
+  const artifact = (file) => fixturePath(`two_heads/${file}`);
+  const data = JSON.parse(readFileSync(artifact('two_heads.json'), 'utf8'));
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  const module = await Module.create(artifact('training_model.onnx'), state, artifact('eval_model.onnx'));
+  const x = new ort.Tensor('float32', Float32Array.from(data.x), data.x_dims);
+  const target = new ort.Tensor('float32', new Float32Array(data.outputs.score.values.length), data.outputs.score.dims);
+  assert.deepEqual(Object.keys(await module.evalStep(x, target)), ['loss']);
+  assert.deepEqual(module.outputNames(false), ['loss']);
+  // "probs": a head the loss does not read; "features": an Identity of a value it reads
+  const names = ['score', 'probs', 'features'];
+  const session = await ort.InferenceSession.create(await module.exportModelForInferencing(names));
+  assert.deepEqual(session.inputNames, ['x']);
+  assert.deepEqual(session.outputNames, names);
+  const outputs = await session.run({ x });
+  for (const name of names) {
+    assert.deepEqual(outputs[name].dims, data.outputs[name].dims, name);
+    assert.ok(maxAbsDiff(outputs[name].data, Float32Array.from(data.outputs[name].values)) < 1e-6, name);
+  }
+  await assert.rejects(module.exportModelForInferencing(['nowhere']), /\["nowhere"\] are not typed values of the eval model/);
+});

@@ -14,7 +14,9 @@ rest of the contract, with Python runs of ``SMALL["steps"]`` steps (``small/<nam
 and ``fp16`` (``precision="fp16"``: dynamic loss scaling, with an overflowing scale forced
 before step ``OVERFLOW_STEP`` so that the step is skipped and the scale backs off). The Node test trains the first 20 steps itself and must match
 ``python_step20``; its checkpoint ``node_step20`` is then resumed by Python (``resume``) and
-must match ``python_step40``. ``upstream/`` serves the reading of onnxruntime-training's
+must match ``python_step40``. ``two_heads/`` holds the artifacts of a model with two heads and the
+loss on one (``two_heads.json``: an input and the base model's outputs for it, run by onnxruntime):
+the eval model keeps every output of the base model for export. ``upstream/`` serves the reading of onnxruntime-training's
 checkpoints (the files in tests/data/upstream, written by upstream 1.19.2): ``artifacts/``, made
 by onnxtrain from upstream's ``model.onnx``, resume its ``checkpoint_trained`` (``artifacts_sgd/``: its
 ``checkpoint_sgd``); ``external/``
@@ -93,6 +95,7 @@ def make_fixtures(out_dir: str | pathlib.Path) -> pathlib.Path:
     write_small_models(out_dir / "small")
     write_upstream(out_dir / "upstream")
     write_shapeless(out_dir / "shapeless")
+    write_two_heads(out_dir / "two_heads")
     return out_dir
 
 
@@ -123,6 +126,46 @@ def write_shapeless(out: pathlib.Path) -> None:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
                                  optimizer=artifacts.OptimType.SGD, artifact_directory=out)
+
+
+def two_heads_model():
+    """x [N, 4] -> Gemm, Relu ``hidden`` -> Gemm ``score`` (the loss reads it) and Sigmoid(Gemm)
+    ``probs`` (it does not); ``features`` is an Identity of ``hidden`` (as exporters write an aliased
+    output)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name) for name, shape in
+             (("w1", (6, 4)), ("b1", (6,)), ("w2", (2, 6)), ("b2", (2,)), ("w3", (3, 6)), ("b3", (3,)))]
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["pre"], transB=1),
+             helper.make_node("Relu", ["pre"], ["hidden"]),
+             helper.make_node("Gemm", ["hidden", "w2", "b2"], ["score"], transB=1),
+             helper.make_node("Gemm", ["hidden", "w3", "b3"], ["logits3"], transB=1),
+             helper.make_node("Sigmoid", ["logits3"], ["probs"]),
+             helper.make_node("Identity", ["hidden"], ["features"])]
+    outputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["batch", size])
+               for name, size in (("score", 2), ("probs", 3), ("features", 6))]
+    graph = helper.make_graph(nodes, "two_heads", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def write_two_heads(out: pathlib.Path) -> None:
+    """Artifacts of :func:`two_heads_model` with an MSE loss on ``score``, and ``two_heads.json``:
+    an input and the base model's outputs for it."""
+    import onnxruntime as ort
+
+    from onnxtrain import artifacts
+
+    model = two_heads_model()
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.MSELoss, loss_input_names=["score"],
+                                 requires_grad=["w1", "b1", "w2", "b2"], frozen_params=["w3", "b3"], optimizer=artifacts.OptimType.SGD, artifact_directory=out)
+    x = np.random.default_rng(4).standard_normal((5, 4)).astype(np.float32)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})))
+    (out / "two_heads.json").write_text(json.dumps(
+        {"x": x.reshape(-1).tolist(), "x_dims": list(x.shape),
+         "outputs": {name: {"values": v.reshape(-1).tolist(), "dims": list(v.shape)} for name, v in expected.items()}}))
 
 
 def _small_mlp(rng: np.random.Generator, batchnorm: bool):

@@ -84,10 +84,12 @@ function readSignature(model, state, training, what) {
     }
   }
   const gradOutputs = new Set(trainable.map(names.accumulationOutName));
+  // the eval model's outputs of the base model, there for exportModelForInferencing only
+  const inferenceOutputs = new Set(meta.inference_outputs ?? []);
   return {
     params, trainable, bufferUpdates,
     userInputs: model.inputs.filter((s) => !internal.has(s.name)),
-    userOutputs: outputNames.filter((o) => !gradOutputs.has(o) && !bufferUpdates.has(o)),
+    userOutputs: outputNames.filter((o) => !gradOutputs.has(o) && !bufferUpdates.has(o) && !inferenceOutputs.has(o)),
     lossInputs: [...(meta.loss_inputs ?? [])],
     lossScaled,
     initialLossScale: Number(meta.loss_scale ?? DEFAULT_LOSS_SCALE),
@@ -243,7 +245,8 @@ export class Module {
     const evaluation = /** @type {any} */ (this._eval);
     const outputs = await this._state._exclusive('an eval step', () => {
       for (const name of sig.params) feeds[name] = this._tensorOf(this._state._slot(name).value, name);
-      return runSession(evaluation.session, feeds, 'eval step', sig.userInputs);
+      // not the base model's outputs the eval model keeps for export (inference_outputs)
+      return runSession(evaluation.session, feeds, 'eval step', sig.userInputs, sig.userOutputs);
     });
     return Object.fromEntries(sig.userOutputs.map((o) => [o, outputs[o]]));
   }

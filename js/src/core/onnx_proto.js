@@ -294,9 +294,10 @@ export function buildInferenceModel(evalModel, outputNames, parameters, lossInpu
     const outputs = graphFields.filter((f) => f.number === GRAPH.output)
       .map((f) => stringField(valueOf(graph, f), NAMED.name));
     throw new ModelError(`graph outputs ${JSON.stringify(missing)} are not typed values of the eval model; ` +
-      `its outputs are ${JSON.stringify(outputs)}. The eval model keeps only what the loss and the additional ` +
-      'outputs compute: name an output of the base model the loss does not read in generate_artifacts(..., ' +
-      'additional_output_names=[...]) to export it');
+      `its outputs are ${JSON.stringify(outputs)}. The eval model keeps only what the loss, the additional ` +
+      'outputs and the base model\'s outputs compute (artifacts generated before eval models kept every output ' +
+      'of the base model lack those the loss does not read: generate them again); to export another value, ' +
+      'name it in generate_artifacts(..., additional_output_names=[...])');
   }
 
   const needed = new Set(outputNames);

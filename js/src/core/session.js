@@ -203,11 +203,12 @@ const INTEGER_TYPES = new Set(['int8', 'int16', 'int32', 'int64', 'uint8', 'uint
  * @param {Record<string, any>} feeds
  * @param {string} what  e.g. "training step"
  * @param {IOSpec[]} specs  the user inputs
+ * @param {string[]} [fetches]  the outputs to return (all when omitted)
  * @returns {Promise<Record<string, any>>}
  */
-export async function runSession(session, feeds, what, specs) {
+export async function runSession(session, feeds, what, specs, fetches) {
   try {
-    return await session.run(feeds);
+    return await (fetches === undefined ? session.run(feeds) : session.run(feeds, fetches));
   } catch (error) {
     const message = /** @type {Error} */ (error).message ?? String(error);
     const integers = specs.filter((s) => s.type !== null && INTEGER_TYPES.has(s.type)).map((s) => s.name);

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -17,7 +18,8 @@ _METADATA_KEYS = ("onnxtrain.training",)
 def export_inference_model(eval_model_uri: str, inference_model_uri: str | os.PathLike, output_names: list[str],
                            parameters: dict[str, np.ndarray], loss_inputs: list[str]) -> None:
     """Keep the nodes needed for ``output_names``, embed ``parameters`` as initializers and
-    drop inputs nothing uses any more (the loss inputs among them)."""
+    drop inputs nothing uses any more (the loss inputs among them). Any output of the base
+    model can be named: the eval model outputs them all (its metadata's ``inference_outputs``)."""
     model = io.load_model(eval_model_uri)
     graph = model.graph
     values = {v.name: v for v in graph.inputs}
@@ -26,11 +28,15 @@ def export_inference_model(eval_model_uri: str, inference_model_uri: str | os.Pa
         values.update({v.name: v for v in node.outputs})
     unknown = [n for n in output_names if n not in values]
     if unknown:
+        meta = json.loads(model.metadata_props.get(_METADATA_KEYS[0]) or "{}")
+        older = ("; these artifacts predate eval models that keep every output of the base model (no "
+                 "'inference_outputs' in their metadata): generate them again to export one the loss does not read"
+                 if "inference_outputs" not in meta else "")
         raise ModelError(f"graph outputs {unknown} are not values of the eval model (its outputs are "
                          f"{[o.name for o in graph.outputs]}, and it has {len(values)} other values): the eval "
-                         f"model keeps only what the loss and the additional outputs compute, so an output of "
-                         f"the base model the loss does not read (or an Identity of a value it does) is not "
-                         f"in it; name it in generate_artifacts(..., additional_output_names=[...]) to export it")
+                         f"model keeps only what the loss, the additional outputs and the base model's outputs "
+                         f"compute; to export another value, name it in generate_artifacts(..., "
+                         f"additional_output_names=[...]){older}")
     graph.outputs.clear()
     graph.outputs.extend(values[n] for n in output_names)
     RemoveUnusedNodesPass()(model)

@@ -87,8 +87,11 @@ class _Signature:
             if training and out in output_names and param in state._slots
         } if training else {}
         grad_outputs = {names.accumulation_out_name(p) for p in self.trainable}
+        # the eval model's outputs of the base model, there for export_model_for_inferencing only
+        inference_outputs = set(meta.get("inference_outputs", []))
         self.user_outputs: list[str] = [o.name for o in outputs
-                                        if o.name not in grad_outputs and o.name not in self.buffer_updates]
+                                        if o.name not in grad_outputs and o.name not in self.buffer_updates
+                                        and o.name not in inference_outputs]
         self.loss_inputs: list[str] = list(meta.get("loss_inputs", []))
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from onnxtrain import names
 from onnxtrain.autodiff.builder import FLOAT_TYPES, build_gradients
@@ -292,11 +293,17 @@ def build_training_and_eval(
     additional_output_names: Sequence[str] = (),
     precision: PrecisionConfig | None = None,
     loss_scale: float | None = None,
+    inference_outputs: Sequence[str] = (),
 ) -> tuple[ir.Model, ir.Model]:
     """From ``model`` (forward + loss, parameters still initializers) build both models.
 
     ``user_inputs`` are the base model's input names; any other graph input was added by
-    the loss block. ``model`` is consumed. With ``precision`` both models compute in low
+    the loss block. ``inference_outputs`` (the base model's output names) become outputs of
+    the eval model after the loss and the additional outputs, listed in its metadata as
+    ``inference_outputs``, so that ``Module.export_model_for_inferencing`` can export any of
+    them (a head the loss does not read, an exporter's Identity of a value it does), as
+    upstream's eval model kept every node of the base model; the training model does not
+    compute them. ``model`` is consumed. With ``precision`` both models compute in low
     precision (passes/precision.py, converting the fp32 model); with ``loss_scale`` (its
     initial value) the training model takes a ``loss_scale`` input that seeds the loss
     gradient and divides the parameter gradients again (onnxblock/loss_scale.py).
@@ -321,20 +328,37 @@ def build_training_and_eval(
     graph.outputs.clear()
     graph.outputs.append(loss)
     graph.outputs.extend(values[n] for n in additional_output_names)
+    # the base model's outputs stay graph outputs through the simplification, so that their nodes
+    # (and an Identity's name: folding gives it to the Identity's input) survive for the eval model;
+    # the training model drops them again below (its ops are as without them)
+    requested = {loss_name, *additional_output_names}
+    exposed = [n for n in dict.fromkeys(inference_outputs) if n in values and n not in requested]
+    graph.outputs.extend(values[n] for n in exposed)
     pipeline.run(model, pipeline.before_autodiff())
     loss = graph.outputs[0]  # folding may have replaced the node that produced it
     if loss.name.startswith("onnxblock/") and "loss" not in values:
         loss.name = loss_name = "loss"  # a generated name: give the loss output a readable one
+    # the eval model keeps the exposed outputs; the training model computes what the loss and the
+    # additional outputs need, as if the exposed outputs had never been there
+    eval_model = io.load_model(io.to_proto(model))
+    first_exposed = 1 + len(additional_output_names)
+    if len(graph.outputs) > first_exposed:
+        del graph.outputs[first_exposed:]
+        pipeline.run(model, [RemoveUnusedNodesPass(), TopologicalSortPass()])  # as before_autodiff ends
     if precision is not None:  # parameters stay fp32 inputs; their uses are cast
-        pipeline.run(model, pipeline.mixed_precision(dataclasses.replace(precision, convert=True)))
+        for converted in (model, eval_model):
+            pipeline.run(converted, pipeline.mixed_precision(dataclasses.replace(precision, convert=True)))
         loss = graph.outputs[0]
     extra = {"precision": precision.precision} if precision is not None else {}
     if loss_scale is not None:
         extra["loss_scale"] = float(loss_scale)
-    metadata = _metadata(params, user_inputs, loss_inputs, loss_name, additional_output_names, extra=extra)
-    model.metadata_props[TRAINING_METADATA_KEY] = metadata
-
-    eval_model = pipeline.run(io.load_model(io.to_proto(model)), pipeline.eval_model())
+    # the eval model's extra outputs, under the names the simplification left them
+    eval_extra = {**extra, "inference_outputs": [v.name for v in eval_model.graph.outputs[first_exposed:]]}
+    model.metadata_props[TRAINING_METADATA_KEY] = _metadata(
+        params, user_inputs, loss_inputs, loss_name, additional_output_names, extra=extra)
+    eval_model.metadata_props[TRAINING_METADATA_KEY] = _metadata(
+        params, user_inputs, loss_inputs, loss_name, additional_output_names, extra=eval_extra)
+    pipeline.run(eval_model, pipeline.eval_model())
     # quantize-dequantize pairs train with a straight-through gradient (the training model only)
     QuantizeDequantizeStraightThroughPass()(model)
     FullDropoutPass()(model)  # a Dropout of ratio 1 drops everything (onnxruntime's kernel refuses it)
@@ -361,8 +385,9 @@ def build_training_and_eval(
         for parameterized in (graph, eval_model.graph):
             _order_parameter_inputs(parameterized, params)
         eval_model.metadata_props[TRAINING_METADATA_KEY] = _metadata(
+            params, user_inputs, loss_inputs, loss_name, additional_output_names, extra=eval_extra)
+        model.metadata_props[TRAINING_METADATA_KEY] = _metadata(
             params, user_inputs, loss_inputs, loss_name, additional_output_names, extra=extra)
-        model.metadata_props[TRAINING_METADATA_KEY] = eval_model.metadata_props[TRAINING_METADATA_KEY]
     if loss_scale is not None:  # unscale: the accumulated gradients are the true ones
         inverse = b.op.Reciprocal(scale)
         grads = {p: b.op.Mul(g, b.cast_to(inverse, g.dtype)) for p, g in grads.items()}

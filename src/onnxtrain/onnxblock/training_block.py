@@ -116,6 +116,8 @@ class TrainingBlock(Block):
     def __call__(self, *args, **kwargs):
         ctx = active()
         user_inputs = [v.name for v in ctx.graph.inputs]
+        # the base model's outputs (blocks add nodes, not outputs): the eval model keeps them all
+        base_outputs = [v.name for v in ctx.graph.outputs]
         before = set(ctx.graph.initializers)
         built = super().__call__(*args, **kwargs)
         # initializers the blocks added are constants of the loss, unless a block made them parameters
@@ -134,7 +136,7 @@ class TrainingBlock(Block):
         model = io.load_model(io.to_proto(ctx.ir_model))
         self._training_model, self._eval_model = build_training_and_eval(
             model, loss_name, self._parameters, user_inputs, additional,
-            precision=self.precision, loss_scale=self.loss_scale,
+            precision=self.precision, loss_scale=self.loss_scale, inference_outputs=base_outputs,
         )
         # the loss output may have been renamed (a block's generated name becomes "loss")
         loss_output = self._training_model.graph.outputs[0].name

@@ -194,3 +194,39 @@ def test_torchscript_exports_whose_shapes_need_folding_train_as_pytorch(tmp_path
     np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
     for name, parameter in model.named_parameters():
         np.testing.assert_allclose(state.parameters[name].grad, parameter.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("pool", [
+    torch.nn.AvgPool2d(2, stride=2, padding=1, ceil_mode=True),  # ONNX's inference: 5 rows of 7, kernels 4
+    torch.nn.MaxPool2d(2, stride=2, padding=1, ceil_mode=True),
+    torch.nn.MaxPool2d(3, stride=2, ceil_mode=True),  # floor mode needs a larger end padding
+    torch.nn.AvgPool2d(3, stride=2, ceil_mode=True, count_include_pad=False),
+], ids=["avg-pad", "max-pad", "max-grow", "avg-grow-exclude-pad"])
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+def test_ceil_mode_pools_train_as_pytorch(tmp_path, pool, exporter):
+    """onnxruntime refused the training model, or the target's shape was ONNX's wrong one
+    (passes/ceil_pool.py)."""
+    import io as bytes_io
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 1), pool)
+    x = torch.randn(3, 2, 7, 8)
+    if exporter == "dynamo":
+        proto = torch.onnx.export(model, (x,), dynamo=True, input_names=["x"], output_names=["y"],
+                                  optimize=False).model_proto
+    else:
+        buffer = bytes_io.BytesIO()
+        torch.onnx.export(model, (x,), buffer, dynamo=False, opset_version=17, input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "batch"}}, do_constant_folding=False)
+        proto = onnx.load_from_string(buffer.getvalue())
+    artifacts.generate_artifacts(proto, loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state)
+    output = model(x)
+    target = torch.randn_like(output)
+    expected = torch.nn.functional.mse_loss(output, target)
+    expected.backward()
+    np.testing.assert_allclose(module(x.numpy(), target.numpy()), expected.item(), rtol=1e-5)
+    for name, parameter in model.named_parameters():
+        np.testing.assert_allclose(state.parameters[name].grad, parameter.grad.numpy(), rtol=1e-4, atol=1e-6)

@@ -17,6 +17,7 @@ import onnx_ir as ir
 from onnxtrain.errors import ArtifactError, ModelError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.passes.ceil_pool import CeilModePoolPass
 
 # Opset of graphs built from nothing (optimizer models): the newest opset stock
 # onnxruntime 1.20+ runs, and the one torch's exporter emits by default.
@@ -161,7 +162,11 @@ def base(model: io.ModelLike, model_path: str | None = None) -> contextlib.Abstr
         >>> ctx.find(name).producer().op_type
         'Neg'
     """
-    return _activate(BuildContext(io.load_model(model), model_path))
+    loaded = io.load_model(model)
+    # ceil-mode pools whose shapes ONNX's inference gets wrong (passes/ceil_pool.py), before a
+    # loss block takes a target shape from them
+    CeilModePoolPass()(loaded)
+    return _activate(BuildContext(loaded, model_path))
 
 
 def empty_base(opset_version: int | None = None) -> contextlib.AbstractContextManager[BuildContext]:

@@ -12,6 +12,7 @@ from onnx_ir.passes.common import (
 
 from onnxtrain.autodiff.decompose import DecomposePass
 from onnxtrain.passes.batch_norm import TrainingBatchNormPass
+from onnxtrain.passes.ceil_pool import CeilModePoolPass
 from onnxtrain.passes.column_product import ColumnVectorProductPass
 from onnxtrain.passes.cse import DistinctDrawsCSEPass
 from onnxtrain.passes.double_gelu import DoubleTanhGeluPass
@@ -47,10 +48,12 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     class label of a cross entropy or negative log-likelihood loss fails the run, as in PyTorch,
     instead of training as a class from the end (passes/negative_labels.py). Values still without
     a shape once folding has evaluated the arithmetic on constants get ONNX shape inference (the
-    TorchScript exporter computes shapes that way: passes/fold.py).
+    TorchScript exporter computes shapes that way: passes/fold.py). A ceil-mode pool is written in
+    floor mode where the windows stay the same (ONNX's shape inference counts a last window the
+    kernels drop: passes/ceil_pool.py).
     """
     return [InlinePass(), DoubleLayerNormPass(), DoubleTanhGeluPass(), DecomposePass(), NegativeLabelsPass(),
-            FoldConstantsPass(), InferMissingShapesPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(), ColumnVectorProductPass(),
+            CeilModePoolPass(), FoldConstantsPass(), InferMissingShapesPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(), ColumnVectorProductPass(),
             RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 

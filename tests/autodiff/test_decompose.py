@@ -104,9 +104,53 @@ def test_op_without_rule_or_body_is_still_unsupported():
         check_gradients(model, {"in0": np.arange(9, dtype=np.float32).reshape(3, 3)})
 
 
-def test_op_whose_body_cannot_be_read_is_unsupported_not_a_crash():
-    """onnx_ir cannot read the body onnx builds for Attention-23: the node is reported."""
+def test_op_whose_body_cannot_be_read_is_unsupported_not_a_crash(monkeypatch):
+    """A body onnx_ir cannot read (as Attention-23's was, before its unmade outputs were trimmed):
+    the node is reported."""
+    import onnx_ir
+
+    def unreadable(proto):
+        raise onnx_ir.serde.SerdeError("unreadable body")
+
+    monkeypatch.setattr(onnx_ir.serde, "deserialize_function", unreadable)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    model = _model("MeanVarianceNormalization", {}, 18, [(2, 3, 4, 5)])
+    with pytest.raises(UnsupportedOpError, match="MeanVarianceNormalization"):
+        check_gradients(model, {"in0": x})
+
+
+def test_attention_23_matches_finite_differences():
     q = np.random.default_rng(0).standard_normal((1, 2, 3, 4)).astype(np.float32)
-    model = _model("Attention", {}, 23, [(1, 2, 3, 4)] * 3)
-    with pytest.raises(UnsupportedOpError, match="Attention"):
-        check_gradients(model, {"in0": q, "in1": q, "in2": q})
+    check_gradients(_model("Attention", {}, 23, [(1, 2, 3, 4)] * 3), {"in0": q, "in1": q, "in2": q})
+
+
+@pytest.mark.parametrize("attrs", [{"is_causal": 1}, {"scale": 0.3}])
+def test_attention_23_trains_through_its_body_as_pytorchs_attention(tmp_path, attrs):
+    """Attention-23's context-dependent body lists outputs the node does not ask for (present_key,
+    ...) and leaves them undefined; trimmed, it decomposes (SDPA exported at opset 23 was refused)."""
+    torch = pytest.importorskip("torch")
+    from onnx import numpy_helper
+
+    from onnxtrain import artifacts
+    from onnxtrain.api import CheckpointState, Module
+
+    rng = np.random.default_rng(0)
+    weight = (rng.standard_normal((8, 8)) * 0.3).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["q", "w"], ["qw"]), helper.make_node("Attention", ["qw", "k", "v"], ["y"], **attrs)]
+    graph = helper.make_graph(nodes, "attention", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 4, 5, 8])
+                                                   for n in "qkv"],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, 5, 8])],
+                              [numpy_helper.from_array(weight, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)])
+    artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    q, k, v, target = (rng.standard_normal((2, 4, 5, 8)).astype(np.float32) for _ in range(4))
+    loss = Module(tmp_path / "training_model.onnx", state)(q, k, v, target)
+    w = torch.tensor(weight, requires_grad=True)
+    out = torch.nn.functional.scaled_dot_product_attention(torch.tensor(q) @ w, torch.tensor(k), torch.tensor(v),
+                                                           is_causal=bool(attrs.get("is_causal")),
+                                                           scale=attrs.get("scale"))
+    expected = torch.nn.functional.mse_loss(out, torch.tensor(target))
+    expected.backward()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
+    np.testing.assert_allclose(state.parameters["w"].grad, w.grad.numpy(), rtol=1e-4, atol=1e-6)

@@ -15,6 +15,23 @@ def _parse(body) -> onnx.FunctionProto:
     return function
 
 
+def _without_unmade_outputs(function: onnx.FunctionProto, used: int) -> onnx.FunctionProto:
+    """``function`` without the trailing outputs past the node's ``used`` ones that no node of the
+    body makes (a context-dependent body builds only the outputs its node asks for: Attention-23's
+    lists ``present_key`` and others it then leaves undefined, which onnx_ir cannot read)."""
+    made = {name for node in function.node for name in node.output} | set(function.input)
+    outputs = list(function.output)
+    while len(outputs) > used and outputs[-1] not in made:
+        outputs.pop()
+    if len(outputs) < len(function.output):
+        trimmed = onnx.FunctionProto()
+        trimmed.CopyFrom(function)
+        del trimmed.output[:]
+        trimmed.output.extend(outputs)
+        return trimmed
+    return function
+
+
 def function_body(node: ir.Node, opset: int) -> ir.Function | None:
     """The ONNX function defining ``node``'s op at ``opset`` (specialized to the node), or None."""
     try:
@@ -47,7 +64,7 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
         if name not in node.attributes and attribute.default_value.type != onnx.AttributeProto.UNDEFINED:
             node.attributes[name] = ir.serde.deserialize_attribute(attribute.default_value)
     try:
-        function = ir.serde.deserialize_function(_parse(body))
+        function = ir.serde.deserialize_function(_without_unmade_outputs(_parse(body), len(node.outputs)))
     except Exception:  # noqa: BLE001  (a body onnx_ir cannot read, e.g. Attention-23's): no decomposition
         return None
     body_opset = function.opset_imports.get("", opset)

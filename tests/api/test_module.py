@@ -360,3 +360,18 @@ def test_a_negative_label_of_the_models_own_loss_fails_the_step(tmp_path):
     np.testing.assert_allclose(module(x, np.array([0, -100, 2, 1])), -log_prob[[0, 2, 3], [0, 2, 1]].mean(), rtol=1e-5)
     with pytest.raises(RunError, match=r"check the integer inputs \['labels'\]"):
         module(x, np.array([0, -1, 2, 1]))
+
+
+def test_a_view_of_the_contiguous_parameters_outlives_its_ortvalue(module, artifacts):
+    """``get_contiguous_parameters().numpy()`` on the returned value alone (the OrtValue dropped at
+    once) read freed memory once anything else was allocated: onnxruntime borrowed the array."""
+    import gc
+
+    p = artifacts.params
+    expected = np.concatenate([p["W"].ravel(), p["b"], p["scale"]])
+    views = [module.get_contiguous_parameters().numpy() for _ in range(3)]
+    gc.collect()
+    clutter = [np.full(size, 7.0, np.float32) for size in (expected.size, expected.size * 64) for _ in range(200)]
+    for view in views:
+        np.testing.assert_array_equal(view, expected)
+    assert clutter

@@ -26,7 +26,7 @@ from onnxtrain.runtime.device import parse_device, providers_for
 from onnxtrain.runtime.inputs import gather_inputs, to_ortvalues
 from onnxtrain.runtime.session import (IOSpec, create_session, input_specs, is_ort_format, output_specs,
                                        quiet_session_options, run_failure)
-from onnxtrain.runtime.values import from_numpy
+from onnxtrain.runtime.values import from_numpy, owned_from_numpy
 
 TRAINING_METADATA_KEY = "onnxtrain.training"
 # torch.amp.GradScaler's initial scale, for a loss-scaled training model without metadata
@@ -346,7 +346,7 @@ class Module:
             raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint)")
         flat = np.concatenate([self._state._value(s).numpy().reshape(-1) for s in slots]) if slots \
             else np.zeros(0, dtype=dtype)
-        return from_numpy(flat.astype(dtype, copy=False), self._device)
+        return owned_from_numpy(flat.astype(dtype, copy=False), self._device)
 
     def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
         """Copy a flat buffer (as from :meth:`get_contiguous_parameters`: an OrtValue, also

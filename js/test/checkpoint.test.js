@@ -52,8 +52,10 @@ test('toBytes and fromBytes round-trip, byte for byte and value for value', () =
   other.properties.set('small', 12n);
   other.properties.set('mark', '@onnxtrain-bigint0');  // looks like the writer's mark for a BigInt
   other.properties.set('__proto__', 5);
+  other.properties.set('wholeNumber', 2 ** 60);  // a Number beyond 2**53: its exact value, as a BigInt
   const third = CheckpointState.fromBytes(other.toBytes());
   assert.equal(third.properties.get('big'), 2n ** 60n + 1n);
+  assert.equal(third.properties.get('wholeNumber'), 2n ** 60n);
   assert.equal(third.properties.get('small'), 12);
   assert.equal(third.properties.get('mark'), '@onnxtrain-bigint0');
   assert.equal(third.properties.get('__proto__'), 5);

@@ -241,8 +241,11 @@ export function stringifyExactJson(value) {
     /** @type {string[]} */
     const digits = [];
     const text = JSON.stringify(value, (_key, v) => {
-      if (typeof v !== 'bigint') return v;
-      digits.push(v.toString());
+      // a whole Number beyond 2**53 is written with its exact digits (JSON.stringify's shortest
+      // decimal, 1152921504606847000 for 2**60, is another integer to a reader that keeps them exact)
+      const whole = typeof v === 'number' && Number.isInteger(v) && !Number.isSafeInteger(v);
+      if (typeof v !== 'bigint' && !whole) return v;
+      digits.push(BigInt(v).toString());
       return `${mark}${digits.length - 1}`;
     });
     if (digits.length === 0) return text;

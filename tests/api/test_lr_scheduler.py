@@ -72,3 +72,8 @@ def test_invalid_counts(artifacts):
         with pytest.raises(ValueError, match="initial_lr must be a finite number >= 0"):
             LinearLRScheduler(optimizer, 2, 10, initial_lr)
     assert optimizer.get_learning_rate() == before
+    for warmup, total in ((1.5, 10), (2, "10"), (True, 10)):  # refused, not truncated (as the JS runtime)
+        with pytest.raises(ValueError, match="whole number of steps"):
+            LinearLRScheduler(optimizer, warmup, total, 0.1)
+    np = pytest.importorskip("numpy")
+    LinearLRScheduler(optimizer, np.int64(2), 10.0, 0.1)  # whole numbers of other types are steps

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 from onnxtrain.api.optimizer import Optimizer
 
@@ -50,6 +51,11 @@ class LinearLRScheduler:
 
     def __init__(self, optimizer: Optimizer, warmup_step_count: int, total_step_count: int,
                  initial_lr: float) -> None:
+        counts = {"warmup_step_count": warmup_step_count, "total_step_count": total_step_count}
+        for name, count in counts.items():  # a whole number (numpy's too), not 1.5 truncated to 1 (as JS refuses)
+            if isinstance(count, bool) or not isinstance(count, numbers.Integral) and not (
+                    isinstance(count, numbers.Real) and float(count).is_integer()):
+                raise ValueError(f"{name} must be a whole number of steps, got {count!r}")
         if warmup_step_count < 0 or total_step_count < 0:
             raise ValueError(f"step counts must be >= 0, got warmup_step_count={warmup_step_count}, "
                              f"total_step_count={total_step_count}")

@@ -48,7 +48,8 @@ class CeilModePoolPass(NodeRewritePass):
     def match(self, node: ir.Node, opset: int):
         if not is_onnx_op(node, *_POOLS) or not node.attributes.get_int("ceil_mode", 0):
             return None
-        if node.attributes.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        auto_pad = node.attributes.get_string("auto_pad", "NOTSET")
+        if auto_pad not in ("NOTSET", "VALID"):
             return None
         x = node.inputs[0]
         kernel = _ints(node, "kernel_shape", 0, 0)
@@ -56,8 +57,7 @@ class CeilModePoolPass(NodeRewritePass):
         if x is None or x.shape is None or len(x.shape) != r + 2 or not all(isinstance(d, int) for d in x.shape[2:]):
             return None
         strides, dilations = _ints(node, "strides", r, 1), _ints(node, "dilations", r, 1)
-        pads = _ints(node, "pads", 2 * r, 0) if node.attributes.get_string("auto_pad", "NOTSET") == "NOTSET" \
-            else [0] * (2 * r)
+        pads = _ints(node, "pads", 2 * r, 0) if auto_pad == "NOTSET" else [0] * (2 * r)
         counts_padding = node.op_type == "AveragePool" and node.attributes.get_int("count_include_pad", 0)
         new_ends, lengths = [], []
         for axis in range(r):

@@ -30,7 +30,7 @@ from onnx_ir.convenience import get_const_tensor
 
 from onnxtrain import names
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
-from onnxtrain.passes.rewrite import NodeRewritePass
+from onnxtrain.passes.rewrite import NodeRewritePass, hand_over
 
 _INTEGER_RANGES = {
     ir.DataType.INT8: (-128, 127),
@@ -132,13 +132,7 @@ class QuantizeDequantizeStraightThroughPass(NodeRewritePass):
         result = new.add("Add", [out, passed])
         result.dtype, result.shape = out.dtype, out.shape
         graph.insert_after(node, new.nodes)
-        for usage in list(out.uses()):
-            if usage.node is not result.producer():
-                usage.node.replace_input_with(usage.idx, result)
-        if out.is_graph_output():  # the output keeps its name
-            name = out.name
-            out.name, result.name = f"{name}/quantized", name
-            graph.outputs[graph.outputs.index(out)] = result
+        hand_over(graph, out, result, "quantized")
 
 
 def _constant(new: NewNodes, array: np.ndarray) -> ir.Value:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
-from onnxtrain.passes.rewrite import NodeRewritePass
+from onnxtrain.passes.rewrite import NodeRewritePass, hand_over
 
 _LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 _SCATTERS = ("ScatterND", "ScatterElements")
@@ -40,15 +40,9 @@ class FloatAccumulationPass(NodeRewritePass):
         for index in (0, 2):  # data, updates
             node.replace_input_with(index, before.add("Cast", [node.inputs[index]], {"to": int(ir.DataType.FLOAT)}))
         out = node.outputs[0]
-        uses = list(out.uses())
         low = after.add("Cast", [out], {"to": int(plan)})
         low.shape = out.shape
         out.type = ir.TensorType(ir.DataType.FLOAT)  # a new type object: ``out.dtype = ...`` edits a shared one
         graph.insert_before(node, before.nodes)
         graph.insert_after(node, after.nodes)
-        for usage in uses:
-            usage.node.replace_input_with(usage.idx, low)
-        if out.is_graph_output():  # the output keeps its name
-            name = out.name
-            out.name, low.name = f"{name}/float", name
-            graph.outputs[graph.outputs.index(out)] = low
+        hand_over(graph, out, low, "float")

@@ -21,7 +21,7 @@ import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
-from onnxtrain.passes.rewrite import NodeRewritePass, constant_maker
+from onnxtrain.passes.rewrite import NodeRewritePass, constant_maker, hand_over
 
 
 def _constant_input(node: ir.Node, index: int) -> np.ndarray | None:
@@ -53,10 +53,6 @@ class FullDropoutPass(NodeRewritePass):
         for old, replacement in zip(node.outputs, replacements):
             replacement.type, replacement.shape = old.type, old.shape
         graph.insert_before(node, new.nodes)
-        ir.convenience.replace_all_uses_with(list(node.outputs[:len(replacements)]), replacements)
         for old, replacement in zip(node.outputs, replacements):
-            if old.is_graph_output():  # the output keeps its name
-                name = old.name
-                old.name, replacement.name = f"{name}/dropped", name
-                graph.outputs[graph.outputs.index(old)] = replacement
+            hand_over(graph, old, replacement, "dropped")
         graph.remove(node, safe=True)

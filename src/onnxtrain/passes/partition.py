@@ -16,7 +16,6 @@ activation next to ``y``).
 from __future__ import annotations
 
 import copy
-
 import enum
 import os
 from collections.abc import Mapping, Sequence

@@ -53,8 +53,8 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     kernels drop: passes/ceil_pool.py).
     """
     return [InlinePass(), DoubleLayerNormPass(), DoubleTanhGeluPass(), DecomposePass(), NegativeLabelsPass(),
-            CeilModePoolPass(), FoldConstantsPass(), InferMissingShapesPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(), PoolBeforeReluPass(), ColumnVectorProductPass(),
-            RemoveUnusedNodesPass(), TopologicalSortPass()]
+            CeilModePoolPass(), FoldConstantsPass(), InferMissingShapesPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(),
+            PoolBeforeReluPass(), ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 
 def after_autodiff() -> list[ir.passes.PassBase]:

@@ -39,6 +39,19 @@ class NodeRewritePass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified)
 
 
+def hand_over(graph: ir.Graph, old: ir.Value, new: ir.Value, suffix: str) -> None:
+    """Every reader of ``old`` but ``new``'s own producer reads ``new`` instead; where ``old`` is a
+    graph output, ``new`` takes its place there and its name (``old`` becomes ``<name>/<suffix>``)."""
+    own = new.producer()
+    for usage in list(old.uses()):
+        if usage.node is not own:
+            usage.node.replace_input_with(usage.idx, new)
+    if old.is_graph_output():
+        name = old.name
+        old.name, new.name = f"{name}/{suffix}", name
+        graph.outputs[graph.outputs.index(old)] = new
+
+
 def constant_maker(add: Callable, dtype) -> Callable[..., ir.Value]:
     """``constant(value, value_dtype=dtype)``: a Constant node made with ``add`` (NewNodes.add)."""
     def constant(value, value_dtype=dtype) -> ir.Value:

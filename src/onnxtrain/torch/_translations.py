@@ -59,6 +59,7 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain import names
+from onnxtrain.ir.shapes import dims_equal
 from onnxtrain.torch import _antialias, _log_space, _nearest, _random, _reductions, _windows
 from onnxtrain.torch._log_space import constant_like as _like
 
@@ -1039,22 +1040,14 @@ def scalar_tensor(s, dtype: int = 1, layout: str = "", device: str = "", pin_mem
     return aten_scalar_tensor(s, dtype, layout, device, pin_memory)
 
 
-def _same_known_shape(a, b) -> bool:
-    """Whether ``a`` and ``b`` have the same shape, every dim a number or a named symbol."""
-    if a.shape is None or b.shape is None or len(a.shape) != len(b.shape):
-        return False
-    return all((isinstance(x, int) and x == y) or (isinstance(x, ir.SymbolicDim) and isinstance(y, ir.SymbolicDim)
-                                                     and x.value is not None and x.value == y.value)
-               for x, y in zip(a.shape, b.shape))
-
-
 def copy(self, src, non_blocking: bool = False):
     """``aten.copy`` (``x.copy_(src)``, also inside ``torch.vander``): ``src`` in ``self``'s type,
     broadcast to ``self``'s shape. The exporter's only casts, and a broadcast source written into
     a slice failed the run (ScatterND's updates of the source's shape)."""
     cast = op.CastLike(src, self)
-    if _same_known_shape(self, src):
-        return cast  # no broadcast (an Expand would copy)
+    if self.shape is not None and src.shape is not None and len(self.shape) == len(src.shape) \
+            and all(dims_equal(a, b) for a, b in zip(self.shape, src.shape)):
+        return cast  # provably the same shape: no broadcast (an Expand would copy)
     return op.Expand(cast, op.Shape(self))
 
 

@@ -130,3 +130,34 @@ def test_a_loop_that_reads_no_parameter_stays_off_the_path():
     x = np.array([1.0, -2.0, 0.5], np.float32)
     _, dw = session.run(None, {"x": x})
     np.testing.assert_allclose(dw, x * 8)
+
+
+def test_if_branches_of_different_shapes_train_on_either_branch(tmp_path):
+    """loss = sum(If(sum(x) > 0, then: x @ W [2, 3], else: b * b [3])^2): legal ONNX. The If
+    output's gradient is shared by both branches' gradient graphs; it must not take the then
+    branch's static shape (onnxruntime would allocate it so, and the else branch's step fail)."""
+    from onnxtrain.api import CheckpointState, Module
+
+    def out(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    then = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["t"])], "then", [], [out("t", [2, 3])])
+    other = helper.make_graph([helper.make_node("Mul", ["b", "b"], ["e"])], "else", [], [out("e", [3])])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0),
+             helper.make_node("Greater", ["sx", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+             helper.make_node("Mul", ["y", "y"], ["sq"]), helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    w, b = np.full((3, 3), 0.1, np.float32), np.array([0.5, -1.0, 2.0], np.float32)
+    graph = helper.make_graph(nodes, "g", [out("x", [2, 3])], [out("loss", [])],
+                              [numpy_helper.from_array(w, "W"), numpy_helper.from_array(b, "b"),
+                               numpy_helper.from_array(np.array(0.0, np.float32), "zero")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, requires_grad=["W", "b"], loss=None, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    x = np.ones((2, 3), np.float32)
+    module(x)  # then: d loss / d W = x^T 2 (x W)
+    np.testing.assert_allclose(state.parameters["W"].grad, x.T @ (2 * x @ w), rtol=1e-6)
+    module.lazy_reset_grad()
+    np.testing.assert_allclose(module(-x), np.sum(b ** 4), rtol=1e-6)  # else
+    np.testing.assert_allclose(state.parameters["b"].grad, 4 * b ** 3, rtol=1e-6)

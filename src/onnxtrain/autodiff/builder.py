@@ -109,6 +109,10 @@ def _with_shape_of(grad: ir.Value, primal: ir.Value) -> ir.Value:
     return grad
 
 
+def _recorded(grad: ir.Value, primal: ir.Value, given_seeds: set[ir.Value]) -> ir.Value:
+    return grad if grad in given_seeds else _with_shape_of(grad, primal)
+
+
 def build_gradients(
     graph: ir.Graph,
     loss: ir.Value | Sequence[ir.Value],
@@ -160,11 +164,12 @@ def build_gradients(
     for value, seed in zip(losses, seeds):
         contributions.setdefault(value, []).append(seed if seed is not None else b.ones_like(value))
 
+    # the caller's seeds are not this graph's values (an If branch's seed is the outer If output's
+    # gradient, shared by both branches): their shapes are not ours to record
+    given_seeds = {seed for seed in seeds if seed is not None}
     for node in reversed(on_path):
-        grad_outputs = [
-            _with_shape_of(_accumulate(b, contributions[o], o), o) if o in contributions else None
-            for o in node.outputs
-        ]
+        grad_outputs = [_recorded(_accumulate(b, contributions[o], o), o, given_seeds) if o in contributions else None
+                        for o in node.outputs]
         if all(g is None for g in grad_outputs):
             continue
         rule, version = rules[node]

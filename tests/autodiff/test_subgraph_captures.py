@@ -161,3 +161,47 @@ def test_if_branches_of_different_shapes_train_on_either_branch(tmp_path):
     module.lazy_reset_grad()
     np.testing.assert_allclose(module(-x), np.sum(b ** 4), rtol=1e-6)  # else
     np.testing.assert_allclose(state.parameters["b"].grad, 4 * b ** 3, rtol=1e-6)
+
+
+def _growing_loop_model():
+    """loss = sum(acc) where a Loop runs h <- tanh(h * b) and appends each h to acc (Concat):
+    a state whose shape changes every iteration (declared without a shape, as ONNX allows)."""
+    def info(name, dtype, shape=None):
+        return helper.make_tensor_value_info(name, dtype, shape)
+
+    body = helper.make_graph(
+        [helper.make_node("Mul", ["h", "b"], ["hb"]), helper.make_node("Tanh", ["hb"], ["h2"]),
+         helper.make_node("Concat", ["acc", "h2"], ["acc2"], axis=0), helper.make_node("Identity", ["c"], ["c2"])],
+        "body", [info("i", TensorProto.INT64, []), info("c", TensorProto.BOOL, []), info("h", TensorProto.FLOAT, [3]),
+                 info("acc", TensorProto.FLOAT)],
+        [info("c2", TensorProto.BOOL, []), info("h2", TensorProto.FLOAT, [3]), info("acc2", TensorProto.FLOAT)])
+    nodes = [helper.make_node("Loop", ["n", "", "x", "x"], ["h_last", "acc_last"], body=body),
+             helper.make_node("ReduceSum", ["acc_last"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [info("x", TensorProto.FLOAT, [3]), info("n", TensorProto.INT64, [])],
+                              [info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(np.array([0.5, -1.0, 2.0], np.float32), "b")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_loop_state_that_grows_each_iteration_gets_its_gradient(tmp_path):
+    """The history of a state whose shape changes cannot be stacked as a scan output (onnxruntime
+    refuses outputs of changing shape): it is collected in a sequence instead. Finite
+    differences agree, and the artifacts train (every step failed before)."""
+    from onnxtrain.api import CheckpointState, Module
+    from onnxtrain.autodiff.check import check_gradients
+
+    x = np.array([0.3, 0.2, -0.4], np.float32)
+    for trips in (0, 1, 3):
+        check_gradients(_growing_loop_model(), {"x": x, "n": np.array(trips, np.int64)}, wrt=["x", "b"])
+    artifacts.generate_artifacts(_growing_loop_model(), requires_grad=["b"], loss=None, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    module(x, np.array(3, np.int64))
+    b, h = np.array([0.5, -1.0, 2.0]), x.astype(np.float64)
+    dh_db, expected = np.zeros(3), np.zeros(3)  # d sum(h_1 + h_2 + h_3) / d b, forward-mode by hand
+    for _ in range(3):
+        new_h = np.tanh(h * b)
+        dh_db = (1 - new_h ** 2) * (dh_db * b + h)
+        expected += dh_db
+        h = new_h
+    np.testing.assert_allclose(state.parameters["b"].grad, expected, rtol=1e-5)

@@ -7,9 +7,10 @@ from onnxscript.optimizer import fold_constants
 
 from onnxtrain import names
 
-# Ops never folded: random ops must stay random per run.
+# Ops never folded: random ops must stay random per run; an empty sequence cannot be an
+# initializer (the folder would only log that it skips it).
 _NEVER_FOLD = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-                         "Multinomial", "Bernoulli"})
+                         "Multinomial", "Bernoulli", "SequenceEmpty"})
 
 
 # what a stop-gradient Identity is called while the folder runs: the folder forwards every
@@ -19,7 +20,7 @@ _HIDDEN_STOP_GRADIENT = ("StopGradient", "onnxtrain.hidden")
 
 
 def never_fold_random(node: ir.Node) -> bool | None:
-    """The folder's ``should_fold`` hook: ``False`` for random ops (and hidden stop-gradients),
+    """The folder's ``should_fold`` hook: ``False`` for random ops, SequenceEmpty (and hidden stop-gradients),
     no opinion otherwise."""
     return False if node.op_type in _NEVER_FOLD or (node.op_type, node.domain) == _HIDDEN_STOP_GRADIENT else None
 

@@ -18,6 +18,7 @@ import onnx_ir as ir
 from onnxtrain.autodiff.builder import build_gradients, is_float
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.ir.builder import GraphBuilder
+from onnxtrain.ir.shapes import dims_equal
 
 
 def _branch_gradients(ctx: GradContext, branch: ir.Graph, label: str) -> ir.Graph:
@@ -185,23 +186,54 @@ def _scan(ctx):
     return tuple(input_grads)
 
 
-def _loop_history(ctx: GradContext, body: ir.Graph, num_states: int) -> tuple[list[ir.Value], ir.Value | None,
-                                                                                  ir.Value]:
-    """What every iteration of a Loop started from, stacked in iteration order: each state, the
-    condition the body read (None if it reads none), and the iteration number (whose count is
-    the number of iterations run). The forward Loop run again with a body that returns these
-    in place of its scan outputs."""
+def _keeps_its_shape(entering: ir.Value, leaving: ir.Value) -> bool:
+    """Whether a loop state provably has one shape over the iterations: the body's state input and
+    output have the same known shape (equal sizes, or the same named symbols)."""
+    start, end = entering.shape, leaving.shape
+    return (start is not None and end is not None and len(start) == len(end)
+            and all(dims_equal(a, z) for a, z in zip(start, end)))
+
+
+def _loop_history(ctx: GradContext, body: ir.Graph,
+                  num_states: int) -> tuple[list[ir.Value], set[int], ir.Value | None, ir.Value]:
+    """What every iteration of a Loop started from: each state, the condition the body read (None
+    if it reads none), and the iteration number (whose count is the number of iterations run).
+    The forward Loop run again with a body that returns these in place of its scan outputs,
+    stacked in iteration order; a state whose shape may change between iterations (an
+    accumulator grown by Concat) cannot be a scan output, so it is collected in a sequence the
+    loop carries instead. Returns the states' histories (stacks or sequences), the indices of
+    the states kept in sequences, the conditions and the iterations."""
+    in_sequence = {i for i in range(num_states) if not _keeps_its_shape(body.inputs[2 + i], body.outputs[1 + i])}
+
     def pick(inputs):
         iteration, condition, states = inputs[0], inputs[1], inputs[2:]
-        return [*states, *([condition] if condition.uses() else []), iteration]
+        stacked = [state for i, state in enumerate(states) if i not in in_sequence]
+        return [*stacked, *([condition] if condition.uses() else []), iteration]
 
     copy, recorded = _recording_body(ctx, body, "history", 1 + num_states, pick)
-    results = ctx.op.Loop(*ctx.node.inputs, body=copy, _outputs=num_states + len(recorded))
+    sequences = []
+    if in_sequence:
+        b = ctx.b.for_subgraph(copy, f"{ctx.b.scope}/history")
+        for i in sorted(in_sequence):
+            state = copy.inputs[2 + i]
+            so_far = ir.Value(name=b.fresh_name("history_in"), type=ir.SequenceType(state.type))
+            grown = b.op.SequenceInsert(so_far, state)
+            grown.type = so_far.type
+            copy.inputs.append(so_far)  # after the states: carried
+            copy.outputs.insert(1 + num_states + len(sequences), grown)
+            empty = ctx.op.SequenceEmpty(dtype=int(state.dtype))
+            empty.type = so_far.type
+            sequences.append(empty)
+    carried = num_states + len(sequences)
+    results = ctx.op.Loop(*ctx.node.inputs, *sequences, body=copy, _outputs=carried + len(recorded))
     results = list(results) if isinstance(results, tuple) else [results]
-    _typed_like(results, [*ctx.node.inputs[2:], *recorded])
-    stacks = results[num_states:]
-    reads_condition = len(recorded) > num_states + 1
-    return stacks[:num_states], (stacks[num_states] if reads_condition else None), stacks[-1]
+    _typed_like(results, [*ctx.node.inputs[2:], *sequences, *recorded])
+    collected = iter(results[num_states:carried])
+    stacks = iter(results[carried:])
+    histories = [next(collected) if i in in_sequence else next(stacks) for i in range(num_states)]
+    rest = list(stacks)
+    reads_condition = len(rest) > 1
+    return histories, in_sequence, (rest[0] if reads_condition else None), rest[-1]
 
 
 @grad("Loop", versions=(11, None))
@@ -222,7 +254,7 @@ def _loop(ctx):
     seeded_outputs = [k for k in range(num_scan_outputs)
                       if ctx.grad_outputs[num_states + k] is not None and is_float(node.outputs[num_states + k])]
     op = ctx.op
-    stacks, conditions, iterations = _loop_history(ctx, body, num_states)
+    histories, in_sequence, conditions, iterations = _loop_history(ctx, body, num_states)
     count = ctx.b.squeeze(op.Shape(iterations), [0])  # iterations run (a scalar)
     last = op.Sub(count, ctx.b.scalar_int(1))
 
@@ -236,7 +268,8 @@ def _loop(ctx):
     captured_sum_in = [_body_input(b, "captured_grad", v) for v in captured]
     # the forward body's inputs, as that iteration had them
     at = b.op.Sub(last, step)
-    began = [b.op.Gather(stack, at, axis=0) for stack in stacks]
+    began = [b.op.SequenceAt(history, at) if i in in_sequence else b.op.Gather(history, at, axis=0)
+             for i, history in enumerate(histories)]
     for value, started in zip([iteration, *states], [at, *began]):
         started.type, started.shape = value.type, value.shape
         value.replace_all_uses_with(started, replace_graph_outputs=True)  # a state passed through too

@@ -154,3 +154,60 @@ def test_attention_23_trains_through_its_body_as_pytorchs_attention(tmp_path, at
     expected.backward()
     np.testing.assert_allclose(loss, expected.item(), rtol=1e-5)
     np.testing.assert_allclose(state.parameters["w"].grad, w.grad.numpy(), rtol=1e-4, atol=1e-6)
+
+
+def test_an_op_inside_an_if_branch_is_decomposed_too():
+    """y = If(c, then: MVN(x * w), else: x * w): the branch's MeanVarianceNormalization has no
+    rule, and is differentiated through its body as at the top level (it was refused there)."""
+    def info(name, dtype, shape):
+        return helper.make_tensor_value_info(name, dtype, shape)
+
+    then = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["xw"]),
+                              helper.make_node("MeanVarianceNormalization", ["xw"], ["t"], axes=[0, 2])],
+                             "then", [], [info("t", TensorProto.FLOAT, [2, 3, 4])])
+    other = helper.make_graph([helper.make_node("Mul", ["x", "w"], ["e"])], "else", [],
+                              [info("e", TensorProto.FLOAT, [2, 3, 4])])
+    graph = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+                              [info("x", TensorProto.FLOAT, [2, 3, 4]), info("w", TensorProto.FLOAT, [1, 3, 4]),
+                               info("c", TensorProto.BOOL, [])],
+                              [info("y", TensorProto.FLOAT, [2, 3, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((2, 3, 4)).astype(np.float32),
+              "w": rng.uniform(0.5, 1.5, (1, 3, 4)).astype(np.float32), "c": np.array(True)}
+    check_gradients(model, inputs, wrt=["x", "w"])
+
+
+def test_an_op_whose_body_takes_a_graph_is_left_alone(tmp_path):
+    """SequenceMap's body is a graph attribute, which the inliner cannot pass to a function: the
+    node stays (artifacts of a model that computes a side output with it were refused with the
+    inliner's ValueError), and on the path to the loss it is reported as unsupported."""
+    from onnx import numpy_helper
+
+    from onnxtrain import artifacts
+
+    def info(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    def model(side_reads_w: bool):
+        body = helper.make_graph([helper.make_node("Tanh", ["e"], ["e2"])], "m", [info("e", [None, 3])],
+                                 [info("e2", [None, 3])])
+        nodes = [helper.make_node("Mul", ["x", "W"], ["y"]), helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0),
+                 helper.make_node("SplitToSequence", ["y" if side_reads_w else "x"], ["s"], axis=0),
+                 helper.make_node("SequenceMap", ["s"], ["s2"], body=body),
+                 helper.make_node("ConcatFromSequence", ["s2"], ["side"], axis=0)]
+        if side_reads_w:
+            nodes.append(helper.make_node("ReduceSum", ["side"], ["side_loss"], keepdims=0))
+        graph = helper.make_graph(nodes, "g", [info("x", [2, 3])], [info("side_loss" if side_reads_w else "loss", []),
+                                                                   info("side", [2, 3])],
+                                  [numpy_helper.from_array(np.ones((2, 3), np.float32), "W")])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+    model_ir = io.load_model(model(side_reads_w=False))
+    DecomposePass()(model_ir)
+    assert "SequenceMap" in [n.op_type for n in model_ir.graph]
+    artifacts.generate_artifacts(model(side_reads_w=False), requires_grad=["W"], loss=None,
+                                 artifact_directory=tmp_path / "off_the_path")
+    with pytest.raises(UnsupportedOpError, match="SequenceMap"):
+        artifacts.generate_artifacts(model(side_reads_w=True), requires_grad=["W"], loss=None,
+                                     artifact_directory=tmp_path / "on_the_path")

@@ -20,6 +20,11 @@ from onnxtrain.ir.schema import function_body
 DECOMPOSED_DOMAIN = "pkg.onnxtrain.decomposed"
 
 
+def takes_a_graph(node: ir.Node) -> bool:
+    """Whether ``node`` has a graph-valued attribute (If's branches, SequenceMap's body)."""
+    return any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values())
+
+
 class DecomposePass(ir.passes.InPlacePass):
     """Replace nodes whose op has no gradient rule but an ONNX function body by that body."""
 
@@ -30,11 +35,14 @@ class DecomposePass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         opset = model.graph.opset_imports.get("", 1)
         count = 0
-        for node in list(model.graph):
+        # subgraphs too: an If branch or a loop body is differentiated like the main graph
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
             if not is_onnx_op(node) or self.registry.lookup("", node.op_type, opset) is not None:
                 continue
             if not any(i is not None and i.dtype in FLOAT_TYPES for i in node.inputs):
                 continue  # nothing differentiable flows through it
+            if takes_a_graph(node):
+                continue  # SequenceMap's body: the inliner cannot pass a graph to a function
             function = function_body(node, opset)
             if function is None:
                 continue

@@ -77,6 +77,26 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
     return function
 
 
+def body_serves(schema: onnx.defs.OpSchema, opset: int) -> bool:
+    """Whether ``schema``'s function body can stand for its op at ``opset`` (what
+    :func:`function_body` would give a node): the op has one, takes no graph attribute (the
+    inliner cannot pass one to a body: SequenceMap) and, for a static body written for an older
+    opset, its ops mean the same at ``opset``. A context-dependent body counts (whether it builds
+    depends on a node's input types)."""
+    graph_attributes = (onnx.defs.OpSchema.AttrType.GRAPH, onnx.defs.OpSchema.AttrType.GRAPHS)
+    if any(attribute.type in graph_attributes for attribute in schema.attributes.values()):
+        return False
+    if schema.has_context_dependent_function:
+        return True
+    if not schema.has_function:
+        return False
+    body_opset = _latest_at_most(schema.function_opset_versions, opset)
+    if not body_opset or body_opset == opset:
+        return True
+    function = ir.serde.deserialize_function(_parse(schema.get_function_with_opset_version(body_opset)))
+    return _same_schemas(function, function.opset_imports.get("", body_opset), opset)
+
+
 def _latest_at_most(versions, opset: int) -> int | None:
     """The greatest of ``versions`` not above ``opset`` (None when there is none)."""
     return max((v for v in versions if v <= opset), default=None)

@@ -39,7 +39,33 @@ def _qdq_model(weight, weight_scale, weight_zero, zero_type=TensorProto.INT8, ax
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
 
 
-def _torch_gradient(x, target, weight, weight_scale, weight_zero, quant_range):
+OUTPUT_SCALE = 0.0437  # no common step with the inputs': products of their steps are no ties
+
+
+def _written_differently(model, way: str):
+    """The same QDQ model, written as quantizers do too: the weight's dequantizer naming its axis
+    as -1, its per-tensor scale as ``[1]`` in the quantizer and ``[]`` in the dequantizer, or the
+    output quantize-dequantized (onnxruntime's quantize_static for a model ending in a MatMul)."""
+    graph = model.graph
+    weight_q, weight_dq = graph.node[2], graph.node[3]
+    if way == "dequantizer_axis_-1":
+        weight_dq.attribute[0].i = -1
+    elif way == "scale_of_shape_1_and_scalar":
+        scale = next(t for t in graph.initializer if t.name == "w_scale")
+        graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(scale).reshape(()), "w_scale_0d"))
+        scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale).reshape(1), "w_scale"))
+        weight_dq.input[1] = "w_scale_0d"
+        assert weight_q.input[1] == "w_scale"
+    elif way == "output_pair":
+        graph.node[4].output[0] = "h"
+        graph.initializer.extend([numpy_helper.from_array(np.array(OUTPUT_SCALE, np.float32), "y_scale"),
+                                  numpy_helper.from_array(np.array(0, np.int8), "y_zero")])
+        graph.node.extend([helper.make_node("QuantizeLinear", ["h", "y_scale", "y_zero"], ["hq"]),
+                           helper.make_node("DequantizeLinear", ["hq", "y_scale", "y_zero"], ["y"])])
+    return model
+
+
+def _torch_gradient(x, target, weight, weight_scale, weight_zero, quant_range, output_pair=False):
     w = torch.tensor(weight, requires_grad=True)
     xq = torch.fake_quantize_per_tensor_affine(torch.tensor(x), INPUT_SCALE, INPUT_ZERO, 0, 255)
     scale = torch.tensor(weight_scale, dtype=torch.float32)
@@ -48,13 +74,20 @@ def _torch_gradient(x, target, weight, weight_scale, weight_zero, quant_range):
     else:
         wq = torch.fake_quantize_per_channel_affine(w, scale, torch.tensor(weight_zero, dtype=torch.int32), 1,
                                                     *quant_range)
-    loss = torch.nn.functional.mse_loss(xq @ wq, torch.tensor(target))
+    y = xq @ wq
+    if output_pair:
+        y = torch.fake_quantize_per_tensor_affine(y, OUTPUT_SCALE, 0, -128, 127)
+    loss = torch.nn.functional.mse_loss(y, torch.tensor(target))
     loss.backward()
     return loss.item(), w.grad.numpy()
 
 
-@pytest.mark.parametrize("granularity", ["per_tensor", "per_channel"])
-def test_the_weight_gradient_is_pytorchs_straight_through_one(tmp_path, granularity):
+@pytest.mark.parametrize(("granularity", "written"), [
+    ("per_tensor", "as_is"), ("per_channel", "as_is"), ("per_channel", "dequantizer_axis_-1"),
+    ("per_tensor", "scale_of_shape_1_and_scalar"), ("per_tensor", "output_pair"), ("per_channel", "output_pair")])
+def test_the_weight_gradient_is_pytorchs_straight_through_one(tmp_path, granularity, written):
+    """Also for pairs written in equivalent forms (they were not recognized: the weight stayed
+    frozen), and with the model's output quantize-dequantized (generate_artifacts failed)."""
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((8, 4)).astype(np.float32)
     weight[0, 0], weight[1, 1] = 9.0, -9.0  # clamped by the quantization range: no gradient there
@@ -63,7 +96,8 @@ def test_the_weight_gradient_is_pytorchs_straight_through_one(tmp_path, granular
     else:
         scale = np.array([0.02, 0.05, 0.03, 0.08], np.float32)
         zero, quant_range, zero_type = np.array([0, 10, -5, 0], np.int8), (-128, 127), TensorProto.INT8
-    artifacts.generate_artifacts(_qdq_model(weight, scale, zero, zero_type), requires_grad=["W"],
+    model = _written_differently(_qdq_model(weight, scale, zero, zero_type), written)
+    artifacts.generate_artifacts(model, requires_grad=["W"],
                                  loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.AdamW,
                                  artifact_directory=tmp_path)
     x = rng.standard_normal((16, 8)).astype(np.float32)
@@ -72,13 +106,14 @@ def test_the_weight_gradient_is_pytorchs_straight_through_one(tmp_path, granular
     feeds = {"input-0": x, "x": x, "target": target, "labels": target, "W": weight,
              names.accumulation_buffer_name("W"): np.zeros_like(weight), names.LAZY_RESET_GRAD: np.array(True)}
     loss, gradient = session.run(None, {i.name: feeds[i.name] for i in session.get_inputs()})
-    expected_loss, expected_gradient = _torch_gradient(x, target, weight, scale, zero, quant_range)
+    expected_loss, expected_gradient = _torch_gradient(x, target, weight, scale, zero, quant_range,
+                                                       output_pair=written == "output_pair")
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-5)
     np.testing.assert_allclose(gradient, expected_gradient, rtol=1e-4, atol=1e-6)
     assert gradient[0, 0] == 0.0 and gradient[1, 1] == 0.0 and np.count_nonzero(gradient) > 20
     # the eval model keeps the plain pair
     ops = [n.op_type for n in onnx.load(tmp_path / "eval_model.onnx").graph.node]
-    assert "Where" not in ops and ops.count("QuantizeLinear") == 2
+    assert "Where" not in ops and ops.count("QuantizeLinear") == (3 if written == "output_pair" else 2)
 
 
 def test_a_qdq_model_trains_on_device_and_its_scales_stay_fixed(tmp_path):

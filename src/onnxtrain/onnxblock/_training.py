@@ -343,7 +343,8 @@ def build_training_and_eval(
     eval_model = io.load_model(io.to_proto(model))
     first_exposed = 1 + len(additional_output_names)
     if len(graph.outputs) > first_exposed:
-        del graph.outputs[first_exposed:]
+        while len(graph.outputs) > first_exposed:
+            graph.outputs.pop()  # one by one: onnx_ir's slice deletion leaves is_graph_output() True
         pipeline.run(model, [RemoveUnusedNodesPass(), TopologicalSortPass()])  # as before_autodiff ends
     if precision is not None:  # parameters stay fp32 inputs; their uses are cast
         for converted in (model, eval_model):

@@ -59,8 +59,12 @@ def _same(a: ir.Value | None, b: ir.Value | None) -> bool:
     if a is None or b is None:
         return False
     left, right = get_const_tensor(a), get_const_tensor(b)
-    return left is not None and right is not None and left.dtype == right.dtype \
-        and np.array_equal(left.numpy(), right.numpy())
+    if left is None or right is None or left.dtype != right.dtype:
+        return False
+    left, right = left.numpy(), right.numpy()
+    if left.size == 1 and right.size == 1:  # a per-tensor scale of shape [] or [1]
+        return bool(left.reshape(()) == right.reshape(()))
+    return np.array_equal(left, right)
 
 
 def _quantized_type(quantize: ir.Node) -> ir.DataType | None:
@@ -90,13 +94,16 @@ class QuantizeDequantizeStraightThroughPass(NodeRewritePass):
         if not _same(scale, node.inputs[1]) or not _same(zero, dequantized_zero):
             return None
         bounds = _INTEGER_RANGES.get(_quantized_type(quantize))
-        axis = quantize.attributes.get_int("axis", 1)
-        if bounds is None or axis != node.attributes.get_int("axis", 1):
-            return None
         rank_of_scale = len(scale.shape) if scale.shape is not None else None
-        if rank_of_scale not in (0, 1) or (rank_of_scale == 1 and x.shape is None):
+        if bounds is None or rank_of_scale not in (0, 1) or (rank_of_scale == 1 and x.shape is None):
             return None
-        return x, scale, zero, bounds, axis, rank_of_scale == 1 and scale.shape[0] != 1
+        per_axis = rank_of_scale == 1 and scale.shape[0] != 1
+        axis = quantize.attributes.get_int("axis", 1)
+        if per_axis:  # the axis matters only then, and -1 names the same axis as rank - 1
+            rank = len(x.shape)
+            if not -rank <= axis < rank or axis % rank != node.attributes.get_int("axis", 1) % rank:
+                return None
+        return x, scale, zero, bounds, axis, per_axis
 
     def rewrite(self, graph: ir.Graph, node: ir.Node, plan) -> None:
         x, scale, zero, (low, high), axis, per_axis = plan

@@ -46,7 +46,7 @@ def hand_over(graph: ir.Graph, old: ir.Value, new: ir.Value, suffix: str) -> Non
     for usage in list(old.uses()):
         if usage.node is not own:
             usage.node.replace_input_with(usage.idx, new)
-    if old.is_graph_output():
+    if old in graph.outputs:  # not is_graph_output(): onnx_ir can leave that flag stale
         name = old.name
         old.name, new.name = f"{name}/{suffix}", name
         graph.outputs[graph.outputs.index(old)] = new

@@ -1156,16 +1156,31 @@ def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False
     return result, *_lu_stand_ins(matrix), _info(matrix)
 
 
-def _fake_quantized(x, inverse_scale, scale, zero_point, quant_min: int, quant_max: int):
+def _fake_quantized(x, scale, zero_point, quant_min: int, quant_max: int, float_zero_point: bool = False):
     """``(values, in range)``: ``(clamp(round(x / scale) + zero_point) - zero_point) * scale`` (round
-    half to even, as PyTorch's ``nearbyint``), and where the rounded value was inside the range.
-    The values carry the straight-through gradient PyTorch's fake quantization has: ``dy`` where
-    in range, 0 elsewhere, as ``detach(values) + (x - detach(x)) * in_range`` (exactly the
-    quantized values: ``x - x`` is 0)."""
-    rounded = op.Add(op.Round(op.Mul(x, inverse_scale)), zero_point)
-    low, high = _like(x, float(quant_min)), _like(x, float(quant_max))
+    half to even, as PyTorch's ``nearbyint``; ``round(x / scale + zero_point)`` for a float zero
+    point, as PyTorch's per-channel kernel), and where the rounded value was inside the range.
+    ``scale`` and ``zero_point`` are numbers or tensors broadcasting against ``x``; ``x / scale`` is
+    ``x`` times the float32 reciprocal of the scale, and a float16 or bfloat16 ``x`` is quantized in
+    float32 and the values rounded to its type once, as PyTorch's kernels do. The values carry the
+    straight-through gradient PyTorch's fake quantization has: ``dy`` where in range, 0 elsewhere,
+    as ``detach(values) + (x - detach(x)) * in_range`` (exactly the quantized values: ``x - x`` is 0)."""
+    low_precision = x.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    computed = op.Cast(x, to=ir.DataType.FLOAT) if low_precision else x
+    if isinstance(scale, (int, float)):
+        inverse = _like(computed, float(np.float32(1.0) / np.float32(scale)))
+        scale = _like(computed, scale)
+    else:
+        scale = op.CastLike(scale, computed)
+        inverse = op.Reciprocal(scale)
+    zero_point = _like(computed, zero_point) if isinstance(zero_point, (int, float)) else op.CastLike(zero_point, computed)
+    scaled = op.Mul(computed, inverse)
+    rounded = op.Round(op.Add(scaled, zero_point)) if float_zero_point else op.Add(op.Round(scaled), zero_point)
+    low, high = _like(computed, float(quant_min)), _like(computed, float(quant_max))
     in_range = op.And(op.GreaterOrEqual(rounded, low), op.LessOrEqual(rounded, high))
     values = op.Mul(op.Sub(op.Clip(rounded, low, high), zero_point), scale)
+    if low_precision:
+        values = op.CastLike(values, x)
     return _value_with_gradient(values, x, op.CastLike(in_range, x)), in_range
 
 
@@ -1173,14 +1188,7 @@ def fake_quantize_per_tensor_affine_cachemask(x, scale: float, zero_point: int, 
     """``aten.fake_quantize_per_tensor_affine_cachemask`` (``torch.fake_quantize_per_tensor_affine``,
     quantization-aware training): the exporter's QuantizeLinear/DequantizeLinear pair has no
     gradient, so the module's output would not require grad; this one has PyTorch's."""
-    inverse = _like(x, float(np.float32(1.0) / np.float32(scale)))
-    return _fake_quantized(x, inverse, _like(x, scale), _like(x, zero_point), quant_min, quant_max)
-
-
-def _quantized_by_tensors(x, scale, zero_point, quant_min: int, quant_max: int):
-    """:func:`_fake_quantized` with the scale and zero point as tensors (broadcasting against ``x``)."""
-    scale_x, zero_x = op.CastLike(scale, x), op.CastLike(zero_point, x)
-    return _fake_quantized(x, op.Reciprocal(scale_x), scale_x, zero_x, quant_min, quant_max)
+    return _fake_quantized(x, float(scale), int(zero_point), quant_min, quant_max)
 
 
 def fake_quantize_per_tensor_tensor_qparams(x, scale, zero_point, fake_quant_enabled, quant_min: int,
@@ -1189,7 +1197,7 @@ def fake_quantize_per_tensor_tensor_qparams(x, scale, zero_point, fake_quant_ena
     tensor scale and zero point, as ``torch.ao.quantization.FakeQuantize`` calls it): as
     :func:`fake_quantize_per_tensor_affine_cachemask`; ``x`` itself (and all in range) while
     ``fake_quant_enabled`` is 0."""
-    values, in_range = _quantized_by_tensors(x, scale, zero_point, quant_min, quant_max)
+    values, in_range = _fake_quantized(x, scale, zero_point, quant_min, quant_max)
     enabled = op.Not(op.Equal(op.Cast(fake_quant_enabled, to=7), op.Constant(value_int=0)))
     return op.Where(enabled, values, x), op.Or(in_range, op.Not(enabled))
 
@@ -1199,7 +1207,9 @@ def fake_quantize_per_channel_affine_cachemask(x, scale, zero_point, axis: int, 
     as the per-tensor one with one scale and zero point per index along ``axis``."""
     rank = len(x.shape)
     shape = op.Constant(value_ints=[-1 if k == axis % rank else 1 for k in range(rank)])
-    return _quantized_by_tensors(x, op.Reshape(scale, shape), op.Reshape(zero_point, shape), quant_min, quant_max)
+    float_zero_point = zero_point.dtype is not None and zero_point.dtype.is_floating_point()
+    return _fake_quantized(x, op.Reshape(scale, shape), op.Reshape(zero_point, shape), quant_min, quant_max,
+                           float_zero_point)
 
 
 def fake_quantize_per_tensor_affine(x, scale: float, zero_point: int, quant_min: int, quant_max: int):
@@ -1209,7 +1219,7 @@ def fake_quantize_per_tensor_affine(x, scale: float, zero_point: int, quant_min:
 
 def fake_quantize_per_tensor_affine_tensor_qparams(x, scale, zero_point, quant_min: int, quant_max: int):
     """``aten.fake_quantize_per_tensor_affine.tensor_qparams``: its values."""
-    return _quantized_by_tensors(x, scale, zero_point, quant_min, quant_max)[0]
+    return _fake_quantized(x, scale, zero_point, quant_min, quant_max)[0]
 
 
 def fake_quantize_per_channel_affine(x, scale, zero_point, axis: int, quant_min: int, quant_max: int):

@@ -36,7 +36,11 @@ def _session(model) -> ort.InferenceSession:
 def _one_node_model(op: str, elem_type: int) -> onnx.ModelProto:
     inputs = [helper.make_tensor_value_info(name, elem_type, [4, 4]) for name in ("a", "b")]
     arity = 1 if op in ("Relu", "Gelu", "Softmax", "Transpose", "Identity", "Tanh") else 2
-    node = helper.make_node(op, ["a", "b"][:arity], ["y"], **({"axis": 0} if op == "Concat" else {}))
+    if op == "Clip":  # with its bounds (scalars), as torch.clamp exports
+        inputs = [inputs[0], *(helper.make_tensor_value_info(name, elem_type, []) for name in ("low", "high"))]
+        arity = 3
+    node = helper.make_node(op, [value.name for value in inputs[:arity]], ["y"],
+                            **({"axis": 0} if op == "Concat" else {}))
     graph = helper.make_graph([node], "g", inputs[:arity], [helper.make_value_info("y", onnx.TypeProto())])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     model.ir_version = 10
@@ -53,7 +57,7 @@ def _loads(model) -> bool:
 
 
 @pytest.mark.parametrize("op", ["MatMul", "Add", "Mul", "Gelu", "Relu", "Softmax", "Tanh",
-                                "Transpose", "Identity", "Concat"])
+                                "Transpose", "Identity", "Concat", "Clip"])
 def test_cpu_bf16_kernel_table_is_what_onnxruntime_loads(op):
     """The CPU table says which ops run in bf16; ORT CPU loads exactly those (it has no bf16
     arithmetic at all, so every compute op must become an fp32 island)."""

@@ -177,3 +177,20 @@ def test_gpt_artifacts_in_bf16_and_fp16_track_fp32(tmp_path):
     for precision in ("bf16", "fp16"):
         relative = np.abs(curves[precision] - curves["fp32"]) / curves["fp32"]
         assert relative.max() < LOW_PRECISION_RTOL[precision], (precision, relative.max())
+
+
+def test_a_bfloat16_model_is_refused_before_any_file_is_written(tmp_path):
+    """A checkpoint stores no bfloat16: the error (which says what to do instead) comes before the
+    training and eval models are written, not after (they were left behind)."""
+    import ml_dtypes
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = numpy_helper.from_array(np.ones((4, 3), np.float32).astype(ml_dtypes.bfloat16), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["N", 3])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    with pytest.raises(ArtifactError, match=r"parameter 'w'.*bfloat16.*float32 model.*precision='bf16'"):
+        artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
+                                     optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
+    assert list(tmp_path.iterdir()) == []

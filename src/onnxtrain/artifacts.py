@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from onnxtrain.errors import ArtifactError
+from onnxtrain.errors import ArtifactError, CheckpointError
 from onnxtrain.ir import io
 from onnxtrain.onnxblock import blocks, loss as loss_blocks, optim as optim_blocks
 from onnxtrain.onnxblock._context import base, empty_base
@@ -202,7 +202,7 @@ def generate_artifacts(
         >>> sorted(p.name for p in pathlib.Path(out).iterdir())
         ['checkpoint', 'eval_model.onnx', 'optimizer_model.onnx', 'training_model.onnx']
     """
-    from onnxtrain.checkpoint import write_checkpoint
+    from onnxtrain.checkpoint import check_storable, write_checkpoint
 
     if custom_op_library is not None:
         raise ArtifactError("custom_op_library is not supported: onnxtrain emits standard ONNX ops only")
@@ -238,6 +238,11 @@ def generate_artifacts(
         params = training_block.parameter_values
         if optimizer is not None and not params.trainable:  # checked before any file is written
             raise ArtifactError(_nothing_to_optimize(base_model, params))
+        try:
+            check_storable({**params.trainable, **params.frozen})
+        except CheckpointError as exc:
+            raise ArtifactError(f"{exc}. Generate the artifacts from the float32 model; precision='bf16' trains "
+                                f"it in mixed precision") from exc
 
         directory = pathlib.Path(artifact_directory) if artifact_directory is not None else pathlib.Path.cwd()
         directory.mkdir(parents=True, exist_ok=True)

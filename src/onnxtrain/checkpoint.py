@@ -183,6 +183,14 @@ def _check_property(name: str, value: Any) -> int | float | str:
     raise CheckpointError(f"property {name!r} must be int, float or str, got {type(value).__name__}")
 
 
+def check_storable(parameters: Mapping[str, Any]) -> None:
+    """Raise CheckpointError naming the first of ``parameters`` (name -> array or onnx_ir value)
+    whose element type a checkpoint cannot store."""
+    for name, value in parameters.items():
+        dtype = value.dtype.numpy() if hasattr(value.dtype, "numpy") else value.dtype  # onnx_ir DataType
+        _safetensors_dtype(dtype, f"parameter {name!r}")
+
+
 def _safetensors_dtype(dtype: np.dtype, what: str) -> str:
     tag = _SAFETENSORS_DTYPES.get(np.dtype(dtype).name)
     if tag is None:

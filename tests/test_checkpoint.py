@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import stat
 import subprocess
 import sys
@@ -312,3 +313,16 @@ def test_a_malformed_nonfinite_property_is_refused(tmp_path, nonfinite):
     path.write_bytes(len(blob).to_bytes(8, "little") + blob + data[8 + size:])
     with pytest.raises(CheckpointError, match="nonfinite|null"):
         read_checkpoint(path)
+
+
+def test_writing_through_a_symbolic_link_updates_the_file_it_names(tmp_path):
+    """``latest -> run3/checkpoint``: saving to ``latest`` writes run3/checkpoint and keeps the link
+    (the rename replaced the link with a new file, and run3/checkpoint stayed stale)."""
+    (tmp_path / "run3").mkdir()
+    target = tmp_path / "run3" / "checkpoint"
+    write_checkpoint(target, {"w": np.ones(3, np.float32)}, {"w"}, properties={"epoch": 3})
+    (tmp_path / "latest").symlink_to(pathlib.Path("run3") / "checkpoint")
+    write_checkpoint(tmp_path / "latest", {"w": np.zeros(3, np.float32)}, {"w"}, properties={"epoch": 4})
+    assert (tmp_path / "latest").is_symlink()
+    assert read_checkpoint(target).properties == {"epoch": 4}
+    assert sorted(os.listdir(tmp_path / "run3")) == ["checkpoint"]

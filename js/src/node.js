@@ -7,7 +7,7 @@
  * @module
  */
 
-import { chmod, open, readFile, rename, stat, unlink } from 'node:fs/promises';
+import { chmod, open, readFile, realpath, rename, stat, unlink } from 'node:fs/promises';
 import { basename, dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import * as ort from 'onnxruntime-node';
@@ -49,7 +49,9 @@ async function readBytes(source, what) {
  * @param {string} what
  */
 async function writeBytes(target, bytes, what) {
-  const path = target instanceof URL ? fileURLToPath(target) : target.startsWith('file:') ? fileURLToPath(target) : target;
+  const given = target instanceof URL ? fileURLToPath(target) : target.startsWith('file:') ? fileURLToPath(target) : target;
+  // through a symbolic link to the file it names (the rename would replace the link itself)
+  const path = await realpath(given).catch(() => given);
   const temporary = join(dirname(path), `.${basename(path)}.${process.pid}.${Date.now()}.tmp`);
   let handle;
   try {

@@ -199,3 +199,19 @@ test('saving writes a new file with the umask applied and keeps the mode of a fi
   await CheckpointState.save(state, target);
   assert.equal(statSync(target).mode & 0o777, 0o640);
 });
+
+test('saving through a symbolic link writes the file it names and keeps the link', async () => {
+  const { lstatSync, mkdirSync, mkdtempSync, readFileSync: read, symlinkSync } = await import('node:fs');
+  const { tmpdir } = await import('node:os');
+  const { join } = await import('node:path');
+  const folder = mkdtempSync(join(tmpdir(), 'onnxtrain-link-'));
+  mkdirSync(join(folder, 'run3'));
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  await CheckpointState.save(state, join(folder, 'run3', 'checkpoint'));
+  symlinkSync(join('run3', 'checkpoint'), join(folder, 'latest'));
+  state.properties.set('epoch', 4);
+  await CheckpointState.save(state, join(folder, 'latest'));
+  assert.ok(lstatSync(join(folder, 'latest')).isSymbolicLink());
+  const reread = await CheckpointState.load(new Uint8Array(read(join(folder, 'run3', 'checkpoint'))));
+  assert.equal(reread.properties.get('epoch'), 4);
+});

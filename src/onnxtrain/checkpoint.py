@@ -228,6 +228,8 @@ def _write_chunks(f, data: np.ndarray) -> None:
 
 
 def _atomic_write(path: Path, write) -> None:
+    if path.is_symlink():  # write the file it names (the rename would replace the link itself)
+        path = Path(os.path.realpath(path))
     if path.is_dir():
         raise CheckpointError(f"checkpoint path {str(path)!r} is a directory; give a file name")
     folder = path.parent if str(path.parent) else Path(".")

@@ -125,3 +125,47 @@ def test_negative_indices_fail_as_in_pytorch(ids, labels, what, loss):
     with pytest.raises(RunError, match=r"index was out of range: check the integer inputs.*tensor 0 of the call"):
         model(torch.tensor(ids), torch.tensor(labels)).backward()
     assert all(torch.equal(p, q) for p, q in zip(module.parameters(), before)), what
+
+
+class PerSampleLoss(torch.nn.Module):
+    """A per-sample loss (``reduction='none'``) reduced by the module: weighted, as custom losses do."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 6)
+        self.kind = kind
+
+    def forward(self, x, target, sample_weight):
+        logits = self.linear(x)
+        if self.kind == "nll_loss":
+            losses = torch.nn.functional.nll_loss(logits.log_softmax(1), target, reduction="none")
+        elif self.kind == "cross_entropy":
+            losses = torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        else:  # smoothed and class-weighted
+            losses = torch.nn.functional.cross_entropy(logits, target, weight=CLASS_WEIGHTS, label_smoothing=0.1,
+                                                       reduction="none")
+        return (losses * sample_weight).sum() / x.shape[0] + losses.mean()
+
+
+@pytest.mark.parametrize("kind", ["cross_entropy", "cross_entropy_smoothed_weighted", "nll_loss"])
+def test_per_sample_losses_reduced_by_the_module_with_a_dynamic_batch(kind):
+    """The batch size changes (an epoch's last batch): the re-export has a symbolic batch, and
+    torch's decomposition gave the per-sample losses a scalar shape, which the exporter and the
+    folder trusted: ``.sum()`` returned the vector, ``.mean()``'s gradient was N times too large."""
+    eager, wrapped = eager_and_wrapped(lambda: PerSampleLoss(kind))
+    generator = torch.Generator().manual_seed(2)
+    for batch in (4, 3):
+        x = torch.randn(batch, 5, generator=generator)
+        target = torch.randint(0, 6, (batch,), generator=generator)
+        sample_weight = torch.rand(batch, generator=generator)
+        for module in (eager, wrapped):
+            module.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ORTModuleFallbackWarning)
+            loss = wrapped(x, target, sample_weight)
+        expected = eager(x, target, sample_weight)
+        assert loss.shape == expected.shape == ()
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+        loss.backward()
+        expected.backward()
+        torch.testing.assert_close(wrapped.module.linear.weight.grad, eager.linear.weight.grad, rtol=1e-5, atol=1e-6)

@@ -662,6 +662,89 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     return op.Add(op.Mul(nll, keep), op.Mul(term, scale))
 
 
+# Per-sample losses as ops of onnxtrain's own (see per_sample_losses_as_own_ops): the ``reduction``
+# PyTorch's loss ops take is 0 ("none") for both
+def _without_class_axis(input: torch.Tensor) -> list:
+    return [input.shape[0], *input.shape[2:]] if input.dim() >= 2 else []
+
+
+@torch.library.custom_op("onnxtrain::per_sample_cross_entropy", mutates_args=())
+def _per_sample_cross_entropy(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                              ignore_index: int, label_smoothing: float) -> torch.Tensor:
+    return torch.ops.aten.cross_entropy_loss(input, target, weight, 0, ignore_index, label_smoothing)
+
+
+@_per_sample_cross_entropy.register_fake
+def _(input, target, weight, ignore_index, label_smoothing):
+    return input.new_empty(_without_class_axis(input))
+
+
+@torch.library.custom_op("onnxtrain::per_sample_nll_loss", mutates_args=())
+def _per_sample_nll_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                         ignore_index: int) -> torch.Tensor:
+    return torch.ops.aten.nll_loss_nd(input, target, weight, 0, ignore_index)
+
+
+@_per_sample_nll_loss.register_fake
+def _(input, target, weight, ignore_index):
+    return input.new_empty(_without_class_axis(input))
+
+
+_PER_SAMPLE_LOSSES = {
+    # PyTorch op, its arguments after (input, target, weight, reduction), their defaults, onnxtrain's op
+    torch.ops.aten.cross_entropy_loss.default: (("ignore_index", "label_smoothing"), (-100, 0.0),
+                                                torch.ops.onnxtrain.per_sample_cross_entropy.default),
+    torch.ops.aten.nll_loss_nd.default: (("ignore_index",), (-100,), torch.ops.onnxtrain.per_sample_nll_loss.default),
+}
+
+
+def per_sample_losses_as_own_ops(program: torch.export.ExportedProgram) -> int:
+    """Make each ``aten.cross_entropy_loss`` and ``aten.nll_loss_nd`` with ``reduction='none'`` (and
+    a static ``ignore_index``) an op of onnxtrain's own, translated as before. The exporter keeps
+    these composite ops and torch's ``run_decompositions`` computes their output shape again, and
+    with a symbolic batch (torch 2.13) it comes out a scalar instead of ``[N]``: the exporter then
+    wrote the per-sample losses' ``.sum()`` as an ``Identity`` (the vector came back) and the
+    folder made their ``.mean()``'s gradient N times too large. Its own op's shape comes from its
+    fake implementation. Returns how many were rewritten."""
+    graph_module = program.graph_module
+    count = 0
+    for node in graph_module.graph.nodes:
+        entry = _PER_SAMPLE_LOSSES.get(node.target) if node.op == "call_function" else None
+        if entry is None:
+            continue
+        names, defaults, own = entry
+        args = list(node.args) + [None] * (4 - min(len(node.args), 4))
+        reduction = node.kwargs.get("reduction", args[3] if len(node.args) > 3 else 1)
+        if reduction != 0:
+            continue
+        rest = [node.kwargs.get(name, node.args[4 + i] if len(node.args) > 4 + i else default)
+                for i, (name, default) in enumerate(zip(names, defaults))]
+        if not isinstance(rest[0], int):
+            continue  # an ignore_index known at run time only: the translation masks it
+        weight = node.kwargs.get("weight", node.args[2] if len(node.args) > 2 else None)
+        node.target, node.args, node.kwargs = own, (node.args[0], node.args[1], weight, *rest), {}
+        count += 1
+    if count:
+        graph_module.recompile()
+    return count
+
+
+def per_sample_cross_entropy(input, target, weight=None, ignore_index: int = -100, label_smoothing: float = 0.0):
+    """``onnxtrain::per_sample_cross_entropy``: :func:`cross_entropy_loss` with ``reduction='none'``."""
+    return cross_entropy_loss(input, target, weight, 0, ignore_index, label_smoothing)
+
+
+def per_sample_nll_loss(input, target, weight=None, ignore_index: int = -100):
+    """``onnxtrain::per_sample_nll_loss``: ``aten.nll_loss_nd`` with ``reduction='none'``, ONNX's
+    ``NegativeLogLikelihoodLoss`` (an unbatched ``[C]`` input gives a scalar)."""
+    unbatched = len(input.shape) == 1
+    if unbatched:
+        first = op.Constant(value_ints=[0])
+        input, target = op.Unsqueeze(input, first), op.Unsqueeze(target, first)
+    losses = op.NegativeLogLikelihoodLoss(input, target, weight, reduction="none", ignore_index=ignore_index)
+    return op.Squeeze(losses, op.Constant(value_ints=[0])) if unbatched else losses
+
+
 def _cross_entropy_ignoring_at_run_time(input, target, weight, reduction: int, ignore_index, label_smoothing: float):
     """Cross entropy whose ``ignore_index`` is known at run time only (Hugging Face's question
     answering heads ignore ``start_logits.size(1)``, a dynamic dim): ONNX's loss takes it as an
@@ -1267,6 +1350,8 @@ def translation_table() -> dict:
     return the module's buffers, so training BatchNorm computes PyTorch's exact buffer updates
     with primitive ops)."""
     return {
+        torch.ops.onnxtrain.per_sample_cross_entropy.default: per_sample_cross_entropy,
+        torch.ops.onnxtrain.per_sample_nll_loss.default: per_sample_nll_loss,
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,
         torch.ops.aten.embedding_bag.default: embedding_bag,

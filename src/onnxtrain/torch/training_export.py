@@ -36,7 +36,8 @@ from onnxtrain.torch._export import (
 )
 from onnxtrain.torch._exporter import (capture, contiguous_as_clone, export_program, is_cumulative_batch_norm,
                                        mark_gradient_cuts)
-from onnxtrain.torch._translations import artifacts_translation_table, complex_translation_table
+from onnxtrain.torch._translations import (artifacts_translation_table, complex_translation_table,
+                                           per_sample_losses_as_own_ops)
 
 
 def _apply_renames(proto: onnx.ModelProto, renames: dict[str, str]) -> None:
@@ -182,6 +183,7 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
             program = capture(model, args, dynamic_shapes)
             mark_gradient_cuts(program)
             contiguous_as_clone(program)
+            per_sample_losses_as_own_ops(program)
             proto = export_program(program, artifacts_translation_table(), complex_translation_table()).model_proto
     except Exception as exc:  # the exporter raises many types; the reason is in the message
         raise export_failure(f"torch.onnx.export could not export {type(model).__name__}", exc) from exc

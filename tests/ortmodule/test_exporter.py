@@ -222,3 +222,37 @@ def test_ops_torch_registers_later_are_in_the_registry():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_two_modules_exported_in_two_threads_at_once_both_run_in_onnxruntime():
+    """torch's export keeps process-wide state while it runs: two first calls at the same moment
+    broke each other's export (both modules fell back to PyTorch for good). Exports take turns."""
+    import threading
+
+    from onnxtrain.torch import DebugOptions, ORTModule
+
+    def model(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+    x = torch.randn(8, 16)
+    modules = [ORTModule(model(seed), DebugOptions(fallback=False)) for seed in (1, 2)]
+    barrier = threading.Barrier(2)
+    outputs, errors = {}, {}
+
+    def first_call(i):
+        barrier.wait()
+        try:
+            outputs[i] = modules[i](x)
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            errors[i] = exc
+
+    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    for i, seed in enumerate((1, 2)):
+        assert modules[i].fallback_reason is None
+        torch.testing.assert_close(outputs[i], model(seed)(x), rtol=1e-5, atol=1e-6)

@@ -57,7 +57,7 @@ from torch.utils import _pytree as pytree
 from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.passes import pipeline
-from onnxtrain.torch._exporter import capture, contiguous_as_clone, export_program, mark_gradient_cuts
+from onnxtrain.torch._exporter import EXPORT_LOCK, capture, contiguous_as_clone, export_program, mark_gradient_cuts
 from onnxtrain.torch._translations import complex_translation_table, per_sample_losses_as_own_ops, translation_table
 
 # The wrapper's attribute holding the user's module: the exporter names its parameters
@@ -835,7 +835,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     try:
         # in the call's grad mode (ORTModule keys graphs on it): with grad, the traced outputs'
         # autograd graph shows which custom Functions the forward runs
-        with quiet_exporter(), _dynamo_marks_kept(call.tensors):
+        with EXPORT_LOCK, quiet_exporter(), _dynamo_marks_kept(call.tensors):
             captured = capture(wrapper, tuple(call.tensors), dynamic_shapes)
             # the forward's no-grad regions stop gradients; but a Function (a reentrant
             # checkpoint) that sets grad mode inside its forward leaves the capture believing grad

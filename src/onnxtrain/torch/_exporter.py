@@ -472,6 +472,13 @@ def cumulative_batch_norms(module: torch.nn.Module):
     return _forwards_replaced(norms, _cumulative_batch_norm_forward)
 
 
+# torch.export and torch.onnx.export keep process-wide state while they run (dispatch-mode slots,
+# a global patcher, the module hierarchy being traced): two exports in two threads at once break
+# each other (both fail). Every capture-and-export holds this lock; re-entrant, for a forward that
+# exports another module while it is captured.
+EXPORT_LOCK = threading.RLock()
+
+
 def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
     """``module(*args)`` as the exporter's first capture strategy captures it: non-strict
     ``torch.export.export`` with the exporter's flags, ``torch.onnx.is_in_onnx_export()`` true."""

@@ -34,8 +34,8 @@ from onnxtrain.torch._export import (
     module_state_kept,
     quiet_exporter,
 )
-from onnxtrain.torch._exporter import (capture, contiguous_as_clone, export_program, is_cumulative_batch_norm,
-                                       mark_gradient_cuts)
+from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program,
+                                       is_cumulative_batch_norm, mark_gradient_cuts)
 from onnxtrain.torch._translations import (artifacts_translation_table, complex_translation_table,
                                            per_sample_losses_as_own_ops)
 
@@ -179,7 +179,7 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     _check_functions(model, traced.functions, inline,
                      option="export_for_training(..., inline_autograd_functions=[...])")
     try:
-        with quiet_exporter():
+        with EXPORT_LOCK, quiet_exporter():
             program = capture(model, args, dynamic_shapes)
             mark_gradient_cuts(program)
             contiguous_as_clone(program)

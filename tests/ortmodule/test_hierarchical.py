@@ -193,3 +193,32 @@ def test_the_parts_are_chosen_for_training_even_when_the_first_call_is_a_validat
     eager(x).sum().backward()
     assert model.wrapped == ["enc", "q", "head"]
     _close_gradients(model, eager)
+
+
+def test_a_deep_copy_is_a_hierarchical_module_that_trains_on_its_own():
+    """copy.deepcopy (EMA, AveragedModel) found the wrapped module's __deepcopy__ through the
+    wrapper's attribute forwarding: the copy was the inner ORTModule (after a first call), or the
+    bare PyTorch model where the model's class has a __deepcopy__ of its own."""
+    class OwnCopy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(12, 5)
+
+        def forward(self, x):
+            return self.lin(x)
+
+        def __deepcopy__(self, memo):
+            twin = OwnCopy()
+            twin.load_state_dict(self.state_dict())
+            return twin
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 12)
+    for model in (HierarchicalORTModule(MLP()), HierarchicalORTModule(OwnCopy())):
+        model(x).sum().backward()
+        twin = copy.deepcopy(model)
+        assert type(twin) is HierarchicalORTModule and twin.wrapped == model.wrapped
+        torch.testing.assert_close(twin(x), model(x))
+        with torch.no_grad():
+            next(twin.parameters()).add_(1.0)
+        assert not torch.equal(twin(x), model(x))  # its own parameters

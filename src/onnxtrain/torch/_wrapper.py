@@ -53,6 +53,10 @@ class ModuleWrapper(torch.nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name.startswith("__") and name.endswith("__"):
+                # protocols (copy's __deepcopy__, pickle's __getstate__) are the wrapper's own: the
+                # wrapped module's would copy or pickle it in the wrapper's place
+                raise
             return getattr(self._modules[WRAPPED], name)
 
     def _own_attribute(self, name: str) -> bool:

@@ -173,6 +173,18 @@ test('an optimizer model that does not fit the training model is refused', async
   await assert.rejects(Module.create(new Uint8Array([1, 2, 3, 4]), state), isError(ModelError, /training model/));
 });
 
+test('a checkpoint of a stateless optimizer after some steps does not resume AdamW; before any step it does', async () => {
+  const data = readCheckpoint(checkpointBytes());
+  const sgd = (step) => CheckpointState.fromBytes(encodeCheckpoint({
+    ...data, optimizer: { step, learningRate: 0.01, states: [], values: new Map() },
+  }));
+  const resumed = await Module.create(artifact('training_model.onnx'), sgd(5));
+  await assert.rejects(Optimizer.create(artifact('optimizer_model.onnx'), resumed),
+    isError(CheckpointError, /optimizer model uses \["momentum0","momentum1"\]: .* from zero after 5 steps/));
+  const fresh = await Module.create(artifact('training_model.onnx'), sgd(0));
+  assert.equal((await Optimizer.create(artifact('optimizer_model.onnx'), fresh)).stepCount, 0);
+});
+
 test('LinearLRScheduler warms up linearly, then decays linearly to 0 (same values as Python)', () => {
   const optimizer = { stepCount: 0, lr: NaN, setLearningRate(lr) { this.lr = lr; } };
   const scheduler = new LinearLRScheduler(optimizer, 2, 6, 0.1);

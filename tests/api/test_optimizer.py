@@ -206,6 +206,23 @@ def test_optimizer_state_must_match(adamw_artifacts, tmp_path):
         Optimizer(sgd.optimizer, module2)
 
 
+def test_a_plain_sgd_checkpoint_does_not_resume_adamw(adamw_artifacts, tmp_path):
+    """SGD saves no state: AdamW's moments would start from zero at step 5, its bias correction
+    then halving the first updates (accepted silently before). Saved after no step, it starts."""
+    sgd = make_artifacts(tmp_path / "sgd", "sgd")
+    state = CheckpointState.load_checkpoint(sgd.checkpoint)
+    module = Module(sgd.training, state)
+    sgd_optimizer = Optimizer(sgd.optimizer, module)
+    fresh = tmp_path / "fresh"
+    CheckpointState.save_checkpoint(state, fresh, include_optimizer_state=True)
+    _train(module, sgd_optimizer, 5)
+    path = tmp_path / "ckpt"
+    CheckpointState.save_checkpoint(state, path, include_optimizer_state=True)
+    with pytest.raises(CheckpointError, match=r"optimizer model uses \['momentum0', 'momentum1'\].*from zero after 5"):
+        Optimizer(adamw_artifacts.optimizer, Module(adamw_artifacts.training, CheckpointState.load_checkpoint(path)))
+    Optimizer(adamw_artifacts.optimizer, Module(adamw_artifacts.training, CheckpointState.load_checkpoint(fresh)))
+
+
 def test_optimizer_model_must_match_module(adamw_artifacts, tmp_path):
     state = CheckpointState.load_checkpoint(adamw_artifacts.checkpoint)
     module = Module(adamw_artifacts.training, state)

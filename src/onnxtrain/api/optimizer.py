@@ -78,6 +78,14 @@ class Optimizer:
         opt = state._optimizer
         if opt is None:
             opt = state._optimizer = _OptimizerState(states=self._states)
+        elif opt.states != self._states and opt.step and any(s not in opt.states for s in self._states):
+            # the state the model needs would start from zero while the step count says otherwise
+            # (AdamW's bias correction after a plain SGD's steps: updates of half their size)
+            missing = [s for s in self._states if s not in opt.states]
+            raise CheckpointError(f"the checkpoint holds optimizer state {opt.states} but the optimizer model "
+                                  f"uses {self._states}: its {missing} would start from zero after {opt.step} "
+                                  f"steps. To start this optimizer afresh, use a checkpoint saved without the "
+                                  f"optimizer state (include_optimizer_state=False)")
         elif opt.states != self._states and (opt.pending or opt.buffers):
             unused = [s for s in opt.states if s not in self._states]
             if any(s in self._states for s in opt.states) or not _all_zero(opt, unused):

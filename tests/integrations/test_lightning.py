@@ -203,6 +203,12 @@ def test_wrap_modules_dotted_names_and_options():
     assert wrap_modules(root, "encoder") == ["encoder"]
     with pytest.raises(LightningIntegrationError, match=r"'encoder\.0' in ORTModule: it is inside 'encoder'"):
         wrap_modules(root, "encoder.0")
+    # one inside the other in the same call (both were wrapped, nested)
+    unwrap_modules(root)
+    for names in (["encoder", "encoder.0"], ["encoder.0", "encoder"]):
+        with pytest.raises(LightningIntegrationError, match=r"'encoder\.0' is inside 'encoder'"):
+            wrap_modules(root, names)
+        assert not any(isinstance(m, ORTModule) for m in root.modules())
 
 
 def test_missing_modules_are_named_in_the_error(tmp_path):

@@ -118,6 +118,13 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
         options = None if debug_options is None else copy.deepcopy(debug_options)
         wrapper = ORTModule(module, options, memory_opt_level=memory_opt_level, memory_budget=memory_budget)
         planned[id(module)] = (parent, attribute, name, wrapper)
+    names_of = {key: name for key, (_, _, name, _) in planned.items()}
+    for key, (_, _, name, wrapper) in planned.items():
+        inside = [names_of[id(m)] for m in wrapper.module.modules() if id(m) in names_of and id(m) != key]
+        if inside:
+            raise LightningIntegrationError(
+                f"cannot wrap both {name!r} and {inside[0]!r} in ORTModule: {inside[0]!r} is inside {name!r} "
+                "(ORTModules do not nest)")
     for parent, attribute, _, wrapper in planned.values():
         setattr(parent, attribute, wrapper)
     return [name for _, _, name, _ in planned.values()]

@@ -194,3 +194,50 @@ def test_a_bfloat16_model_is_refused_before_any_file_is_written(tmp_path):
         artifacts.generate_artifacts(model, requires_grad=["w"], loss=artifacts.LossType.MSELoss,
                                      optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def _loop_model():
+    """y = Loop n times: h <- tanh(h @ W), from h = x @ V: one product at the top, one in the body."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    def info(name, dtype, shape):
+        return helper.make_tensor_value_info(name, dtype, shape)
+
+    body = helper.make_graph([helper.make_node("MatMul", ["h", "W"], ["hw"]), helper.make_node("Tanh", ["hw"], ["h2"]),
+                              helper.make_node("Identity", ["c"], ["c2"])], "body",
+                             [info("i", TensorProto.INT64, []), info("c", TensorProto.BOOL, []),
+                              info("h", TensorProto.FLOAT, ["N", 3])],
+                             [info("c2", TensorProto.BOOL, []), info("h2", TensorProto.FLOAT, ["N", 3])])
+    rng = np.random.default_rng(0)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "V"], ["xv"]), helper.make_node("Loop", ["n", "", "xv"], ["y"], body=body)],
+        "g", [info("x", TensorProto.FLOAT, ["N", 3]), info("n", TensorProto.INT64, [])],
+        [info("y", TensorProto.FLOAT, ["N", 3])],
+        [numpy_helper.from_array(rng.normal(0, 0.5, (3, 3)).astype(np.float32), name) for name in ("W", "V")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_products_inside_a_loop_body_compute_in_low_precision_too(tmp_path):
+    """The precision pass converted the main graph only: a MatMul in a Loop body (or If branch)
+    stayed float32, silently."""
+    rng = np.random.default_rng(1)
+    x, target, n = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=(4, 3)).astype(np.float32), np.array(3)
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        out = tmp_path / precision
+        artifacts.generate_artifacts(_loop_model(), requires_grad=["W", "V"], loss=artifacts.LossType.MSELoss,
+                                     optimizer=artifacts.OptimType.AdamW, artifact_directory=out, precision=precision)
+        body = next(node for node in onnx.load(out / "training_model.onnx").graph.node if node.op_type == "Loop")
+        body_casts = [node for node in body.attribute[0].g.node if node.op_type == "Cast"
+                      and node.attribute[0].i == onnx.TensorProto.BFLOAT16]
+        assert bool(body_casts) == (precision == "bf16")
+        state = CheckpointState.load_checkpoint(out / "checkpoint")
+        module = Module(out / "training_model.onnx", state, out / "eval_model.onnx")
+        optimizer = Optimizer(out / "optimizer_model.onnx", module)
+        losses[precision] = []
+        for _ in range(5):
+            losses[precision].append(float(module(x, n, target)))
+            optimizer.step()
+            module.lazy_reset_grad()
+    assert losses["bf16"] != losses["fp32"]
+    np.testing.assert_allclose(losses["bf16"], losses["fp32"], rtol=LOW_PRECISION_RTOL["bf16"])

@@ -148,13 +148,16 @@ class PrecisionPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        infer_dtypes(graph)
-        b = GraphBuilder(graph, scope=_unused_scope(graph, f"precision_{self.config.precision}"))
+        main = GraphBuilder(graph, scope=_unused_scope(graph, f"precision_{self.config.precision}"))
         modified = False
-        if self.config.convert:
-            modified |= self._convert(b)
-        modified |= self._legalize(b)
-        modified |= simplify_casts(graph, self.config.round_intermediates)
+        # If branches and loop bodies too (one name counter: names stay unique across them)
+        for g in [graph, *_subgraphs(graph)]:
+            infer_dtypes(g)
+            b = main if g is graph else main.for_subgraph(g, main.scope)
+            if self.config.convert:
+                modified |= self._convert(b)
+            modified |= self._legalize(b)
+            modified |= simplify_casts(g, self.config.round_intermediates)
         if modified:
             RemoveUnusedNodesPass()(model)
             TopologicalSortPass()(model)
@@ -178,6 +181,18 @@ class PrecisionPass(ir.passes.InPlacePass):
                 _retype(b, node, self.low, FP32)
                 changed = True
         return changed
+
+
+def _subgraphs(graph: ir.Graph) -> list[ir.Graph]:
+    """Every graph nested in ``graph``'s nodes (If branches, Loop and Scan bodies), at any depth."""
+    found = []
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for attribute in node.attributes.values():
+            if attribute.type == ir.AttributeType.GRAPH:
+                found.append(attribute.as_graph())
+            elif attribute.type == ir.AttributeType.GRAPHS:
+                found.extend(attribute.as_graphs())
+    return found
 
 
 def _unused_scope(graph: ir.Graph, base: str) -> str:

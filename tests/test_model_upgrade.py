@@ -226,3 +226,20 @@ def test_weights_in_attributes_named_when_nothing_can_train(tmp_path):
         artifacts.generate_artifacts(model, loss=artifacts.LossType.MSELoss, optimizer=artifacts.OptimType.SGD,
                                      artifact_directory=tmp_path)
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_a_batched_scan8_is_refused_not_changed(tmp_path):
+    """The converter turned Scan-8 into a Scan-9 whose inputs lost their batch axis (the
+    artifacts then failed to load): refused by name instead."""
+    def info(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    body = helper.make_graph([helper.make_node("Add", ["s", "xs"], ["s2"]), helper.make_node("Identity", ["s2"], ["ys"])],
+                             "body", [info("s", [3]), info("xs", [3])], [info("s2", [3]), info("ys", [3])])
+    scan = helper.make_node("Scan", ["", "init", "xs"], ["final", "ys"], body=body, num_scan_inputs=1)
+    graph = helper.make_graph([scan], "g", [info("init", [2, 3]), info("xs", [2, 4, 3])],
+                              [info("final", [2, 3]), info("ys", [2, 4, 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 8)])
+    with pytest.raises(ModelError, match=r"opset 8 and a Scan-8.*opset 9 or later"):
+        artifacts.generate_artifacts(model, requires_grad=[], loss=artifacts.LossType.MSELoss,
+                                     artifact_directory=tmp_path)

@@ -32,6 +32,8 @@ from onnxtrain.errors import ModelError
 _DEFAULT_DOMAINS = ("", "ai.onnx")
 # the first opset whose Resize has coordinate_transformation_mode (Upsample was removed at 10)
 _RESIZE_WITH_COORDINATES = 11
+# the first opset whose Scan has no batch axis (Scan-8 scans every input's second axis)
+_UNBATCHED_SCAN = 9
 
 
 def upgrade(proto: onnx.ModelProto, default_opset: int, min_opset: int) -> onnx.ModelProto:
@@ -45,6 +47,13 @@ def upgrade(proto: onnx.ModelProto, default_opset: int, min_opset: int) -> onnx.
         _initializers_not_inputs(proto)
     if default_opset >= min_opset:
         return proto
+    if default_opset < _UNBATCHED_SCAN and any(node.op_type == "Scan" and node.domain in _DEFAULT_DOMAINS
+                                               for graph in _graphs(proto.graph) for node in graph.node):
+        # the converter rewrites Scan-8 as Scan-9 without taking its batch axis out of the inputs:
+        # a model of other shapes, that then fails to run
+        raise ModelError(f"model uses opset {default_opset} and a Scan-8 (batched: sequence_lens and a batch "
+                         f"axis first); onnxtrain needs >= {min_opset} and the ONNX version converter cannot "
+                         f"upgrade that Scan. Export the model at opset {_UNBATCHED_SCAN} or later")
     resized = _old_resize_outputs(proto) if default_opset < _RESIZE_WITH_COORDINATES else {}
     try:
         converted = onnx.version_converter.convert_version(proto, min_opset)

@@ -205,3 +205,23 @@ def test_a_loop_state_that_grows_each_iteration_gets_its_gradient(tmp_path):
         expected += dh_db
         h = new_h
     np.testing.assert_allclose(state.parameters["b"].grad, expected, rtol=1e-5)
+
+
+def test_a_scan_whose_scanned_inputs_need_no_gradient(caplog):
+    """Only a captured weight needs a gradient: the gradient Scan has no scan outputs, and gets
+    no empty scan_output_axes (onnx_ir warned that an empty list has no attribute type)."""
+    from onnxtrain.autodiff.check import check_gradients
+
+    def info(name, shape):
+        return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+    body = helper.make_graph([helper.make_node("Mul", ["xs", "w"], ["t"]), helper.make_node("Add", ["s", "t"], ["s2"])],
+                             "body", [info("s", [3]), info("xs", [3])], [info("s2", [3])])
+    graph = helper.make_graph([helper.make_node("Scan", ["init", "xs"], ["final"], body=body, num_scan_inputs=1)],
+                              "g", [info("init", [3]), info("xs", [4, 3])], [info("final", [3])],
+                              [numpy_helper.from_array(np.array([0.5, -1.0, 2.0], np.float32), "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    rng = np.random.default_rng(0)
+    check_gradients(model, {"init": rng.normal(size=3).astype(np.float32),
+                            "xs": rng.normal(size=(4, 3)).astype(np.float32)}, wrt=["w"])
+    assert not [r for r in caplog.records if "ambiguous" in r.getMessage()]

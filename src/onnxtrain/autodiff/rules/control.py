@@ -168,8 +168,9 @@ def _scan(ctx):
         body=copy, num_scan_inputs=num_states + num_scan_inputs + len(seeded_outputs),
         scan_input_axes=[0] * num_states + list(in_axes) + [out_axes[j] for j in seeded_outputs],
         scan_input_directions=[1] * num_states + [1 - d for d in in_dirs] + [1 - out_dirs[j] for j in seeded_outputs],
-        scan_output_axes=[in_axes[j] for j in wanted_scans],
-        scan_output_directions=[1 - in_dirs[j] for j in wanted_scans],
+        # no scan outputs: no attributes for them (an empty list has no attribute type)
+        **({"scan_output_axes": [in_axes[j] for j in wanted_scans],
+            "scan_output_directions": [1 - in_dirs[j] for j in wanted_scans]} if wanted_scans else {}),
         _outputs=len(body_outputs))
     results = list(results) if isinstance(results, tuple) else [results]
     _typed_like(results, body_outputs)

@@ -67,6 +67,8 @@ class _Training(TrainingBlock):
 
 def _nothing_to_optimize(model, params) -> str:
     """Why no parameter requires gradients, for the error that an optimizer model needs one."""
+    from onnxtrain.passes.fake_quant import quantized_weights
+
     message = "an optimizer model needs at least one parameter that requires gradients"
     if params.frozen:
         return f"{message}; every parameter is frozen: {sorted(params.frozen)}"
@@ -74,7 +76,12 @@ def _nothing_to_optimize(model, params) -> str:
                             if n.domain not in ("", "ai.onnx", "com.microsoft")})
     where = (f" (weights that ops of other domains keep in their attributes, as ai.onnx.ml's LinearClassifier "
              f"does, cannot be trained; this model has {', '.join(in_attributes)})" if in_attributes else "")
-    return f"{message}, and the model has no floating-point initializers{where}"
+    quantized = quantized_weights(model.graph)
+    if quantized:
+        where += (f" (its weights are stored quantized, integers a DequantizeLinear reads: {quantized[:8]}; "
+                  f"quantize with onnxruntime.quantization's extra_options={{'AddQDQPairToWeight': True}} to keep "
+                  f"float weights behind a QuantizeLinear, which train)")
+    return f"{message}, and the model has no floating-point weights{where}"
 
 
 def _loss_block(loss) -> blocks.Block:

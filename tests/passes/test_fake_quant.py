@@ -136,3 +136,43 @@ def test_a_qdq_model_trains_on_device_and_its_scales_stay_fixed(tmp_path):
         optimizer.step()
         module.lazy_reset_grad()
     assert losses[-1] < 0.7 * losses[0]  # with a zero gradient nothing moved: the loss stayed
+
+
+def test_quantization_constants_are_no_parameters_and_errors_say_why(tmp_path):
+    """Scales and zero points stay fixed: named in requires_grad they are refused as such (the
+    error blamed DequantizeLinear's missing gradient rule), QLinearMatMul's float scales are not
+    picked by requires_grad=None (they were, then frozen with a warning), and a model whose
+    weights are stored as integers says how to quantize it so that they train."""
+    weight = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    with pytest.raises(artifacts.ArtifactError, match=r"\['w_scale'\] are quantization scales or zero points"):
+        artifacts.generate_artifacts(_qdq_model(weight, np.float32(0.05), np.int8(0)), requires_grad=["W", "w_scale"],
+                                     loss=artifacts.LossType.MSELoss, artifact_directory=tmp_path / "a")
+
+    def scalar(name, value, dtype):
+        return numpy_helper.from_array(np.array(value, dtype), name)
+
+    initializers = [numpy_helper.from_array(np.round(weight * 20).astype(np.int8), "Wq"),
+                    scalar("x_scale", 0.1, np.float32), scalar("x_zero", 0, np.int8),
+                    scalar("w_scale", 0.05, np.float32), scalar("w_zero", 0, np.int8),
+                    scalar("y_scale", 0.2, np.float32), scalar("y_zero", 0, np.int8),
+                    numpy_helper.from_array(np.zeros(4, np.float32), "bias")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "x_scale", "x_zero"], ["xq"]),
+             helper.make_node("QLinearMatMul", ["xq", "x_scale", "x_zero", "Wq", "w_scale", "w_zero", "y_scale",
+                                                "y_zero"], ["yq"]),
+             helper.make_node("DequantizeLinear", ["yq", "y_scale", "y_zero"], ["h"]),
+             helper.make_node("Add", ["h", "bias"], ["y"])]
+    graph = helper.make_graph(nodes, "qlinear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])], initializers)
+    qlinear = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    artifacts.generate_artifacts(qlinear, requires_grad=None, loss=artifacts.LossType.MSELoss,
+                                 optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path / "b")
+    assert list(CheckpointState.load_checkpoint(tmp_path / "b" / "checkpoint").parameters.keys()) == ["bias"]
+
+    stored_quantized = _qdq_model(weight, np.float32(0.05), np.int8(0))
+    weight_proto = next(t for t in stored_quantized.graph.initializer if t.name == "W")
+    weight_proto.CopyFrom(numpy_helper.from_array(np.round(weight * 20).astype(np.int8), "Wq"))
+    quantize = stored_quantized.graph.node[2]
+    stored_quantized.graph.node.remove(quantize)
+    with pytest.raises(artifacts.ArtifactError, match=r"stored quantized.*\['Wq'\].*AddQDQPairToWeight"):
+        artifacts.generate_artifacts(stored_quantized, requires_grad=None, loss=artifacts.LossType.MSELoss,
+                                     optimizer=artifacts.OptimType.AdamW, artifact_directory=tmp_path / "c")

@@ -152,6 +152,11 @@ def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
             f"no initializer named {missing} in the model; its initializers are: "
             f"{known[:20]}{' ...' if len(known) > 20 else ''}"
         )
+    scales = sorted(set(requires_grad) & quantization_parameters(model.graph))
+    if scales:
+        raise ArtifactError(f"{scales} are quantization scales or zero points, which stay fixed (the "
+                            f"straight-through gradient trains the weights they quantize): leave them out of "
+                            f"requires_grad")
     not_float = sorted(n for n in requires_grad if inits[n].dtype not in FLOAT_TYPES)
     if not_float:
         raise ArtifactError(f"only floating-point parameters can require gradients, not {not_float}")

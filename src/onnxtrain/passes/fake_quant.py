@@ -44,12 +44,25 @@ _INTEGER_RANGES = {
 
 def quantization_parameters(graph: ir.Graph) -> set[str]:
     """Names of the values every ``QuantizeLinear`` / ``DequantizeLinear`` reads as its scale or
-    zero point: constants of the quantization, not parameters to train."""
+    zero point, and the float inputs of quantized ops (``QLinearConv``'s scales, ...): constants
+    of the quantization, not parameters to train."""
     found = set()
-    for node in graph:
+    for node in ir.traversal.RecursiveGraphIterator(graph):
         if is_onnx_op(node, "QuantizeLinear") or is_onnx_op(node, "DequantizeLinear"):
             found.update(v.name for v in node.inputs[1:] if v is not None)
+        elif node.op_type.startswith("QLinear") or node.op_type == "QGemm":
+            found.update(v.name for v in node.inputs if v is not None and v.dtype is not None
+                         and v.dtype.is_floating_point())
     return found
+
+
+def quantized_weights(graph: ir.Graph) -> list[str]:
+    """Integer initializers a ``DequantizeLinear`` reads as its data: weights stored quantized
+    (onnxruntime.quantization's default), which no gradient can train."""
+    return sorted({node.inputs[0].name for node in ir.traversal.RecursiveGraphIterator(graph)
+                   if is_onnx_op(node, "DequantizeLinear") and node.inputs[0] is not None
+                   and node.inputs[0].is_initializer() and node.inputs[0].dtype is not None
+                   and not node.inputs[0].dtype.is_floating_point()})
 
 
 def _same(a: ir.Value | None, b: ir.Value | None) -> bool:

@@ -44,8 +44,9 @@ OUTPUT_SCALE = 0.0437  # no common step with the inputs': products of their step
 
 def _written_differently(model, way: str):
     """The same QDQ model, written as quantizers do too: the weight's dequantizer naming its axis
-    as -1, its per-tensor scale as ``[1]`` in the quantizer and ``[]`` in the dequantizer, or the
-    output quantize-dequantized (onnxruntime's quantize_static for a model ending in a MatMul)."""
+    as -1, its per-tensor scale as ``[1]`` in the quantizer and ``[]`` in the dequantizer, the pair
+    in onnxruntime's com.microsoft domain, or the output quantize-dequantized (onnxruntime's
+    quantize_static for a model ending in a MatMul)."""
     graph = model.graph
     weight_q, weight_dq = graph.node[2], graph.node[3]
     if way == "dequantizer_axis_-1":
@@ -56,6 +57,9 @@ def _written_differently(model, way: str):
         scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale).reshape(1), "w_scale"))
         weight_dq.input[1] = "w_scale_0d"
         assert weight_q.input[1] == "w_scale"
+    elif way == "onnxruntime_domain":  # onnxruntime's quantizer below opset 21 (4-bit types)
+        weight_q.domain = weight_dq.domain = "com.microsoft"
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     elif way == "output_pair":
         graph.node[4].output[0] = "h"
         graph.initializer.extend([numpy_helper.from_array(np.array(OUTPUT_SCALE, np.float32), "y_scale"),
@@ -84,10 +88,12 @@ def _torch_gradient(x, target, weight, weight_scale, weight_zero, quant_range, o
 
 @pytest.mark.parametrize(("granularity", "written"), [
     ("per_tensor", "as_is"), ("per_channel", "as_is"), ("per_channel", "dequantizer_axis_-1"),
-    ("per_tensor", "scale_of_shape_1_and_scalar"), ("per_tensor", "output_pair"), ("per_channel", "output_pair")])
+    ("per_tensor", "scale_of_shape_1_and_scalar"), ("per_tensor", "output_pair"), ("per_channel", "output_pair"),
+    ("per_channel", "onnxruntime_domain")])
 def test_the_weight_gradient_is_pytorchs_straight_through_one(tmp_path, granularity, written):
     """Also for pairs written in equivalent forms (they were not recognized: the weight stayed
-    frozen), and with the model's output quantize-dequantized (generate_artifacts failed)."""
+    frozen; com.microsoft's were refused), and with the model's output quantize-dequantized
+    (generate_artifacts failed)."""
     rng = np.random.default_rng(0)
     weight = rng.standard_normal((8, 4)).astype(np.float32)
     weight[0, 0], weight[1, 1] = 9.0, -9.0  # clamped by the quantization range: no gradient there

@@ -29,7 +29,7 @@ import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor
 
 from onnxtrain import names
-from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.ir.nodes import NewNodes
 from onnxtrain.passes.rewrite import NodeRewritePass, hand_over
 
 _INTEGER_RANGES = {
@@ -42,13 +42,19 @@ _INTEGER_RANGES = {
 }
 
 
+def _is_quantizer(node: ir.Node | None, op_type: str) -> bool:
+    """A standard ``op_type`` node, or onnxruntime's ``com.microsoft`` one of the same meaning (its
+    quantizer writes those for 4-bit types below opset 21)."""
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx", "com.microsoft")
+
+
 def quantization_parameters(graph: ir.Graph) -> set[str]:
     """Names of the values every ``QuantizeLinear`` / ``DequantizeLinear`` reads as its scale or
     zero point, and the float inputs of quantized ops (``QLinearConv``'s scales, ...): constants
     of the quantization, not parameters to train."""
     found = set()
     for node in ir.traversal.RecursiveGraphIterator(graph):
-        if is_onnx_op(node, "QuantizeLinear") or is_onnx_op(node, "DequantizeLinear"):
+        if _is_quantizer(node, "QuantizeLinear") or _is_quantizer(node, "DequantizeLinear"):
             found.update(v.name for v in node.inputs[1:] if v is not None)
         elif node.op_type.startswith("QLinear") or node.op_type == "QGemm":
             found.update(v.name for v in node.inputs if v is not None and v.dtype is not None
@@ -60,7 +66,7 @@ def quantized_weights(graph: ir.Graph) -> list[str]:
     """Integer initializers a ``DequantizeLinear`` reads as its data: weights stored quantized
     (onnxruntime.quantization's default), which no gradient can train."""
     return sorted({node.inputs[0].name for node in ir.traversal.RecursiveGraphIterator(graph)
-                   if is_onnx_op(node, "DequantizeLinear") and node.inputs[0] is not None
+                   if _is_quantizer(node, "DequantizeLinear") and node.inputs[0] is not None
                    and node.inputs[0].is_initializer() and node.inputs[0].dtype is not None
                    and not node.inputs[0].dtype.is_floating_point()})
 
@@ -94,10 +100,10 @@ class QuantizeDequantizeStraightThroughPass(NodeRewritePass):
     not change, the eval and inference models keep their plain pairs."""
 
     def match(self, node: ir.Node, opset: int):
-        if not is_onnx_op(node, "DequantizeLinear") or node.attributes.get_int("block_size", 0):
+        if not _is_quantizer(node, "DequantizeLinear") or node.attributes.get_int("block_size", 0):
             return None
         quantize = node.inputs[0].producer()
-        if not is_onnx_op(quantize, "QuantizeLinear") or quantize.attributes.get_int("block_size", 0):
+        if not _is_quantizer(quantize, "QuantizeLinear") or quantize.attributes.get_int("block_size", 0):
             return None
         x = quantize.inputs[0]
         if x is None or x.dtype is None or not x.dtype.is_floating_point():
@@ -122,6 +128,13 @@ class QuantizeDequantizeStraightThroughPass(NodeRewritePass):
         x, scale, zero, (low, high), axis, per_axis = plan
         new = NewNodes(node, "straight_through")
         dtype = x.dtype
+        quantized = node.inputs[0]
+        if quantized.dtype is None:  # a com.microsoft quantizer's: ONNX's inference does not type it
+            quantized.dtype = _quantized_type(quantized.producer())
+        if node.outputs[0].dtype is None:
+            node.outputs[0].dtype = dtype
+        if node.outputs[0].shape is None:  # the pair keeps its input's shape
+            node.outputs[0].shape = x.shape
 
         def along_axis(value: ir.Value) -> ir.Value:
             if not per_axis:

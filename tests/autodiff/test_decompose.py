@@ -211,3 +211,15 @@ def test_an_op_whose_body_takes_a_graph_is_left_alone(tmp_path):
     with pytest.raises(UnsupportedOpError, match="SequenceMap"):
         artifacts.generate_artifacts(model(side_reads_w=True), requires_grad=["W"], loss=None,
                                      artifact_directory=tmp_path / "on_the_path")
+
+
+def test_a_body_written_for_float_only_is_not_used_for_double():
+    """MeanVarianceNormalization's body holds float constants: for a double input it is ill typed
+    (generate_artifacts failed with a TypeError deep in a rule). The node stays, reported as
+    unsupported."""
+    model = _model("MeanVarianceNormalization", {"axes": [0, 2]}, 17, [(2, 3, 4)])
+    model.graph.input[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    model.graph.output[0].type.tensor_type.elem_type = TensorProto.DOUBLE
+    model_ir = io.load_model(model)
+    DecomposePass()(model_ir)
+    assert [n.op_type for n in model_ir.graph] == ["MeanVarianceNormalization"]

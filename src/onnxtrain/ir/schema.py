@@ -63,8 +63,11 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
     for name, attribute in schema.attributes.items():
         if name not in node.attributes and attribute.default_value.type != onnx.AttributeProto.UNDEFINED:
             node.attributes[name] = ir.serde.deserialize_attribute(attribute.default_value)
+    proto = _without_unmade_outputs(_parse(body), len(node.outputs))
+    if not _types_check(proto, node):
+        return None
     try:
-        function = ir.serde.deserialize_function(_without_unmade_outputs(_parse(body), len(node.outputs)))
+        function = ir.serde.deserialize_function(proto)
     except Exception:  # noqa: BLE001  (a body onnx_ir cannot read, e.g. Attention-23's): no decomposition
         return None
     body_opset = function.opset_imports.get("", opset)
@@ -75,6 +78,20 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
             return None
         function.opset_imports[""] = opset
     return function
+
+
+def _types_check(function: onnx.FunctionProto, node: ir.Node) -> bool:
+    """Whether ``function``'s body is well typed for ``node``'s input types: a static body may be
+    written for float only (MeanVarianceNormalization's float constants meet a double input)."""
+    if any(i is not None and i.type is None for i in node.inputs):
+        return True  # nothing to check against
+    input_types = [ir.serde.serialize_type(i.type) if i is not None else onnx.TypeProto() for i in node.inputs]
+    attributes = [ir.serde.serialize_attribute(a) for a in node.attributes.values() if not a.is_ref()]
+    try:
+        onnx.shape_inference.infer_function_output_types(function, input_types, attributes)
+    except Exception:  # noqa: BLE001  (onnx raises InferenceError and others)
+        return False
+    return True
 
 
 def body_serves(schema: onnx.defs.OpSchema, opset: int) -> bool:

@@ -698,6 +698,11 @@ _PER_SAMPLE_LOSSES = {
 }
 
 
+def _argument(node: torch.fx.Node, position: int, name: str, default):
+    """An FX call's argument, given by position or by name, else its default."""
+    return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
+
+
 def per_sample_losses_as_own_ops(program: torch.export.ExportedProgram) -> int:
     """Make each ``aten.cross_entropy_loss`` and ``aten.nll_loss_nd`` with ``reduction='none'`` (and
     a static ``ignore_index``) an op of onnxtrain's own, translated as before. The exporter keeps
@@ -713,15 +718,12 @@ def per_sample_losses_as_own_ops(program: torch.export.ExportedProgram) -> int:
         if entry is None:
             continue
         names, defaults, own = entry
-        args = list(node.args) + [None] * (4 - min(len(node.args), 4))
-        reduction = node.kwargs.get("reduction", args[3] if len(node.args) > 3 else 1)
-        if reduction != 0:
+        if _argument(node, 3, "reduction", 1) != 0:
             continue
-        rest = [node.kwargs.get(name, node.args[4 + i] if len(node.args) > 4 + i else default)
-                for i, (name, default) in enumerate(zip(names, defaults))]
+        rest = [_argument(node, 4 + i, name, default) for i, (name, default) in enumerate(zip(names, defaults))]
         if not isinstance(rest[0], int):
             continue  # an ignore_index known at run time only: the translation masks it
-        weight = node.kwargs.get("weight", node.args[2] if len(node.args) > 2 else None)
+        weight = _argument(node, 2, "weight", None)
         node.target, node.args, node.kwargs = own, (node.args[0], node.args[1], weight, *rest), {}
         count += 1
     if count:

@@ -1,5 +1,7 @@
 """The export registry ORTModule builds once per process matches torch.onnx's own."""
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -256,3 +258,37 @@ def test_two_modules_exported_in_two_threads_at_once_both_run_in_onnxruntime():
     for i, seed in enumerate((1, 2)):
         assert modules[i].fallback_reason is None
         torch.testing.assert_close(outputs[i], model(seed)(x), rtol=1e-5, atol=1e-6)
+
+
+def test_one_module_first_called_in_two_threads_at_once_builds_once():
+    """The second thread waits for the first one's build and uses it (both exported, and one of
+    them sometimes failed inside torch's fake tensor mode)."""
+    import threading
+
+    from onnxtrain.torch import DebugOptions, ORTModule
+
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(fallback=False))
+    inputs = [torch.randn(8, 16), torch.randn(8, 16)]
+    barrier = threading.Barrier(2)
+    outputs, errors = {}, {}
+
+    def first_call(i):
+        barrier.wait()
+        try:
+            outputs[i] = wrapped(inputs[i])
+        except Exception as exc:  # noqa: BLE001  (reported below)
+            errors[i] = exc
+
+    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+    assert not errors, errors
+    assert wrapped.export_count == 1
+    for i in range(2):
+        torch.testing.assert_close(outputs[i], eager(inputs[i]), rtol=1e-5, atol=1e-6)
+    twin = copy.deepcopy(wrapped)  # each copy builds under its own lock
+    torch.testing.assert_close(twin(inputs[0]), eager(inputs[0]), rtol=1e-5, atol=1e-6)

@@ -7,6 +7,7 @@ import dataclasses
 import itertools
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterable
@@ -347,11 +348,15 @@ class ORTModule(ModuleWrapper):
         self._unwatched_attributes: set[tuple[str, str]] = set()
         # the values each non-tensor argument (by its place among them) took, where it changed
         self._argument_values: dict[int, set] = {}
+        # one call at a time builds (exports, gradient graphs, sessions): a first call in two
+        # threads at once builds once, and the other uses what it built
+        self._building = threading.RLock()
         self._wrapper_ready()  # from here on, new attributes go to the wrapped module
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_variants"] = {}  # sessions are rebuilt on the next call
+        del state["_building"]  # a lock neither pickles nor copies: each copy gets its own
         return state
 
     def __setstate__(self, state):
@@ -361,6 +366,7 @@ class ORTModule(ModuleWrapper):
         self.__dict__.setdefault("_unwatched_attributes", set())
         # pickled before ORTModule looked for custom autograd Functions
         self.__dict__.setdefault("_inline_functions", frozenset())
+        self.__dict__["_building"] = threading.RLock()
         self.__dict__["_wrapper_ready"] = True
 
     def __deepcopy__(self, memo):
@@ -368,6 +374,7 @@ class ORTModule(ModuleWrapper):
         memo[id(self)] = clone
         for key, value in self.__getstate__().items():
             clone.__dict__[key] = copy.deepcopy(value, memo)
+        clone.__dict__["_building"] = threading.RLock()
         return clone
 
     def explain_memory(self) -> str:
@@ -409,7 +416,7 @@ class ORTModule(ModuleWrapper):
             # the export's own tracing saves tensors for autograd: not under the caller's saved-tensor
             # hooks (non-reentrant activation checkpointing counts what a forward saves, and the
             # recomputed forward, with the graphs built, would save fewer)
-            with torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            with self._building, torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
                 variant, inputs, training, runner = self._prepare(call)
         except OnnxTrainError as exc:
             if not self._debug.fallback:

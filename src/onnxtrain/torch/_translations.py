@@ -386,13 +386,41 @@ def _attention_rows_kept(attn_mask):
     return op.Where(kept, attn_mask, _like(attn_mask, 0.0)), op.CastLike(kept, attn_mask)
 
 
+def _attention_with_dropout(query, key, value, attn_mask, dropout_p: float, is_causal: bool, scale,
+                            enable_gqa: bool):
+    """The exporter's attention (4-D inputs) with a training-mode Dropout of the attention weights:
+    PyTorch drops them with probability ``dropout_p`` whatever the module's mode (Hugging Face
+    passes 0 in eval), where the exporter's Dropout has no ``training_mode`` (an identity: the
+    attention dropout of every sdpa model was silently off)."""
+    from onnxscript.function_libs.torch_lib.ops import nn as torchlib_nn
+
+    scale = op.CastLike(torchlib_nn._attention_scale(query) if scale is None else scale, query)
+    if is_causal:
+        attn_mask = torchlib_nn._causal_attention_mask(query, key)
+    if enable_gqa and query.shape[1] != key.shape[1]:
+        key, value = torchlib_nn._attention_repeat_kv_for_group_query(query, key, value)
+    root = op.Sqrt(scale)
+    scores = op.MatMul(op.Mul(query, root), op.Mul(op.Transpose(key, perm=[0, 1, 3, 2]), root))
+    boolean = attn_mask is not None and attn_mask.dtype == ir.DataType.BOOL
+    if boolean:  # as the exporter writes it (passes/softmax_guard.py recognizes the pattern)
+        attn_mask = op.Where(attn_mask, _like(query, 0.0), _like(query, float(query.dtype.min)))
+    weights = op.Softmax(op.Add(scores, attn_mask) if attn_mask is not None else scores, axis=-1)
+    if boolean:
+        weights = op.Where(op.IsNaN(weights), _like(query, 0.0), weights)
+    weights, _ = native_dropout(weights, dropout_p, True)
+    return op.MatMul(weights, value)
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale=None, enable_gqa: bool = False):
     """``aten.scaled_dot_product_attention``: the exporter's translation, which takes 4-D inputs
     only; 3-D ones (``[batch, sequence, features]``, one head) get a head axis around it. With a
     float mask, a query row whose every key is -inf gives zeros (and a zero gradient), as
-    PyTorch's; the exporter's softmax made it NaN. (Boolean masks: ``passes/softmax_guard.py``.)"""
+    PyTorch's; the exporter's softmax made it NaN. (Boolean masks: ``passes/softmax_guard.py``.)
+    With ``dropout_p > 0``: :func:`_attention_with_dropout`."""
     from onnxscript.function_libs.torch_lib.ops.nn import aten_scaled_dot_product_attention
+
+    attention = _attention_with_dropout if dropout_p > 0 else aten_scaled_dot_product_attention
 
     rows = _attention_rows_kept(attn_mask)
     if rows is not None:
@@ -400,8 +428,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         masked.type, masked.shape = attn_mask.type, attn_mask.shape  # the translation reads them
         attn_mask = masked
     if len(query.shape) != 3:
-        out = aten_scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                                enable_gqa)
+        out = attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return op.Mul(out, factor) if rows is not None else out
     heads = op.Constant(value_ints=[1])
 
@@ -413,8 +440,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
 
     if attn_mask is not None and len(attn_mask.shape) == 3:
         attn_mask = with_head_axis(attn_mask)
-    out = aten_scaled_dot_product_attention(with_head_axis(query), with_head_axis(key), with_head_axis(value),
-                                            attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    out = attention(with_head_axis(query), with_head_axis(key), with_head_axis(value), attn_mask, dropout_p,
+                    is_causal, scale, enable_gqa)
     out = op.Squeeze(out, heads)
     return op.Mul(out, factor) if rows is not None else out
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -97,3 +98,40 @@ def test_estimate_is_within_a_fifth_of_the_measured_step_peak(name, batch):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     ratio = result["estimated"] / result["measured"]
     assert 0.8 <= ratio <= 1.2, f"{name}: estimated / measured = {ratio:.2f}\n{result['explain']}"
+
+
+class _RunningMeanNormalizer(torch.nn.Module):
+    """Normalizes with a running mean it then updates in place (an RL observation normalizer)."""
+
+    def __init__(self, scaled):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 3)
+        self.scaled = scaled
+        self.register_buffer("mu", torch.full((8,), 0.3))
+
+    def forward(self, x):
+        h = self.l1(x)
+        y = h * (self.mu * 2) if self.scaled else torch.tanh(h - self.mu)
+        with torch.no_grad():
+            self.mu.mul_(0.5).add_(0.5 * h.mean(0))
+        return self.l2(y)
+
+
+@pytest.mark.parametrize(("scaled", "options"), [(False, {"memory_opt_level": 2}), (False, {"memory_budget": 0}),
+                                                 (True, {})])
+def test_a_backward_that_reads_a_buffer_the_forward_updates(scaled, options):
+    """The backward reads (recomputes from) the buffer's value from before the call, while the
+    call writes the update back into the buffer: autograd refused the backward (the saved buffer
+    was modified in place)."""
+    from onnxtrain.torch import DebugOptions
+
+    torch.manual_seed(0)
+    eager = _RunningMeanNormalizer(scaled)
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(fallback=False), **options)
+    for seed in (1, 2):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(seed))
+        for model in (eager, wrapped):
+            model.zero_grad()
+            model(x).square().mean().backward()
+        torch.testing.assert_close(wrapped.module.l1.weight.grad, eager.l1.weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(wrapped.module.mu, eager.mu)

@@ -475,8 +475,12 @@ class ORTModule(ModuleWrapper):
             raise ExportError(f"{type(self._original_module).__name__} changes its tensor argument "
                               f"{', '.join(map(str, requiring))} in place, and it requires grad: ORTModule "
                               f"cannot give autograd that history")
-        if training and changed:  # the runs read (and the backward keeps) the values from before
-            inputs = [t.clone() if i in changed else t for i, t in enumerate(inputs)]
+        # arguments and buffers the call changes in place (written back after the run): the runs
+        # read, and the backward keeps, the values from before, not tensors the write-back changes
+        updated = {*changed, *(len(call.tensors) + variant.graph.state_names.index(name)
+                               for name in variant.graph.buffer_updates)}
+        if training and updated:
+            inputs = [t.clone() if i in updated else t for i, t in enumerate(inputs)]
         runner = self._training_programs(variant, wrt, inputs) if training else \
             self._inference_runner(variant, inputs)
         return variant, inputs, training, runner

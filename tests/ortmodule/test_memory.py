@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -50,10 +51,34 @@ def test_explain_memory_before_training_and_bad_options():
     model = ORTModule(torch.nn.Linear(2, 2))
     with pytest.raises(RuntimeError, match="training"):
         model.explain_memory()
-    with pytest.raises(MemoryOptionsError, match="memory_budget"):
-        ORTModule(torch.nn.Linear(2, 2), memory_budget=-1)
-    with pytest.raises(MemoryOptionsError, match="memory level"):
-        ORTModule(torch.nn.Linear(2, 2), memory_opt_level=5)
+    # numbers that are not whole, bools and strings were truncated or taken as 1
+    for budget in (-1, True, 0.5 * 2**30, "100"):
+        with pytest.raises(MemoryOptionsError, match="memory_budget must be a whole number"):
+            ORTModule(torch.nn.Linear(2, 2), memory_budget=budget)
+    for level in (5, 1.7, True, "2"):
+        with pytest.raises(MemoryOptionsError, match="memory_opt_level must be 0, 1 or 2"):
+            ORTModule(torch.nn.Linear(2, 2), memory_opt_level=level)
+    assert ORTModule(torch.nn.Linear(2, 2), memory_budget=np.int64(100))._memory_options.budget == 100
+
+
+def test_the_level_from_the_environment_is_read_once_and_estimates_take_a_modules_options(monkeypatch):
+    """$ORTMODULE_MEMORY_OPT_LEVEL is read when the module is made (it was read again at every
+    export: a later value won silently), and estimate_memory of an ORTModule uses its options."""
+    from onnxtrain.torch import estimate_memory
+
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "2")
+    model = ORTModule(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)))
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "0")
+    model(torch.randn(2, 4)).sum().backward()
+    assert model.memory_report.level == 2
+    monkeypatch.delenv("ORTMODULE_MEMORY_OPT_LEVEL")
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    x = torch.randn(32, 16)
+    recomputing = estimate_memory(ORTModule(net, memory_opt_level=2), x).saved_activations
+    assert recomputing == estimate_memory(net, x, memory_opt_level=2).saved_activations
+    assert recomputing < estimate_memory(net, x).saved_activations
+    with pytest.raises(ValueError, match="optimizer_states"):
+        estimate_memory(net, x, optimizer_states=-1)
 
 
 def _run(mode: str) -> dict:

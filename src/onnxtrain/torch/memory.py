@@ -85,7 +85,8 @@ def estimate_memory(module: torch.nn.Module, *args, optimizer_states: int = 2, m
     """Estimate the peak memory of training ``module`` on inputs ``args``/``kwargs`` with ORTModule.
 
     Args:
-        module: the ``torch.nn.Module`` to train (in the mode it is in; not changed).
+        module: the ``torch.nn.Module`` to train (in the mode it is in; not changed), or an
+            ``ORTModule``, whose memory options and ``dynamic`` apply unless given here.
         *args, **kwargs: one call's inputs (a batch of the size you want to check).
         optimizer_states: parameter-sized state tensors the optimizer keeps per parameter
             (2 for Adam, AdamW, LAMB; 1 for SGD with momentum; 0 for plain SGD).
@@ -97,6 +98,14 @@ def estimate_memory(module: torch.nn.Module, *args, optimizer_states: int = 2, m
         >>> estimate = estimate_memory(model, torch.zeros(64, 128, dtype=torch.long))
         >>> print(estimate.explain()); estimate.total / 2**30  # GiB
     """
+    if isinstance(module, ORTModule):  # its own options, unless given here
+        options = module._memory_options
+        memory_opt_level = options.level if memory_opt_level is None else memory_opt_level
+        memory_budget = options.budget if memory_budget is None else memory_budget
+        dynamic = module._dynamic if dynamic is None else dynamic
+        module = module.module
+    if not (isinstance(optimizer_states, int) and optimizer_states >= 0):
+        raise ValueError(f"estimate_memory: optimizer_states must be a whole number >= 0, got {optimizer_states!r}")
     wrapper = ORTModule(module, memory_opt_level=memory_opt_level, memory_budget=memory_budget, dynamic=dynamic)
     call = flatten_call(module, args, kwargs)
     variant = wrapper._variant(call, _autocast(call.tensors))

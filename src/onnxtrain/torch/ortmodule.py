@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import numbers
 import os
 import threading
 import time
@@ -81,6 +82,11 @@ def _graph_inputs(call, variant: "_Variant") -> tuple[list[torch.Tensor], tuple[
     buffers), and the positions of those that receive gradients."""
     inputs = [*call.tensors, *(call.state[n] for n in variant.graph.state_names)]
     return inputs, positions_requiring_grad(inputs)
+
+
+def _whole_number(value) -> bool:
+    """An integer (Python's or numpy's), not a bool, a float or a string."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _inline_functions(value) -> frozenset[type] | bool:
@@ -315,8 +321,13 @@ class ORTModule(ModuleWrapper):
         inline_functions = _inline_functions(inline_autograd_functions)
         if dynamic not in (None, True, False):
             raise TypeError(f"ORTModule dynamic must be None (automatic), True or False, got {dynamic!r}")
-        if memory_budget is not None and not (isinstance(memory_budget, int) and memory_budget >= 0):
-            raise MemoryOptionsError(f"ORTModule memory_budget must be a number of bytes >= 0, got {memory_budget!r}")
+        if memory_budget is not None:
+            if not _whole_number(memory_budget) or memory_budget < 0:
+                raise MemoryOptionsError(f"ORTModule memory_budget must be a whole number of bytes >= 0, got "
+                                         f"{memory_budget!r}")
+            memory_budget = int(memory_budget)  # numpy's integers too
+        if memory_opt_level is not None and (not _whole_number(memory_opt_level) or memory_opt_level not in (0, 1, 2)):
+            raise MemoryOptionsError(f"ORTModule memory_opt_level must be 0, 1 or 2, got {memory_opt_level!r}")
         environment = read_environment()
         for name, why in environment.ignored.items():
             warnings.warn(f"{name} is set: upstream ORTModule's setting has no effect in onnxtrain ({why})",
@@ -330,11 +341,11 @@ class ORTModule(ModuleWrapper):
         self._debug = debug_options
         self._dynamic = dynamic
         self._inline_functions = inline_functions
-        self._memory_options = MemoryOptions(memory_opt_level, memory_budget)
-        try:
-            self._memory_options.resolved_level()
+        try:  # $ORTMODULE_MEMORY_OPT_LEVEL is read here, once (as upstream), not at every export
+            level = int(MemoryOptions(memory_opt_level, memory_budget).resolved_level())
         except ValueError as exc:
             raise MemoryOptionsError(f"ORTModule: {exc}") from None
+        self._memory_options = MemoryOptions(level, memory_budget)
         self._last_memory_report: MemoryReport | None = None
         # keyed on the call's schema, the autocast state (see _autocast) and grad mode
         self._variants: dict[tuple[CallSchema, tuple | None, bool], list[_Variant]] = {}

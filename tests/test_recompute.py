@@ -311,3 +311,21 @@ def test_min_cut_saves_the_cheaper_side():
     assert expensive.recomputed == frozenset() and expensive.saved_bytes == 4000
     fits = recompute.cut_within_budget(nodes, needed, {x}, sizes, allow, budget=100)
     assert fits.saved_bytes <= 100
+
+
+def test_a_view_whose_target_shape_is_computed_is_recomputed_not_saved():
+    """With a symbolic batch a Reshape's target shape comes from Shape/Concat in the graph: the
+    backward recomputes the view from the value it keeps anyway (and the 3-element shape), as it
+    does where the shape is a constant, instead of saving the view too."""
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Tanh", ["h"], ["t"]),
+             helper.make_node("Shape", ["x"], ["x_shape"], start=0, end=1),
+             helper.make_node("Constant", [], ["tail"], value_ints=[2, 3]),
+             helper.make_node("Concat", ["x_shape", "tail"], ["target"], axis=0),
+             helper.make_node("Reshape", ["t", "target"], ["v"]), helper.make_node("Mul", ["v", "v"], ["y"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4]),
+                                           helper.make_tensor_value_info("W", TensorProto.FLOAT, [4, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2, 3])])
+    model = io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    graphs = build_forward_backward(model, ["W"], input_shapes={"x": [5, 4], "W": [4, 6]})
+    saved = [v.name for v in graphs.forward.graph.outputs[graphs.num_model_outputs:]]
+    assert "v" not in saved and "t" in saved, saved

@@ -414,11 +414,20 @@ def _memory_recomputable(nodes, forward_nodes, recomputed, crossing, forward_inp
         if (node in forward_nodes and node not in recomputed and is_onnx_op(node)
                 and node.op_type in _MEMORY_RECOMPUTED_OPS
                 and any(o in crossing and o not in outputs for o in node.outputs)
-                and (all(i is None or i in at_hand or i.is_initializer() for i in node.inputs)
+                and (all(i is None or i in at_hand or i.is_initializer() or _shape_sized(i) for i in node.inputs)
                      or _widening_cast(node))):
             result.add(node)
             at_hand.update(node.outputs)
     return result
+
+
+def _shape_sized(value: ir.Value) -> bool:
+    """A scalar or short vector of integers (a shape, a start or a count): with symbolic dims a
+    Reshape's or Expand's target shape is computed in the graph rather than a constant; saving
+    those few bytes too lets the backward recompute the view instead of saving it."""
+    shape = value.shape
+    return (value.dtype in (ir.DataType.INT64, ir.DataType.INT32) and shape is not None
+            and (len(shape) == 0 or (len(shape) == 1 and isinstance(shape[0], int) and shape[0] <= 8)))
 
 
 def _widening_cast(node: ir.Node) -> bool:

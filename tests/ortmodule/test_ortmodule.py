@@ -244,6 +244,37 @@ def test_a_model_that_fails_the_dynamic_export_gets_one_static_export_per_shape(
     assert _exported_shapes(wrapped) == [(4, 12), (6, 12), (8, 12)]
 
 
+class _SqueezedRegressor(torch.nn.Module):
+    """``fc(x).squeeze()``: a batch of one loses its batch axis too (a scalar), any other keeps it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.fc(x).squeeze()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_batch_of_one_is_not_served_by_a_graph_traced_with_a_symbolic_batch(dynamic):
+    """The capture traces symbolic dims as at least 2: a last batch of one ran the symbolic graph,
+    where squeeze() had kept the batch axis (the backward's run failed; squeeze((0, 1)) gave other
+    numbers). Sizes 0 and 1 get a graph of their own."""
+    torch.manual_seed(0)
+    model = _SqueezedRegressor()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT, dynamic=dynamic)
+    for batch in (4, 3, 1):
+        x, target = torch.randn(batch, 6), torch.randn(batch).squeeze()
+        for module in (wrapped, reference):
+            module.zero_grad()
+        out, expected = wrapped(x), reference(x)
+        assert out.shape == expected.shape
+        torch.nn.functional.mse_loss(out, target).backward()
+        torch.nn.functional.mse_loss(expected, target).backward()
+        _assert_close(model.fc.weight.grad, reference.fc.weight.grad, f"gradient at batch {batch}")
+
+
 def test_dynamic_must_be_none_or_a_bool():
     with pytest.raises(TypeError, match="dynamic must be None"):
         ORTModule(_tanh_mlp(), dynamic="auto")

@@ -441,7 +441,10 @@ class ExportedGraph:
                 if bound.setdefault(dim, size) != size:
                     return False
                 low, high = self.dim_ranges.get(dim, (0, None))
-                if size < low or (high is not None and size > high):
+                # the capture traces symbolic dims as at least 2 (backed_size_oblivious): a size of
+                # 0 or 1 takes other paths (squeeze() drops it, broadcasting stretches it) and gets
+                # a graph of its own
+                if size < max(low, 2) or (high is not None and size > high):
                     return False
         return not self.shape_guards or self._guards_hold(bound)
 
@@ -830,8 +833,10 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
                if (copied := _copied_object(leaf)) is not leaf}
     traced_call = dataclasses.replace(call, leaves=[objects.get(i, leaf) for i, leaf in enumerate(call.leaves)])
     wrapper = _FlatModule(module, traced_call, buffer_names)
-    dynamic_shapes = (tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in call.tensors),) \
-        if dynamic else None
+    # dims of size 0 or 1 stay static: traced as symbolic they would take the paths of sizes >= 2
+    # (backed_size_oblivious), see ExportedGraph.accepts
+    dynamic_shapes = (tuple({d: torch.export.Dim.AUTO for d in range(t.dim()) if t.shape[d] >= 2}
+                            for t in call.tensors),) if dynamic else None
     try:
         # in the call's grad mode (ORTModule keys graphs on it): with grad, the traced outputs'
         # autograd graph shows which custom Functions the forward runs

@@ -139,6 +139,10 @@ class PerSampleLoss(torch.nn.Module):
         logits = self.linear(x)
         if self.kind == "nll_loss":
             losses = torch.nn.functional.nll_loss(logits.log_softmax(1), target, reduction="none")
+        elif self.kind == "aten_nll_loss":  # aten.nll_loss itself (reduction 0: "none")
+            losses = torch._C._nn.nll_loss(logits.log_softmax(1), target, None, 0, -100)
+        elif self.kind == "ignoring_a_size":  # an ignore_index known at run time only (a symbolic size)
+            losses = torch.nn.functional.cross_entropy(logits, target, reduction="none", ignore_index=x.shape[0])
         elif self.kind == "cross_entropy":
             losses = torch.nn.functional.cross_entropy(logits, target, reduction="none")
         else:  # smoothed and class-weighted
@@ -147,7 +151,8 @@ class PerSampleLoss(torch.nn.Module):
         return (losses * sample_weight).sum() / x.shape[0] + losses.mean()
 
 
-@pytest.mark.parametrize("kind", ["cross_entropy", "cross_entropy_smoothed_weighted", "nll_loss"])
+@pytest.mark.parametrize("kind", ["cross_entropy", "cross_entropy_smoothed_weighted", "nll_loss", "aten_nll_loss",
+                                  "ignoring_a_size"])
 def test_per_sample_losses_reduced_by_the_module_with_a_dynamic_batch(kind):
     """The batch size changes (an epoch's last batch): the re-export has a symbolic batch, and
     torch's decomposition gave the per-sample losses a scalar shape, which the exporter and the
@@ -157,6 +162,7 @@ def test_per_sample_losses_reduced_by_the_module_with_a_dynamic_batch(kind):
     for batch in (4, 3):
         x = torch.randn(batch, 5, generator=generator)
         target = torch.randint(0, 6, (batch,), generator=generator)
+        target[0] = batch  # ignored where the ignore_index is the batch size
         sample_weight = torch.rand(batch, generator=generator)
         for module in (eager, wrapped):
             module.zero_grad()

@@ -722,6 +722,7 @@ _PER_SAMPLE_LOSSES = {
     torch.ops.aten.cross_entropy_loss.default: (("ignore_index", "label_smoothing"), (-100, 0.0),
                                                 torch.ops.onnxtrain.per_sample_cross_entropy.default),
     torch.ops.aten.nll_loss_nd.default: (("ignore_index",), (-100,), torch.ops.onnxtrain.per_sample_nll_loss.default),
+    torch.ops.aten.nll_loss.default: (("ignore_index",), (-100,), torch.ops.onnxtrain.per_sample_nll_loss.default),
 }
 
 
@@ -731,8 +732,8 @@ def _argument(node: torch.fx.Node, position: int, name: str, default):
 
 
 def per_sample_losses_as_own_ops(program: torch.export.ExportedProgram) -> int:
-    """Make each ``aten.cross_entropy_loss`` and ``aten.nll_loss_nd`` with ``reduction='none'`` (and
-    a static ``ignore_index``) an op of onnxtrain's own, translated as before. The exporter keeps
+    """Make each ``aten.cross_entropy_loss``, ``aten.nll_loss_nd`` and ``aten.nll_loss`` with
+    ``reduction='none'`` an op of onnxtrain's own, translated as before. The exporter keeps
     these composite ops and torch's ``run_decompositions`` computes their output shape again, and
     with a symbolic batch (torch 2.13) it comes out a scalar instead of ``[N]``: the exporter then
     wrote the per-sample losses' ``.sum()`` as an ``Identity`` (the vector came back) and the
@@ -748,8 +749,6 @@ def per_sample_losses_as_own_ops(program: torch.export.ExportedProgram) -> int:
         if _argument(node, 3, "reduction", 1) != 0:
             continue
         rest = [_argument(node, 4 + i, name, default) for i, (name, default) in enumerate(zip(names, defaults))]
-        if not isinstance(rest[0], int):
-            continue  # an ignore_index known at run time only: the translation masks it
         weight = _argument(node, 2, "weight", None)
         node.target, node.args, node.kwargs = own, (node.args[0], node.args[1], weight, *rest), {}
         count += 1
@@ -770,7 +769,13 @@ def per_sample_nll_loss(input, target, weight=None, ignore_index: int = -100):
     if unbatched:
         first = op.Constant(value_ints=[0])
         input, target = op.Unsqueeze(input, first), op.Unsqueeze(target, first)
-    losses = op.NegativeLogLikelihoodLoss(input, target, weight, reduction="none", ignore_index=ignore_index)
+    if isinstance(ignore_index, int):
+        losses = op.NegativeLogLikelihoodLoss(input, target, weight, reduction="none", ignore_index=ignore_index)
+    else:  # known at run time only (a dim's size): ONNX's attribute cannot take it, the ignored targets are masked
+        ignored = op.Equal(target, op.CastLike(ignore_index, target))
+        safe_target = op.Where(ignored, op.CastLike(op.Constant(value_int=0), target), target)
+        losses = op.Where(ignored, _number_like(0.0, input),
+                          op.NegativeLogLikelihoodLoss(input, safe_target, weight, reduction="none"))
     return op.Squeeze(losses, op.Constant(value_ints=[0])) if unbatched else losses
 
 

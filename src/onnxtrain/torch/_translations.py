@@ -1211,6 +1211,24 @@ def repeat_interleave_self_tensor(self, repeats, dim=None, output_size=None):
     return op.Gather(self, _repeated_positions(repeats), axis=dim)
 
 
+def repeat_interleave_self_int(self, repeats, dim=None, output_size=None):
+    """``aten.repeat_interleave.self_int``: each entry of ``self`` along ``dim`` (the flattened
+    tensor without one) ``repeats`` times, as a new axis after ``dim`` expanded and merged into it.
+    torchlib put a count known at run time only (a symbolic size) on ``dim`` itself instead of the
+    new axis: the input came back unrepeated where the sizes matched, and failed elsewhere."""
+    if dim is None:
+        self, dim = op.Reshape(self, op.Constant(value_ints=[-1])), 0
+    else:
+        dim %= len(self.shape)
+    count = op.Constant(value_ints=[repeats]) if isinstance(repeats, int) else \
+        op.Reshape(op.Cast(repeats, to=int(ir.DataType.INT64)), op.Constant(value_ints=[1]))
+    after = op.Shape(self, start=dim + 1)
+    expanded = op.Expand(op.Unsqueeze(self, op.Constant(value_ints=[dim + 1])),
+                         op.Concat(op.Shape(self, start=0, end=dim + 1), count, after, axis=0))
+    merged = op.Mul(op.Shape(self, start=dim, end=dim + 1), count)
+    return op.Reshape(expanded, op.Concat(op.Shape(self, start=0, end=dim), merged, after, axis=0))
+
+
 def repeat_interleave_tensor(repeats, output_size=None):
     """``aten.repeat_interleave.Tensor`` (``torch.repeat_interleave(repeats)``): the positions of
     ``repeats``, each repeated as it says."""
@@ -1397,6 +1415,7 @@ def translation_table() -> dict:
         torch.ops.aten.copy.default: copy,
         torch.ops.aten.einsum.default: einsum,
         torch.ops.aten.repeat_interleave.self_Tensor: repeat_interleave_self_tensor,
+        torch.ops.aten.repeat_interleave.self_int: repeat_interleave_self_int,
         torch.ops.aten.repeat_interleave.Tensor: repeat_interleave_tensor,
         torch.ops.aten.xlogy.Tensor: xlogy,
         torch.ops.aten.xlogy.Scalar_Other: xlogy_scalar_other,

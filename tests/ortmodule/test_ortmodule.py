@@ -275,6 +275,37 @@ def test_a_batch_of_one_is_not_served_by_a_graph_traced_with_a_symbolic_batch(dy
         _assert_close(model.fc.weight.grad, reference.fc.weight.grad, f"gradient at batch {batch}")
 
 
+class _SqueezedAxes(torch.nn.Module):
+    """squeeze of given axes: PyTorch drops those of size 1 and keeps the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.fc(x).unsqueeze(1)  # [batch, 1, 4]
+        return h.squeeze(2).sum(2) + h.squeeze((0, 1)).sum(-1, keepdim=True) + h.squeeze(0).mean()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_squeezing_an_axis_that_is_not_of_size_one_keeps_it(dynamic):
+    """torchlib squeezed every given axis: onnxruntime refused the model where the size was known
+    (a fallback) and failed every run where it was symbolic."""
+    torch.manual_seed(0)
+    model = _SqueezedAxes()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT, dynamic=dynamic)
+    for batch in (4, 3, 1):
+        x = torch.randn(batch, 6)
+        for module in (wrapped, reference):
+            module.zero_grad()
+        out, expected = wrapped(x), reference(x)
+        _assert_close(out, expected, f"output at batch {batch}")
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        _assert_close(model.fc.weight.grad, reference.fc.weight.grad, f"gradient at batch {batch}")
+
+
 def test_dynamic_must_be_none_or_a_bool():
     with pytest.raises(TypeError, match="dynamic must be None"):
         ORTModule(_tanh_mlp(), dynamic="auto")

@@ -1229,6 +1229,19 @@ def repeat_interleave_self_int(self, repeats, dim=None, output_size=None):
     return op.Reshape(expanded, op.Concat(op.Shape(self, start=0, end=dim), merged, after, axis=0))
 
 
+def squeeze_dims(self, dim):
+    """``aten.squeeze.dim`` / ``.dims``: the given axes whose size is 1 dropped, the others kept,
+    as PyTorch's (torchlib squeezed them all: a model onnxruntime refuses where a size is known to
+    be larger, and a failing run where it is symbolic). A symbolic size is at least 2 (the graph
+    of a call with a size of 1 is exported with that size static)."""
+    rank = len(self.shape)
+    if rank == 0:
+        return op.Identity(self)
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    axes = sorted({d % rank for d in dims if self.shape[d % rank] == 1})
+    return op.Squeeze(self, op.Constant(value_ints=axes)) if axes else op.Identity(self)
+
+
 def repeat_interleave_tensor(repeats, output_size=None):
     """``aten.repeat_interleave.Tensor`` (``torch.repeat_interleave(repeats)``): the positions of
     ``repeats``, each repeated as it says."""
@@ -1416,6 +1429,8 @@ def translation_table() -> dict:
         torch.ops.aten.einsum.default: einsum,
         torch.ops.aten.repeat_interleave.self_Tensor: repeat_interleave_self_tensor,
         torch.ops.aten.repeat_interleave.self_int: repeat_interleave_self_int,
+        torch.ops.aten.squeeze.dim: squeeze_dims,
+        torch.ops.aten.squeeze.dims: squeeze_dims,
         torch.ops.aten.repeat_interleave.Tensor: repeat_interleave_tensor,
         torch.ops.aten.xlogy.Tensor: xlogy,
         torch.ops.aten.xlogy.Scalar_Other: xlogy_scalar_other,

@@ -306,6 +306,37 @@ def test_squeezing_an_axis_that_is_not_of_size_one_keeps_it(dynamic):
         _assert_close(model.fc.weight.grad, reference.fc.weight.grad, f"gradient at batch {batch}")
 
 
+class _Halves(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 4)
+
+    def forward(self, x):  # x: [batch, length, 6], halved along the length
+        first, second = self.fc(x).chunk(2, dim=1)
+        return first.pow(2).mean() + second.mean()
+
+
+def test_a_dynamic_graph_that_cannot_be_built_gives_way_to_one_graph_per_shape():
+    """chunk along a symbolic length exports as SplitToSequence (no gradient rule; the folder
+    failed on it with a RuntimeError, which no fallback caught): the module keeps running in ONNX
+    Runtime with a static graph per length, as where the dynamic export itself fails."""
+    torch.manual_seed(0)
+    model = _Halves()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT)
+    for length in (6, 8, 10, 8):
+        x = torch.randn(2, length, 6)
+        for module in (wrapped, reference):
+            module.zero_grad()
+        loss, expected = wrapped(x), reference(x)
+        _assert_close(loss, expected, f"loss at length {length}")
+        loss.backward()
+        expected.backward()
+        _assert_close(model.fc.weight.grad, reference.fc.weight.grad, f"gradient at length {length}")
+    assert wrapped.fallback_reason is None
+    assert [shape[1] for shape in _exported_shapes(wrapped) if isinstance(shape[1], int)] == [6, 8, 10]
+
+
 def test_dynamic_must_be_none_or_a_bool():
     with pytest.raises(TypeError, match="dynamic must be None"):
         ORTModule(_tanh_mlp(), dynamic="auto")

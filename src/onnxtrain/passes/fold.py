@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import onnx_ir as ir
 from onnxscript.optimizer import fold_constants
 
 from onnxtrain import names
+
+logger = logging.getLogger(__name__)
 
 # Ops never folded: random ops must stay random per run; an empty sequence cannot be an
 # initializer (the folder would only log that it skips it).
@@ -25,6 +29,12 @@ def never_fold_random(node: ir.Node) -> bool | None:
     return False if node.op_type in _NEVER_FOLD or (node.op_type, node.domain) == _HIDDEN_STOP_GRADIENT else None
 
 
+# ops the folder is kept away from when it fails on one of them
+_SEQUENCE_OPS = frozenset({"SplitToSequence", "SequenceAt", "SequenceConstruct", "SequenceInsert", "SequenceErase",
+                           "SequenceLength", "ConcatFromSequence"})
+_HIDDEN_DOMAIN = "onnxtrain.hidden"
+
+
 class FoldConstantsPass(ir.passes.InPlacePass):
     """Evaluate nodes whose inputs are all constants (e.g. Shape of a static dim, gradient
     scalars). Stop-gradient Identities (``names.STOP_GRADIENT_METADATA``) stay as they are."""
@@ -36,7 +46,20 @@ class FoldConstantsPass(ir.passes.InPlacePass):
         for node in stops:
             node.op_type, node.domain = _HIDDEN_STOP_GRADIENT
         try:
-            result = fold_constants(model, onnx_shape_inference=False, should_fold=never_fold_random)
+            try:
+                result = fold_constants(model, onnx_shape_inference=False, should_fold=never_fold_random)
+            except Exception:  # noqa: BLE001  (the folder fails on some nodes: SplitToSequence of a
+                # scalar split computed at run time); again with the sequence ops hidden from it
+                logger.debug("constant folding failed; folding again without sequence ops", exc_info=True)
+                hidden = [node for node in ir.traversal.RecursiveGraphIterator(model.graph)
+                          if node.domain in ("", "ai.onnx") and node.op_type in _SEQUENCE_OPS]
+                for node in hidden:
+                    node.domain = _HIDDEN_DOMAIN
+                try:
+                    result = fold_constants(model, onnx_shape_inference=False, should_fold=never_fold_random)
+                finally:
+                    for node in hidden:
+                        node.domain = ""
         finally:
             for node in stops:
                 node.op_type, node.domain = "Identity", ""

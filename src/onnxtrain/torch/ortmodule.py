@@ -206,6 +206,9 @@ class _Variant:
     memory: dict[tuple, MemoryReport] = field(default_factory=dict)
     # the wrapped module's plain attributes right after the export (what the graph baked in)
     attributes: AttributeRecord | None = None
+    # a dynamic export whose graphs could not be built (an op it has only with symbolic dims):
+    # kept (its dynamic_tried steers later exports to static ones) but used for no call
+    unusable: bool = False
 
 
 def _hashable(value):
@@ -474,8 +477,23 @@ class ORTModule(ModuleWrapper):
     def _prepare(self, call) -> tuple[_Variant, list[torch.Tensor], bool, SessionRunner | TrainingPrograms]:
         """Build what ``call`` runs (export, gradient graph, sessions; each kept for later
         calls): ``(variant, inputs, training, runner)``. Runs nothing; an OnnxTrainError says
-        why the call cannot run in ONNX Runtime."""
+        why the call cannot run in ONNX Runtime. In automatic mode a dynamic export whose graphs
+        cannot be built (``chunk`` along a symbolic dim exports as a SplitToSequence, which has
+        no gradient) gives way to one static export per shape, as a failed dynamic export does."""
         variant = self._variant(call, _autocast(call.tensors))
+        try:
+            return self._prepare_variant(call, variant)
+        except OnnxTrainError as exc:
+            if not variant.dynamic or self._dynamic is not None:
+                raise
+            logger.info("%s's graph with dynamic shapes cannot be built (%s); exporting each shape",
+                        type(self._original_module).__name__, exc)
+            variant.unusable = True
+            variant.inference, variant.training = None, {}
+            return self._prepare_variant(call, self._variant(call, _autocast(call.tensors)))
+
+    def _prepare_variant(self, call, variant: _Variant):
+        """:meth:`_prepare` for the variant that serves ``call``."""
         inputs, wrt = _graph_inputs(call, variant)
         training = torch.is_grad_enabled() and bool(wrt)
         if training and not variant.graph.traced_grads.issuperset(wrt):
@@ -488,8 +506,9 @@ class ORTModule(ModuleWrapper):
                               f"cannot give autograd that history")
         # arguments and buffers the call changes in place (written back after the run): the runs
         # read, and the backward keeps, the values from before, not tensors the write-back changes
-        updated = {*changed, *(len(call.tensors) + variant.graph.state_names.index(name)
-                               for name in variant.graph.buffer_updates)}
+        state_names = variant.graph.state_names
+        updated = {*changed, *(len(call.tensors) + state_names.index(name)
+                               for name in variant.graph.buffer_updates if name in state_names)}
         if training and updated:
             inputs = [t.clone() if i in updated else t for i, t in enumerate(inputs)]
         runner = self._training_programs(variant, wrt, inputs) if training else \
@@ -553,7 +572,7 @@ class ORTModule(ModuleWrapper):
         stale: _Variant | None = None  # a graph for these shapes, exported with other attribute values
         stale_changes: list[AttributeChange] = []
         for variant in variants:
-            if variant.graph.accepts(call.tensors):
+            if not variant.unusable and variant.graph.accepts(call.tensors):
                 changes = variant.attributes.changes(self._unwatched_attributes)
                 if not changes:
                     return variant

@@ -175,3 +175,26 @@ def test_per_sample_losses_reduced_by_the_module_with_a_dynamic_batch(kind):
         loss.backward()
         expected.backward()
         torch.testing.assert_close(wrapped.module.linear.weight.grad, eager.linear.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Unbatched(torch.nn.Module):
+    def __init__(self, reduction, smoothing):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 6)
+        self.reduction, self.smoothing = reduction, smoothing
+
+    def forward(self, x, target):  # x: [5], target: a class index or class probabilities [6]
+        return torch.nn.functional.cross_entropy(self.linear(x), target, reduction=self.reduction,
+                                                 label_smoothing=self.smoothing)
+
+
+@pytest.mark.parametrize(("reduction", "smoothing", "soft"), [("none", 0.0, False), ("mean", 0.1, False),
+                                                               ("sum", 0.0, True)])
+def test_an_unbatched_input_is_a_batch_of_one(reduction, smoothing, soft):
+    """cross_entropy on one sample's [C] logits: ONNX's loss takes [N, C] (onnxruntime refused the
+    model and the module fell back to PyTorch)."""
+    eager, wrapped = eager_and_wrapped(lambda: _Unbatched(reduction, smoothing))
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(5, generator=generator)
+    target = torch.rand(6, generator=generator).softmax(0) if soft else torch.tensor(2)
+    _assert_same_loss_and_gradients(eager, wrapped, x, target)

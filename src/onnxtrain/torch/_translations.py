@@ -642,6 +642,13 @@ def cumprod(x, dim: int, dtype=None):
 _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 
+def _batch_of_one(x):
+    """``x`` with a leading axis of size 1, typed and shaped (translations read both)."""
+    out = op.Unsqueeze(x, op.Constant(value_ints=[0]))
+    out.type, out.shape = x.type, ir.Shape([1, *x.shape])
+    return out
+
+
 def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_index: int = -100,
                        label_smoothing: float = 0.0):
     """``aten.cross_entropy_loss`` with class-index targets: ``SoftmaxCrossEntropyLoss`` (as the
@@ -649,7 +656,12 @@ def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_in
     ``(1 - e) * nll + e / C * smooth``, ``smooth`` being minus the (class-weighted) sum of the
     log-probabilities over classes, 0 at ignored targets, reduced as ``nll`` (the mean divides
     by the same total weight of the targets not ignored). Class-probability targets (a float
-    ``target`` shaped like ``input``): :func:`_soft_cross_entropy`."""
+    ``target`` shaped like ``input``): :func:`_soft_cross_entropy`. An unbatched ``[C]`` input is
+    a batch of one (ONNX's losses take ``[N, C, ...]``)."""
+    if len(input.shape) == 1:
+        loss = cross_entropy_loss(_batch_of_one(input), _batch_of_one(target), weight, reduction, ignore_index,
+                                  label_smoothing)
+        return op.Squeeze(loss, op.Constant(value_ints=[0])) if reduction == 0 else loss
     if target.dtype is not None and target.dtype.is_floating_point():
         return _soft_cross_entropy(input, target, weight, reduction, label_smoothing)
     if not isinstance(ignore_index, int):
@@ -767,8 +779,7 @@ def per_sample_nll_loss(input, target, weight=None, ignore_index: int = -100):
     ``NegativeLogLikelihoodLoss`` (an unbatched ``[C]`` input gives a scalar)."""
     unbatched = len(input.shape) == 1
     if unbatched:
-        first = op.Constant(value_ints=[0])
-        input, target = op.Unsqueeze(input, first), op.Unsqueeze(target, first)
+        input, target = _batch_of_one(input), _batch_of_one(target)
     if isinstance(ignore_index, int):
         losses = op.NegativeLogLikelihoodLoss(input, target, weight, reduction="none", ignore_index=ignore_index)
     else:  # known at run time only (a dim's size): ONNX's attribute cannot take it, the ignored targets are masked

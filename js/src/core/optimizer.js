@@ -57,13 +57,13 @@ export class Optimizer {
     this._states = this._readSignature();
     const state = this._state;
     let opt = state._optimizer;
+    // the state the model needs and the checkpoint lacks
+    const missing = opt === null ? [] : this._states.filter((s) => !(opt?.states ?? []).includes(s));
     if (opt === null) {
       opt = state._optimizer = { step: 0, learningRate: DEFAULT_LEARNING_RATE, states: [...this._states], values: new Map() };
-    } else if (opt.step && JSON.stringify(opt.states) !== JSON.stringify(this._states) &&
-               this._states.some((s) => !opt.states.includes(s))) {
-      // the state the model needs would start from zero while the step count says otherwise
-      // (AdamW's bias correction after a plain SGD's steps: updates of half their size)
-      const missing = this._states.filter((s) => !opt.states.includes(s));
+    } else if (opt.step && missing.length) {
+      // it would start from zero while the step count says otherwise (AdamW's bias correction
+      // after a plain SGD's steps: updates of half their size)
       throw new CheckpointError(`the checkpoint holds optimizer state ${JSON.stringify(opt.states)} but the optimizer ` +
         `model uses ${JSON.stringify(this._states)}: its ${JSON.stringify(missing)} would start from zero after ` +
         `${opt.step} steps. To start this optimizer afresh, use a checkpoint saved without the optimizer state`);

@@ -204,7 +204,9 @@ def _loop_history(ctx: GradContext, body: ir.Graph,
     accumulator grown by Concat) cannot be a scan output, so it is collected in a sequence the
     loop carries instead. Returns the states' histories (stacks or sequences), the indices of
     the states kept in sequences, the conditions and the iterations."""
-    in_sequence = {i for i in range(num_states) if not _keeps_its_shape(body.inputs[2 + i], body.outputs[1 + i])}
+    # (a sequence needs the element type: a state of unknown type is stacked, as before)
+    in_sequence = {i for i in range(num_states) if body.inputs[2 + i].dtype is not None
+                   and not _keeps_its_shape(body.inputs[2 + i], body.outputs[1 + i])}
 
     def pick(inputs):
         iteration, condition, states = inputs[0], inputs[1], inputs[2:]

@@ -226,69 +226,59 @@ def test_ops_torch_registers_later_are_in_the_registry():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
-def test_two_modules_exported_in_two_threads_at_once_both_run_in_onnxruntime():
-    """torch's export keeps process-wide state while it runs: two first calls at the same moment
-    broke each other's export (both modules fell back to PyTorch for good). Exports take turns."""
+def _at_once(calls) -> list:
+    """Run the argument-less ``calls`` in threads released together; their results (every call
+    must succeed)."""
     import threading
 
-    from onnxtrain.torch import DebugOptions, ORTModule
-
-    def model(seed):
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
-
-    x = torch.randn(8, 16)
-    modules = [ORTModule(model(seed), DebugOptions(fallback=False)) for seed in (1, 2)]
-    barrier = threading.Barrier(2)
+    barrier = threading.Barrier(len(calls))
     outputs, errors = {}, {}
 
-    def first_call(i):
+    def run(i):
         barrier.wait()
         try:
-            outputs[i] = modules[i](x)
+            outputs[i] = calls[i]()
         except Exception as exc:  # noqa: BLE001  (reported below)
             errors[i] = exc
 
-    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(300)
     assert not errors, errors
-    for i, seed in enumerate((1, 2)):
-        assert modules[i].fallback_reason is None
-        torch.testing.assert_close(outputs[i], model(seed)(x), rtol=1e-5, atol=1e-6)
+    return [outputs[i] for i in range(len(calls))]
+
+
+def _small_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+
+
+def test_two_modules_exported_in_two_threads_at_once_both_run_in_onnxruntime():
+    """torch's export keeps process-wide state while it runs: two first calls at the same moment
+    broke each other's export (both modules fell back to PyTorch for good). Exports take turns."""
+    from onnxtrain.torch import DebugOptions, ORTModule
+
+    x = torch.randn(8, 16)
+    modules = [ORTModule(_small_model(seed), DebugOptions(fallback=False)) for seed in (1, 2)]
+    outputs = _at_once([lambda module=module: module(x) for module in modules])
+    for module, output, seed in zip(modules, outputs, (1, 2)):
+        assert module.fallback_reason is None
+        torch.testing.assert_close(output, _small_model(seed)(x), rtol=1e-5, atol=1e-6)
 
 
 def test_one_module_first_called_in_two_threads_at_once_builds_once():
     """The second thread waits for the first one's build and uses it (both exported, and one of
     them sometimes failed inside torch's fake tensor mode)."""
-    import threading
-
     from onnxtrain.torch import DebugOptions, ORTModule
 
-    torch.manual_seed(0)
-    eager = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    eager = _small_model(0)
     wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(fallback=False))
     inputs = [torch.randn(8, 16), torch.randn(8, 16)]
-    barrier = threading.Barrier(2)
-    outputs, errors = {}, {}
-
-    def first_call(i):
-        barrier.wait()
-        try:
-            outputs[i] = wrapped(inputs[i])
-        except Exception as exc:  # noqa: BLE001  (reported below)
-            errors[i] = exc
-
-    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    assert not errors, errors
+    outputs = _at_once([lambda x=x: wrapped(x) for x in inputs])
     assert wrapped.export_count == 1
-    for i in range(2):
-        torch.testing.assert_close(outputs[i], eager(inputs[i]), rtol=1e-5, atol=1e-6)
+    for x, output in zip(inputs, outputs):
+        torch.testing.assert_close(output, eager(x), rtol=1e-5, atol=1e-6)
     twin = copy.deepcopy(wrapped)  # each copy builds under its own lock
     torch.testing.assert_close(twin(inputs[0]), eager(inputs[0]), rtol=1e-5, atol=1e-6)

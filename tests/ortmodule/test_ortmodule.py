@@ -306,25 +306,27 @@ def test_squeezing_an_axis_that_is_not_of_size_one_keeps_it(dynamic):
         _assert_close(model.fc.weight.grad, reference.fc.weight.grad, f"gradient at batch {batch}")
 
 
-class _Halves(torch.nn.Module):
+class _Pieces(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = torch.nn.Linear(6, 4)
 
-    def forward(self, x):  # x: [batch, length, 6], halved along the length
-        first, second = self.fc(x).chunk(2, dim=1)
-        return first.pow(2).mean() + second.mean()
+    def forward(self, x):  # x: [batch, length, 6], halved along the length, then cut in pieces of that half
+        h = self.fc(x)
+        first, second = h.chunk(2, dim=1)
+        pieces = h.split(first.shape[1], dim=1)
+        return first.pow(2).mean() + second.mean() + sum(piece.sum() * (i + 1) for i, piece in enumerate(pieces))
 
 
-def test_a_dynamic_graph_that_cannot_be_built_gives_way_to_one_graph_per_shape():
-    """chunk along a symbolic length exports as SplitToSequence (no gradient rule; the folder
-    failed on it with a RuntimeError, which no fallback caught): the module keeps running in ONNX
-    Runtime with a static graph per length, as where the dynamic export itself fails."""
+def test_chunk_and_split_along_a_symbolic_dim_train_in_the_dynamic_graph():
+    """chunk/split along a symbolic length exported as a SplitToSequence with a size computed at
+    run time: the folder failed on it (a RuntimeError no fallback caught) and no rule
+    differentiates it. They are Splits into as many pieces as the trace had."""
     torch.manual_seed(0)
-    model = _Halves()
+    model = _Pieces()
     reference = copy.deepcopy(model)
-    wrapped = ORTModule(model, STRICT)
-    for length in (6, 8, 10, 8):
+    wrapped = ORTModule(model, STRICT, dynamic=True)
+    for length in (6, 8, 10):
         x = torch.randn(2, length, 6)
         for module in (wrapped, reference):
             module.zero_grad()
@@ -333,6 +335,30 @@ def test_a_dynamic_graph_that_cannot_be_built_gives_way_to_one_graph_per_shape()
         loss.backward()
         expected.backward()
         _assert_close(model.fc.weight.grad, reference.fc.weight.grad, f"gradient at length {length}")
+    assert all(isinstance(shape[1], str) for shape in _exported_shapes(wrapped))
+
+
+def test_a_dynamic_graph_that_cannot_be_built_gives_way_to_one_graph_per_shape(monkeypatch):
+    """In automatic mode a dynamic export whose gradient graphs cannot be built (an op that only
+    the symbolic export has) gives way to static graphs per shape, as a failed dynamic export
+    does, instead of a fallback to PyTorch for good."""
+    from onnxtrain.errors import UnsupportedOpError
+
+    real_build = ORTModule._training_programs
+
+    def no_dynamic_build(self, variant, wrt, inputs):
+        if variant.dynamic:
+            raise UnsupportedOpError({"SplitToSequence": ["node_split"]})
+        return real_build(self, variant, wrt, inputs)
+
+    monkeypatch.setattr(ORTModule, "_training_programs", no_dynamic_build)
+    torch.manual_seed(0)
+    model = _Pieces()
+    reference = copy.deepcopy(model)
+    wrapped = ORTModule(model, STRICT)
+    for length in (6, 8, 10, 8):
+        x = torch.randn(2, length, 6)
+        _assert_close(wrapped(x), reference(x), f"loss at length {length}")
     assert wrapped.fallback_reason is None
     assert [shape[1] for shape in _exported_shapes(wrapped) if isinstance(shape[1], int)] == [6, 8, 10]
 

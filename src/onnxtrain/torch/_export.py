@@ -57,7 +57,8 @@ from torch.utils import _pytree as pytree
 from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.passes import pipeline
-from onnxtrain.torch._exporter import EXPORT_LOCK, capture, contiguous_as_clone, export_program, mark_gradient_cuts
+from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program, mark_gradient_cuts,
+                                       splits_with_sizes)
 from onnxtrain.torch._translations import complex_translation_table, per_sample_losses_as_own_ops, translation_table
 
 # The wrapper's attribute holding the user's module: the exporter names its parameters
@@ -847,6 +848,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
             # is still off after it returns, so regions are only cut where none ran
             cuts = mark_gradient_cuts(captured, regions=not wrapper.autograd_functions)
             contiguous_as_clone(captured)
+            splits_with_sizes(captured)
             per_sample_losses_as_own_ops(captured)
             program = export_program(captured, translation_table(), complex_translation_table())
     except Exception as exc:  # the exporter raises many types; the reason is in the message

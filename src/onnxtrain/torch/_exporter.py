@@ -628,6 +628,51 @@ def contiguous_as_clone(program: torch.export.ExportedProgram) -> int:
     return count
 
 
+def splits_with_sizes(program: torch.export.ExportedProgram) -> int:
+    """Make each ``aten.split.Tensor`` and ``aten.chunk`` along a symbolic dim an
+    ``aten.split_with_sizes``: the trace fixed how many pieces there are (its guards hold it), and
+    their sizes are computed from the dim's size (``chunk``: pieces of ``ceil(size / chunks)``,
+    the last one the rest). The exporter writes a split of a scalar size computed at run time as
+    a ``SplitToSequence`` whose pieces no rule differentiates; a list of as many sizes as pieces it
+    writes as a ``Split``. Returns how many were rewritten."""
+    graph_module = program.graph_module
+    graph = graph_module.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.chunk.default):
+            continue
+        source, pieces = node.args[0], node.meta.get("val")
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        shape = source.meta["val"].shape if isinstance(source, torch.fx.Node) and "val" in source.meta else None
+        if shape is None or not isinstance(pieces, (list, tuple)) or isinstance(shape[dim], int):
+            continue
+        number = len(pieces)
+        with graph.inserting_before(node):
+            size = graph.call_function(torch.ops.aten.sym_size.int, (source, dim % len(shape)))
+            size.meta["val"] = shape[dim]
+            piece = node.args[1]
+            if node.target is torch.ops.aten.chunk.default:  # ceil(size / chunks)
+                summed = graph.call_function(operator.add, (size, piece - 1))
+                summed.meta["val"] = shape[dim] + piece - 1
+                piece_value = summed.meta["val"] // piece
+                piece = graph.call_function(operator.floordiv, (summed, node.args[1]))
+                piece.meta["val"] = piece_value
+            piece_value = piece.meta["val"] if isinstance(piece, torch.fx.Node) else piece
+            taken = graph.call_function(operator.mul, (piece, number - 1))
+            taken.meta["val"] = piece_value * (number - 1)
+            rest = graph.call_function(operator.sub, (size, taken))
+            rest.meta["val"] = shape[dim] - taken.meta["val"]
+            split = graph.call_function(torch.ops.aten.split_with_sizes.default,
+                                        (source, [piece] * (number - 1) + [rest], dim))
+            split.meta.update(node.meta)
+        node.replace_all_uses_with(split)
+        graph.erase_node(node)
+        count += 1
+    if count:
+        graph_module.recompile()
+    return count
+
+
 def export_program(program: torch.export.ExportedProgram, custom_translations: Mapping[Callable, Callable],
                    complex_translations: Mapping[Callable, Callable] = {}):  # noqa: B006  (read only)
     """``torch.onnx.export(program, dynamo=True, optimize=False,

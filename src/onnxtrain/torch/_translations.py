@@ -1253,6 +1253,24 @@ def squeeze_dims(self, dim):
     return op.Squeeze(self, op.Constant(value_ints=axes)) if axes else op.Identity(self)
 
 
+def split_with_sizes(self, split_sizes, dim: int = 0):
+    """``aten.split_with_sizes``: torchlib's ``SplitToSequence`` where every size is a number (the
+    folder makes it a ``Split``); where one is known at run time only, one ``Slice`` per piece
+    (the sequence would stay, and no rule differentiates it)."""
+    if all(isinstance(size, int) for size in split_sizes):
+        from onnxscript.function_libs.torch_lib.ops.core import aten_split_with_sizes
+
+        return aten_split_with_sizes(self, split_sizes, dim)
+    axes = op.Constant(value_ints=[dim])
+    start, pieces = op.Constant(value_ints=[0]), []
+    for size in split_sizes:
+        end = op.Add(start, op.Constant(value_ints=[size]) if isinstance(size, int)
+                     else op.Reshape(op.Cast(size, to=int(ir.DataType.INT64)), op.Constant(value_ints=[1])))
+        pieces.append(op.Slice(self, start, end, axes))
+        start = end
+    return pieces
+
+
 def repeat_interleave_tensor(repeats, output_size=None):
     """``aten.repeat_interleave.Tensor`` (``torch.repeat_interleave(repeats)``): the positions of
     ``repeats``, each repeated as it says."""
@@ -1440,6 +1458,7 @@ def translation_table() -> dict:
         torch.ops.aten.einsum.default: einsum,
         torch.ops.aten.repeat_interleave.self_Tensor: repeat_interleave_self_tensor,
         torch.ops.aten.repeat_interleave.self_int: repeat_interleave_self_int,
+        torch.ops.aten.split_with_sizes.default: split_with_sizes,
         torch.ops.aten.squeeze.dim: squeeze_dims,
         torch.ops.aten.squeeze.dims: squeeze_dims,
         torch.ops.aten.repeat_interleave.Tensor: repeat_interleave_tensor,

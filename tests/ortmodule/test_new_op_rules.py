@@ -560,38 +560,42 @@ def test_conv3d_with_and_without_bias(bias):
 
 
 class _DroppedAttention(nn.Module):
-    """Attention whose value is the identity: the output is the attention weights after dropout."""
+    """Attention whose value is the identity: each output is the attention weights after dropout
+    (no mask, a boolean mask, a float mask)."""
 
-    def __init__(self, mask_kind):
+    def __init__(self):
         super().__init__()
         self.q = nn.Linear(4, 4)
-        self.mask_kind = mask_kind
 
     def forward(self, x, value):
         q = self.q(x).unflatten(-1, (2, 2)).transpose(1, 2)  # [batch, 2 heads, sequence, 2]
-        mask = {"none": None, "bool": torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril(),
-                "float": torch.zeros(x.shape[1], x.shape[1])}[self.mask_kind]
-        return nn.functional.scaled_dot_product_attention(q, q, value, attn_mask=mask, dropout_p=0.5)
+        return tuple(nn.functional.scaled_dot_product_attention(q, q, value, attn_mask=mask, dropout_p=0.5)
+                     for mask in _attention_masks(x.shape[1]))
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "bool", "float"])
-def test_attention_dropout_applies_in_training(mask_kind):
+def _attention_masks(length):
+    return None, torch.ones(length, length, dtype=torch.bool).tril(), torch.zeros(length, length)
+
+
+def test_attention_dropout_applies_in_training():
     """F.scaled_dot_product_attention(dropout_p=0.5): the exporter's Dropout had no training mode,
     so nothing was dropped (every Hugging Face sdpa model trained without attention dropout). Each
     weight is now 0 or twice PyTorch's undropped one, and the gradient uses the same mask."""
     torch.manual_seed(0)
-    wrapped = ORTModule(_DroppedAttention(mask_kind), DebugOptions(fallback=False))
+    wrapped = ORTModule(_DroppedAttention(), DebugOptions(fallback=False))
     x = torch.randn(3, 6, 4)
     value = torch.eye(6).expand(3, 2, 6, 6).clone().requires_grad_(True)
-    dropped = wrapped(x, value)
+    outputs = wrapped(x, value)
+    incoming = [torch.randn_like(dropped) for dropped in outputs]
+    sum((dropped * g).sum() for dropped, g in zip(outputs, incoming)).backward()
     with torch.no_grad():
         q = wrapped.module.q(x).unflatten(-1, (2, 2)).transpose(1, 2)
-        mask = {"none": None, "bool": torch.ones(6, 6, dtype=torch.bool).tril(), "float": torch.zeros(6, 6)}[mask_kind]
-        weights = nn.functional.scaled_dot_product_attention(q, q, value, attn_mask=mask)
-    kept = dropped != 0
-    assert 0.3 < kept[weights != 0].float().mean() < 0.7
-    torch.testing.assert_close(dropped[kept], 2 * weights[kept], rtol=1e-5, atol=1e-6)
-    incoming = torch.randn_like(dropped)
-    (dropped * incoming).sum().backward()
+        every_weight = [nn.functional.scaled_dot_product_attention(q, q, value, attn_mask=mask)
+                        for mask in _attention_masks(6)]
+    for dropped, weights in zip(outputs, every_weight):
+        kept = dropped != 0
+        assert 0.3 < kept[weights != 0].float().mean() < 0.7
+        torch.testing.assert_close(dropped[kept], 2 * weights[kept], rtol=1e-5, atol=1e-6)
     # d/d value of sum(D @ value * g) = D^T g, D the dropped weights (= the output here)
-    torch.testing.assert_close(value.grad, dropped.detach().transpose(-1, -2) @ incoming, rtol=1e-5, atol=1e-6)
+    expected = sum(dropped.detach().transpose(-1, -2) @ g for dropped, g in zip(outputs, incoming))
+    torch.testing.assert_close(value.grad, expected, rtol=1e-5, atol=1e-6)

@@ -54,33 +54,33 @@ def test_repeated_positions_from_counts_given_at_run_time():
 
 
 class _RepeatBySize(torch.nn.Module):
-    """Each row repeated as often as the sequence is long (a count known at run time only when
-    the graph's dims are symbolic), along ``dim``; and a constant count for comparison."""
+    """Each entry repeated as often as the sequence is long (a count known at run time only when
+    the graph's dims are symbolic), along each dim and flattened; and a constant count."""
 
-    def __init__(self, dim):
+    def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(3, 4)
-        self.dim = dim
 
     def forward(self, x):
         h = self.lin(x)
-        return h.repeat_interleave(h.shape[1], dim=self.dim).pow(2).sum() + h.repeat_interleave(2).sum()
+        repeated = sum((k + 1) * h.repeat_interleave(h.shape[1], dim=dim).pow(2).sum()
+                       for k, dim in enumerate((0, 1, -1, None)))
+        return repeated + h.repeat_interleave(2).sum()
 
 
-@pytest.mark.parametrize("dim", [0, 1, -1, None])
-def test_a_count_known_at_run_time_repeats_along_the_given_dim(dim):
+def test_a_count_known_at_run_time_repeats_along_the_given_dim():
     """torchlib's translation of an int count that is a symbolic size expanded the wrong axis:
     the rows came back unrepeated (where the sizes matched) or the run failed."""
     torch.manual_seed(0)
-    eager = _RepeatBySize(dim)
-    wrapped = ORTModule(_RepeatBySize(dim), debug_options=DebugOptions(fallback=False), dynamic=True)
+    eager = _RepeatBySize()
+    wrapped = ORTModule(_RepeatBySize(), debug_options=DebugOptions(fallback=False), dynamic=True)
     wrapped.module.load_state_dict(eager.state_dict())
     for shape in ((2, 4, 3), (3, 3, 3)):
         x = torch.randn(*shape)
         for module in (eager, wrapped):
             module.zero_grad()
         loss, expected = wrapped(x), eager(x)
-        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-4)
         loss.backward()
         expected.backward()
-        torch.testing.assert_close(wrapped.module.lin.weight.grad, eager.lin.weight.grad, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(wrapped.module.lin.weight.grad, eager.lin.weight.grad, rtol=1e-5, atol=1e-4)

@@ -14,15 +14,12 @@ from onnx_ir.passes.common import InlinePass, ShapeInferencePass
 
 from onnxtrain.autodiff.builder import FLOAT_TYPES
 from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, Registry
-from onnxtrain.ir.nodes import is_onnx_op
+from onnxtrain.ir.nodes import has_subgraphs, is_onnx_op
 from onnxtrain.ir.schema import function_body
 
 DECOMPOSED_DOMAIN = "pkg.onnxtrain.decomposed"
 
 
-def takes_a_graph(node: ir.Node) -> bool:
-    """Whether ``node`` has a graph-valued attribute (If's branches, SequenceMap's body)."""
-    return any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values())
 
 
 class DecomposePass(ir.passes.InPlacePass):
@@ -41,7 +38,7 @@ class DecomposePass(ir.passes.InPlacePass):
                 continue
             if not any(i is not None and i.dtype in FLOAT_TYPES for i in node.inputs):
                 continue  # nothing differentiable flows through it
-            if takes_a_graph(node):
+            if has_subgraphs(node):
                 continue  # SequenceMap's body: the inliner cannot pass a graph to a function
             function = function_body(node, opset)
             if function is None:

@@ -87,7 +87,8 @@ class NewNodes:
         return node.outputs[0]
 
 
-def _subgraphs(node: ir.Node) -> list[ir.Graph]:
+def subgraphs(node: ir.Node) -> list[ir.Graph]:
+    """The graphs ``node`` holds as attributes (an If's branches, a Loop's or Scan's body)."""
     graphs = []
     for attr in node.attributes.values():
         if attr.type == ir.AttributeType.GRAPH:
@@ -103,7 +104,7 @@ def captured_values(node: ir.Node) -> list[ir.Value]:
     value in scope, so they are inputs of the node as much as its listed ones."""
     defined: set[ir.Value] = set()
     used: list[ir.Value] = []
-    pending = _subgraphs(node)
+    pending = subgraphs(node)
     while pending:
         graph = pending.pop()
         defined.update(graph.inputs)
@@ -111,14 +112,19 @@ def captured_values(node: ir.Node) -> list[ir.Value]:
         for inner in graph:
             defined.update(inner.outputs)
             used.extend(v for v in inner.inputs if v is not None)
-            pending.extend(_subgraphs(inner))
+            pending.extend(subgraphs(inner))
         used.extend(graph.outputs)
     return list(dict.fromkeys(v for v in used if v not in defined))
+
+
+def has_subgraphs(node: ir.Node) -> bool:
+    """Whether ``node`` holds a graph as an attribute (If, Loop, Scan, SequenceMap)."""
+    return any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())
 
 
 def node_reads(node: ir.Node) -> list[ir.Value]:
     """Every value ``node`` depends on: its inputs, then the values its subgraphs capture."""
     inputs = [v for v in node.inputs if v is not None]
-    if not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+    if not has_subgraphs(node):
         return inputs
     return list(dict.fromkeys([*inputs, *captured_values(node)]))

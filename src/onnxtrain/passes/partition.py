@@ -26,7 +26,7 @@ import onnx_ir as ir
 from onnxtrain import names
 from onnxtrain.autodiff.builder import active_values, build_gradients, is_float
 from onnxtrain.ir.builder import GraphBuilder
-from onnxtrain.ir.nodes import is_onnx_op, node_reads
+from onnxtrain.ir.nodes import has_subgraphs, is_onnx_op, node_reads
 from onnxtrain.passes import memory, pipeline, recompute
 
 # Where a backward-graph input comes from.
@@ -276,7 +276,7 @@ def _may_recompute(level: MemoryOptLevel, boundaries: set[ir.Node]):
             return False
         if node.op_type in recompute.NEVER_RECOMPUTED or node.domain not in ("", "ai.onnx", names.MS_DOMAIN):
             return False
-        if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+        if has_subgraphs(node):
             return False
         return level == MemoryOptLevel.AGGRESSIVE or node.op_type not in recompute.COMPUTE_HEAVY
     return allowed

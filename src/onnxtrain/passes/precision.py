@@ -44,7 +44,7 @@ from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.ir.builder import GraphBuilder
-from onnxtrain.ir.nodes import is_onnx_op
+from onnxtrain.ir.nodes import has_subgraphs, is_onnx_op, subgraphs
 
 FP32 = ir.DataType.FLOAT
 LOW_DTYPES = {"bf16": ir.DataType.BFLOAT16, "fp16": ir.DataType.FLOAT16}
@@ -151,7 +151,8 @@ class PrecisionPass(ir.passes.InPlacePass):
         main = GraphBuilder(graph, scope=_unused_scope(graph, f"precision_{self.config.precision}"))
         modified = False
         # If branches and loop bodies too (one name counter: names stay unique across them)
-        for g in [graph, *_subgraphs(graph)]:
+        nested = [inner for node in ir.traversal.RecursiveGraphIterator(graph) for inner in subgraphs(node)]
+        for g in [graph, *nested]:
             infer_dtypes(g)
             b = main if g is graph else main.for_subgraph(g, main.scope)
             if self.config.convert:
@@ -173,7 +174,7 @@ class PrecisionPass(ir.passes.InPlacePass):
     def _legalize(self, b: GraphBuilder) -> bool:
         changed = False
         for node in list(b.graph):
-            if not is_onnx_op(node) or node.op_type in ("Cast", "Constant") or _has_subgraph(node):
+            if not is_onnx_op(node) or node.op_type in ("Cast", "Constant") or has_subgraphs(node):
                 continue
             touches_low = any(_is(v, self.low) for v in (*node.inputs, *node.outputs))
             if touches_low and (node.op_type in FP32_OPS or node.op_type not in self.supported
@@ -181,18 +182,6 @@ class PrecisionPass(ir.passes.InPlacePass):
                 _retype(b, node, self.low, FP32)
                 changed = True
         return changed
-
-
-def _subgraphs(graph: ir.Graph) -> list[ir.Graph]:
-    """Every graph nested in ``graph``'s nodes (If branches, Loop and Scan bodies), at any depth."""
-    found = []
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        for attribute in node.attributes.values():
-            if attribute.type == ir.AttributeType.GRAPH:
-                found.append(attribute.as_graph())
-            elif attribute.type == ir.AttributeType.GRAPHS:
-                found.extend(attribute.as_graphs())
-    return found
 
 
 def _unused_scope(graph: ir.Graph, base: str) -> str:
@@ -216,12 +205,6 @@ def _accumulates(node: ir.Node) -> bool:
 
 def _is(value: ir.Value | None, dtype: ir.DataType) -> bool:
     return value is not None and value.dtype == dtype
-
-
-def _has_subgraph(node: ir.Node) -> bool:
-    return any(isinstance(a.value, ir.Graph) or (isinstance(a.value, (list, tuple)) and a.value
-                                                 and isinstance(a.value[0], ir.Graph))
-               for a in node.attributes.values())
 
 
 def _retype(b: GraphBuilder, node: ir.Node, old: ir.DataType, new: ir.DataType) -> None:
@@ -287,7 +270,7 @@ def infer_dtypes(graph: ir.Graph) -> None:
     unset): Cast's ``to``, int64 for shape ops, bool for comparisons, else the first float
     input's type (elementwise and data-movement ops keep their input's type)."""
     for node in graph:
-        if all(o.dtype is not None for o in node.outputs) or _has_subgraph(node):
+        if all(o.dtype is not None for o in node.outputs) or has_subgraphs(node):
             continue
         op = node.op_type
         if op == "Cast":

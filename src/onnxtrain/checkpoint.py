@@ -124,8 +124,7 @@ def write_checkpoint(path: str | os.PathLike, parameters: Mapping[str, Any], req
     records = {}
     for name, value in parameters.items():
         if nominal:
-            dtype = value.dtype.numpy() if hasattr(value.dtype, "numpy") else value.dtype  # onnx_ir DataType
-            dtype, shape, array = np.dtype(dtype), tuple(int(d) for d in value.shape), None
+            dtype, shape, array = _numpy_dtype(value), tuple(int(d) for d in value.shape), None
         else:
             array = np.asarray(value)
             dtype, shape = array.dtype, array.shape
@@ -187,8 +186,12 @@ def check_storable(parameters: Mapping[str, Any]) -> None:
     """Raise CheckpointError naming the first of ``parameters`` (name -> array or onnx_ir value)
     whose element type a checkpoint cannot store."""
     for name, value in parameters.items():
-        dtype = value.dtype.numpy() if hasattr(value.dtype, "numpy") else value.dtype  # onnx_ir DataType
-        _safetensors_dtype(dtype, f"parameter {name!r}")
+        _safetensors_dtype(_numpy_dtype(value), f"parameter {name!r}")
+
+
+def _numpy_dtype(value) -> np.dtype:
+    """The numpy element type of an array or of an onnx_ir value (whose ``dtype`` is a DataType)."""
+    return np.dtype(value.dtype.numpy() if hasattr(value.dtype, "numpy") else value.dtype)
 
 
 def _safetensors_dtype(dtype: np.dtype, what: str) -> str:

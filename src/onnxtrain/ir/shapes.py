@@ -28,6 +28,12 @@ def dims_equal(a, b) -> bool | None:
     return None
 
 
+def shapes_equal(a: ir.Shape | None, b: ir.Shape | None) -> bool:
+    """Whether two shapes are provably the same: both known, of one rank, every dim equal (the
+    same number, or the same named symbol)."""
+    return a is not None and b is not None and len(a) == len(b) and all(dims_equal(x, y) for x, y in zip(a, b))
+
+
 def broadcast_axes(target: ir.Shape | None, source: ir.Shape | None) -> tuple[list[int], list[int]] | None:
     """Static un-broadcast plan: (leading axes to drop, kept axes to sum with keepdims).
 

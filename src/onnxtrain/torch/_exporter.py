@@ -628,6 +628,11 @@ def contiguous_as_clone(program: torch.export.ExportedProgram) -> int:
     return count
 
 
+def fx_argument(node: torch.fx.Node, position: int, name: str, default):
+    """An FX call's argument, given by position or by name, else its default."""
+    return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
+
+
 def splits_with_sizes(program: torch.export.ExportedProgram) -> int:
     """Make each ``aten.split.Tensor`` and ``aten.chunk`` along a symbolic dim an
     ``aten.split_with_sizes``: the trace fixed how many pieces there are (its guards hold it), and
@@ -642,7 +647,7 @@ def splits_with_sizes(program: torch.export.ExportedProgram) -> int:
         if node.op != "call_function" or node.target not in (torch.ops.aten.split.Tensor, torch.ops.aten.chunk.default):
             continue
         source, pieces = node.args[0], node.meta.get("val")
-        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        dim = fx_argument(node, 2, "dim", 0)
         shape = source.meta["val"].shape if isinstance(source, torch.fx.Node) and "val" in source.meta else None
         if shape is None or not isinstance(pieces, (list, tuple)) or isinstance(shape[dim], int):
             continue
@@ -652,11 +657,11 @@ def splits_with_sizes(program: torch.export.ExportedProgram) -> int:
             size.meta["val"] = shape[dim]
             piece = node.args[1]
             if node.target is torch.ops.aten.chunk.default:  # ceil(size / chunks)
-                summed = graph.call_function(operator.add, (size, piece - 1))
-                summed.meta["val"] = shape[dim] + piece - 1
-                piece_value = summed.meta["val"] // piece
-                piece = graph.call_function(operator.floordiv, (summed, node.args[1]))
-                piece.meta["val"] = piece_value
+                chunks = piece
+                summed = graph.call_function(operator.add, (size, chunks - 1))
+                summed.meta["val"] = shape[dim] + chunks - 1
+                piece = graph.call_function(operator.floordiv, (summed, chunks))
+                piece.meta["val"] = summed.meta["val"] // chunks
             piece_value = piece.meta["val"] if isinstance(piece, torch.fx.Node) else piece
             taken = graph.call_function(operator.mul, (piece, number - 1))
             taken.meta["val"] = piece_value * (number - 1)

@@ -59,8 +59,9 @@ import torch
 from onnxscript import opset18 as op
 
 from onnxtrain import names
-from onnxtrain.ir.shapes import dims_equal
+from onnxtrain.ir.shapes import shapes_equal
 from onnxtrain.torch import _antialias, _log_space, _nearest, _random, _reductions, _windows
+from onnxtrain.torch._exporter import fx_argument
 from onnxtrain.torch._log_space import constant_like as _like
 
 
@@ -738,11 +739,6 @@ _PER_SAMPLE_LOSSES = {
 }
 
 
-def _argument(node: torch.fx.Node, position: int, name: str, default):
-    """An FX call's argument, given by position or by name, else its default."""
-    return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)
-
-
 def per_sample_losses_as_own_ops(program: torch.export.ExportedProgram) -> int:
     """Make each ``aten.cross_entropy_loss``, ``aten.nll_loss_nd`` and ``aten.nll_loss`` with
     ``reduction='none'`` an op of onnxtrain's own, translated as before. The exporter keeps
@@ -758,15 +754,23 @@ def per_sample_losses_as_own_ops(program: torch.export.ExportedProgram) -> int:
         if entry is None:
             continue
         names, defaults, own = entry
-        if _argument(node, 3, "reduction", 1) != 0:
+        if fx_argument(node, 3, "reduction", 1) != 0:
             continue
-        rest = [_argument(node, 4 + i, name, default) for i, (name, default) in enumerate(zip(names, defaults))]
-        weight = _argument(node, 2, "weight", None)
+        rest = [fx_argument(node, 4 + i, name, default) for i, (name, default) in enumerate(zip(names, defaults))]
+        weight = fx_argument(node, 2, "weight", None)
         node.target, node.args, node.kwargs = own, (node.args[0], node.args[1], weight, *rest), {}
         count += 1
     if count:
         graph_module.recompile()
     return count
+
+
+def _ignored_targets(target, ignore_index):
+    """``(ignored, safe target)`` for an ``ignore_index`` known at run time only (ONNX's losses take
+    it as an attribute): where the target is ignored, and the targets with class 0 there (the index
+    itself is out of range); the caller zeroes the ignored losses."""
+    ignored = op.Equal(target, op.CastLike(ignore_index, target))
+    return ignored, op.Where(ignored, op.CastLike(op.Constant(value_int=0), target), target)
 
 
 def per_sample_cross_entropy(input, target, weight=None, ignore_index: int = -100, label_smoothing: float = 0.0):
@@ -783,8 +787,7 @@ def per_sample_nll_loss(input, target, weight=None, ignore_index: int = -100):
     if isinstance(ignore_index, int):
         losses = op.NegativeLogLikelihoodLoss(input, target, weight, reduction="none", ignore_index=ignore_index)
     else:  # known at run time only (a dim's size): ONNX's attribute cannot take it, the ignored targets are masked
-        ignored = op.Equal(target, op.CastLike(ignore_index, target))
-        safe_target = op.Where(ignored, op.CastLike(op.Constant(value_int=0), target), target)
+        ignored, safe_target = _ignored_targets(target, ignore_index)
         losses = op.Where(ignored, _number_like(0.0, input),
                           op.NegativeLogLikelihoodLoss(input, safe_target, weight, reduction="none"))
     return op.Squeeze(losses, op.Constant(value_ints=[0])) if unbatched else losses
@@ -798,8 +801,7 @@ def _cross_entropy_ignoring_at_run_time(input, target, weight, reduction: int, i
     others (0/0, NaN, when every target is ignored, as PyTorch's)."""
     if label_smoothing:
         raise NotImplementedError("cross_entropy with label_smoothing and an ignore_index known at run time only")
-    ignored = op.Equal(target, op.CastLike(ignore_index, target))
-    safe_target = op.Where(ignored, op.CastLike(op.Constant(value_int=0), target), target)
+    ignored, safe_target = _ignored_targets(target, ignore_index)
     losses, _ = op.SoftmaxCrossEntropyLoss(input, safe_target, weight, reduction="none")
     zero = _number_like(0.0, input)
     losses = op.Where(ignored, zero, losses)
@@ -1173,8 +1175,7 @@ def copy(self, src, non_blocking: bool = False):
     broadcast to ``self``'s shape. The exporter's only casts, and a broadcast source written into
     a slice failed the run (ScatterND's updates of the source's shape)."""
     cast = op.CastLike(src, self)
-    if self.shape is not None and src.shape is not None and len(self.shape) == len(src.shape) \
-            and all(dims_equal(a, b) for a, b in zip(self.shape, src.shape)):
+    if shapes_equal(self.shape, src.shape):
         return cast  # provably the same shape: no broadcast (an Expand would copy)
     return op.Expand(cast, op.Shape(self))
 

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnxtrain.autodiff.builder import build_gradients, is_float
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.ir.builder import GraphBuilder
-from onnxtrain.ir.shapes import dims_equal
+from onnxtrain.ir.shapes import shapes_equal
 
 
 def _branch_gradients(ctx: GradContext, branch: ir.Graph, label: str) -> ir.Graph:
@@ -187,14 +187,6 @@ def _scan(ctx):
     return tuple(input_grads)
 
 
-def _keeps_its_shape(entering: ir.Value, leaving: ir.Value) -> bool:
-    """Whether a loop state provably has one shape over the iterations: the body's state input and
-    output have the same known shape (equal sizes, or the same named symbols)."""
-    start, end = entering.shape, leaving.shape
-    return (start is not None and end is not None and len(start) == len(end)
-            and all(dims_equal(a, z) for a, z in zip(start, end)))
-
-
 def _loop_history(ctx: GradContext, body: ir.Graph,
                   num_states: int) -> tuple[list[ir.Value], set[int], ir.Value | None, ir.Value]:
     """What every iteration of a Loop started from: each state, the condition the body read (None
@@ -206,7 +198,7 @@ def _loop_history(ctx: GradContext, body: ir.Graph,
     the states kept in sequences, the conditions and the iterations."""
     # (a sequence needs the element type: a state of unknown type is stacked, as before)
     in_sequence = {i for i in range(num_states) if body.inputs[2 + i].dtype is not None
-                   and not _keeps_its_shape(body.inputs[2 + i], body.outputs[1 + i])}
+                   and not shapes_equal(body.inputs[2 + i].shape, body.outputs[1 + i].shape)}
 
     def pick(inputs):
         iteration, condition, states = inputs[0], inputs[1], inputs[2:]

@@ -27,8 +27,9 @@ from onnx import numpy_helper  # noqa: E402
 
 import onnxtrain  # noqa: E402
 from onnxtrain import artifacts as art  # noqa: E402
+from onnxtrain.api import CheckpointState  # noqa: E402
 from onnxtrain.demo import build_cnn, load_digits  # noqa: E402
-from onnxtrain.errors import OnnxTrainError  # noqa: E402
+from onnxtrain.errors import CheckpointError, OnnxTrainError  # noqa: E402
 from onnxtrain.integrations import flower as fl  # noqa: E402
 
 WORKER = Path(__file__).with_name("flower_worker.py")
@@ -156,7 +157,7 @@ def test_federation_of_processes_on_loopback_learns_digits(artifacts, digits, tm
     for payload in server["payloads"]:
         assert payload["shapes"] == expected_shapes
         assert payload["dtypes"] == ["float32"] * len(PARAM_NAMES)
-        assert payload["metrics"] == ["loss", "steps"]
+        assert payload["metrics"] == ["loss", "skipped_steps", "steps"]
     assert sorted(p["num_examples"] for p in server["payloads"][:3]) == \
         sorted(int(0.85 * len(idx)) for idx in shards)
     assert server["rejected"] == []
@@ -268,6 +269,11 @@ def test_parameter_names_sent_by_the_server_are_checked(client):
     swapped = PARAM_NAMES[1::-1] + PARAM_NAMES[2:]
     with pytest.raises(fl.ParameterMismatchError, match=r"#0: 'conv1.bias' \(expected 'conv1.weight'\)"):
         client.evaluate(before, {fl.PARAMETER_NAMES_KEY: json.dumps(swapped)})
+    with pytest.raises(fl.ParameterMismatchError, match=r"5 names for 6 parameters, mismatches \[\"#5: none "
+                                                        r"\(expected 'fc.bias'\)\"\]"):
+        client.evaluate(before, {fl.PARAMETER_NAMES_KEY: json.dumps(PARAM_NAMES[:-1])})
+    with pytest.raises(fl.ParameterMismatchError, match="is 'conv1.weight,conv1.bias'; expected a JSON list"):
+        client.evaluate(before, {fl.PARAMETER_NAMES_KEY: "conv1.weight,conv1.bias"})
     _, _, metrics = client.fit(before, {fl.PARAMETER_NAMES_KEY: json.dumps(PARAM_NAMES)})
     assert metrics["steps"] == 1
 
@@ -316,6 +322,122 @@ def test_client_fn_keeps_optimizer_state_in_the_context_across_processes(artifac
     for k, r, f in zip(kept, resumed, fresh):
         np.testing.assert_allclose(r, k, rtol=1e-5, atol=1e-6)
     assert max(np.abs(f - k).max() for k, f in zip(kept, fresh)) > 0.1 * LEARNING_RATE
+
+
+@pytest.fixture(scope="module")
+def fp16_artifacts(tmp_path_factory) -> Path:
+    from ..test_artifacts import regression_model
+
+    folder = tmp_path_factory.mktemp("flower_fp16") / "artifacts"
+    art.generate_artifacts(regression_model(), loss=art.LossType.MSELoss, optimizer=art.OptimType.AdamW,
+                           artifact_directory=folder, precision="fp16", additional_output_names=["y"])
+    return folder
+
+
+def _regression_data(rows: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1, 1, (rows, 3)).astype(np.float32)
+    return x, (np.sin(x[:, :1] * 2) + x[:, 1:2] * x[:, 2:3]).astype(np.float32)
+
+
+def test_a_rebuilt_client_goes_on_like_the_kept_one(fp16_artifacts):
+    """Under the deployment engine every message rebuilds the client: the loss scale (fp16
+    artifacts' checkpoint property) and the shuffling must carry over with the optimizer state."""
+    from flwr.app import Context, RecordDict
+    from flwr.common import FitIns, ndarrays_to_parameters, parameters_to_ndarrays
+
+    data = _regression_data(40)
+    kwargs = dict(learning_rate=1e-2, batch_size=8)  # five shuffled batches per fit
+
+    def context(state):
+        return Context(run_id=1, node_id=7, node_config={}, state=state, run_config={})
+
+    def fit(client_fn, ctx, weights):
+        res = client_fn(ctx).fit(FitIns(ndarrays_to_parameters(weights), {}))
+        return parameters_to_ndarrays(res.parameters), res.metrics
+
+    start = fl.read_parameters(fp16_artifacts)
+    kept_fn, kept_ctx = fl.make_client_fn(fp16_artifacts, lambda c: (data, None), **kwargs), context(RecordDict())
+    carried = RecordDict()
+    kept, resumed = start, start
+    for _ in range(3):
+        kept, kept_metrics = fit(kept_fn, kept_ctx, kept)
+        resumed, resumed_metrics = fit(fl.make_client_fn(fp16_artifacts, lambda c: (data, None), **kwargs),
+                                       context(carried), resumed)
+        assert resumed_metrics == kept_metrics
+        for k, r in zip(kept, resumed):
+            np.testing.assert_array_equal(r, k)
+    # the first steps overflow at the initial loss scale: skipped, not counted as steps
+    client = fl.OnnxTrainClient(fp16_artifacts, data, **kwargs)
+    _, _, metrics = client.fit(start, {})
+    assert metrics["skipped_steps"] > 0 and metrics["steps"] + metrics["skipped_steps"] == 5
+    assert metrics["steps"] == client.optimizer_state().step
+
+
+def test_running_statistics_are_federated(tmp_path):
+    """BatchNorm's running statistics cross the wire with the weights and are averaged like them,
+    so the server's model (central evaluation, checkpoint, inference model) uses trained ones."""
+    from ..test_ort_format import batchnorm_cnn
+
+    folder = tmp_path / "artifacts"
+    art.generate_artifacts(batchnorm_cnn(), loss=art.LossType.CrossEntropyLoss, optimizer=art.OptimType.AdamW,
+                           artifact_directory=folder, additional_output_names=["logits"],
+                           frozen_params=["bn.running_mean", "bn.running_var"],
+                           requires_grad=["conv.weight", "bn.weight", "bn.bias", "fc.weight"])
+    names = ["conv.weight", "bn.weight", "bn.bias", "fc.weight", "bn.running_mean", "bn.running_var"]
+    assert [s.name for s in fl.parameter_specs(folder)] == names
+    assert [s.name for s in fl.parameter_specs(folder / "checkpoint")] == names
+    rng = np.random.default_rng(0)
+    shards = [(rng.normal(shift, 1.0, (rows, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, rows).astype(np.int64))
+              for shift, rows in ((0.5, 24), (-1.0, 8))]
+    test = (rng.normal(0.0, 1.0, (16, 1, 8, 8)).astype(np.float32), rng.integers(0, 10, 16).astype(np.int64))
+    clients = [fl.OnnxTrainClient(folder, shard, test, batch_size=8, learning_rate=1e-2, accuracy_output="logits")
+               for shard in shards]
+    strategy = fl.make_strategy(folder, save_checkpoint_to=tmp_path / "global")
+    start = fl.read_parameters(folder)
+    results = [(None, _fit_res(*c.fit(start, strategy.on_fit_config_fn(1))[:2], 0.0)) for c in clients]
+    local = [dict(zip(names, c.get_parameters({}))) for c in clients]
+    assert not np.allclose(local[0]["bn.running_mean"], 0.0)
+    aggregate = dict(zip(names, flwr.common.parameters_to_ndarrays(strategy.aggregate_fit(1, results, [])[0])))
+    for name in names:
+        np.testing.assert_allclose(aggregate[name], (24 * local[0][name] + 8 * local[1][name]) / 32, rtol=1e-5,
+                                   atol=1e-7)
+    global_params = [aggregate[n] for n in names]
+    central_loss, central = fl.make_evaluate_fn(folder, test, accuracy_output="logits")(1, global_params, {})
+    for client in clients:  # every side evaluates the same model
+        loss, _, metrics = client.evaluate(global_params, strategy.on_evaluate_config_fn(1))
+        assert loss == pytest.approx(central_loss, rel=1e-5) and metrics == pytest.approx(central)
+    saved = CheckpointState.load_checkpoint(tmp_path / "global")
+    np.testing.assert_array_equal(saved.parameters["bn.running_var"].data, aggregate["bn.running_var"])
+    fl.save_global_parameters(global_params, folder, inference_model_path=tmp_path / "model.onnx",
+                              output_names=["logits"])
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {"image": test[0]})[0]
+    assert _cross_entropy(logits, test[1]) == pytest.approx(central_loss, rel=1e-5)
+
+
+def test_bad_local_settings_and_accuracy_outputs_are_refused(fp16_artifacts, shared_client):
+    data = _regression_data(8)
+    for kwargs, message in [({"batch_size": 0}, "batch_size is 0; expected an integer >= 1"),
+                            ({"local_epochs": -1}, "local_epochs is -1; expected an integer >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            fl.OnnxTrainClient(fp16_artifacts, data, **kwargs)
+    before = shared_client.get_parameters({})
+    moved = [v + 1.0 for v in before]
+    for config, message in [({"local_epochs": 0}, "local_epochs is 0"), ({"local_epochs": 1.5}, "local_epochs is 1.5"),
+                            ({"batch_size": "many"}, "batch_size is 'many'"),
+                            ({"learning_rate": "fast"}, "learning_rate is 'fast'; expected a number")]:
+        with pytest.raises(ValueError, match=message):
+            shared_client.fit(moved, config)
+    for got, want in zip(shared_client.get_parameters({}), before):  # refused before the parameters were set
+        np.testing.assert_array_equal(got, want)
+    # a regression output is not class scores: no accuracy to report
+    client = fl.OnnxTrainClient(fp16_artifacts, data, accuracy_output="y")
+    with pytest.raises(onnxtrain.errors.InputMismatchError, match=r"accuracy_output 'y' has shape \[8, 1\]"):
+        client.evaluate(client.get_parameters({}), {})
+    evaluate = fl.make_evaluate_fn(fp16_artifacts, data, accuracy_output="y")
+    with pytest.raises(onnxtrain.errors.InputMismatchError, match="accuracy needs class scores"):
+        evaluate(0, fl.read_parameters(fp16_artifacts), {})
 
 
 # -- the server side in process ----------------------------------------------------------------
@@ -379,6 +501,16 @@ def test_save_global_parameters_writes_a_runnable_inference_model(artifacts, dig
         np.testing.assert_array_equal(array, params[name])
     with pytest.raises(fl.ParameterMismatchError):
         fl.save_global_parameters([params[n] for n in PARAM_NAMES[:-1]], artifacts, tmp_path / "other")
+    # a failed call writes nothing: every argument is checked before the checkpoint is written
+    arrays = [params[n] for n in PARAM_NAMES]
+    with pytest.raises(ValueError, match="needs output_names"):
+        fl.save_global_parameters(arrays, artifacts, tmp_path / "other", inference_model_path=tmp_path / "m.onnx")
+    with pytest.raises(OnnxTrainError, match="probs"):
+        fl.save_global_parameters(arrays, artifacts, tmp_path / "other", inference_model_path=tmp_path / "m.onnx",
+                                  output_names=["probs"])
+    with pytest.raises(CheckpointError, match="needs the artifact folder"):
+        fl.save_global_parameters(arrays, tmp_path / "ckpt", tmp_path / "other", inference_model_path=tmp_path / "m.onnx",
+                                  output_names=["logits"])
     assert not (tmp_path / "other").exists()
 
 

@@ -27,6 +27,8 @@ import numpy as np
 
 from onnxtrain import checkpoint as ckpt
 from onnxtrain.errors import CheckpointError, InputMismatchError
+from onnxtrain.ir import io
+from onnxtrain.api.module import TRAINING_METADATA_KEY
 from onnxtrain.runtime.inputs import as_input_array
 from onnxtrain.runtime.session import input_specs
 
@@ -45,12 +47,12 @@ PARAMETER_NAMES_KEY = "onnxtrain.parameter_names"
 # Rows per eval-model run (client and central evaluation): bounds activation memory of one
 # run; the digits test set (360 rows) runs in one go.
 EVAL_BATCH_SIZE = 1024
-# Fit config keys a server may send to override a client's local training settings.
-FIT_CONFIG_KEYS = ("local_epochs", "batch_size", "learning_rate")
 # Keys of the client's local records in Flower's ``context.state`` (never sent to the server):
-# the optimizer state tensors, and its step count and learning rate.
+# the optimizer state tensors; its step count and learning rate; the checkpoint properties and
+# the state of the local shuffling.
 OPTIMIZER_ARRAYS_KEY = "onnxtrain.optimizer_state"
 OPTIMIZER_CONFIG_KEY = "onnxtrain.optimizer"
+CLIENT_CONFIG_KEY = "onnxtrain.client"
 
 
 class ParameterMismatchError(InputMismatchError):
@@ -81,28 +83,59 @@ def _checkpoint_path(source: str | os.PathLike) -> pathlib.Path:
     return path / "checkpoint" if path.is_dir() else path
 
 
-def _trainable_records(source: str | os.PathLike) -> list[ckpt.ParameterRecord]:
+def _running_statistics(source: str | os.PathLike) -> set[str]:
+    """The frozen parameters that the training model updates as it trains (BatchNormalization's
+    running mean and variance), from the artifact folder's training model; none when
+    ``source`` is a checkpoint file outside an artifact folder."""
+    path = pathlib.Path(source)
+    training_model = (path if path.is_dir() else path.parent) / "training_model.onnx"
+    if not training_model.exists():
+        return set()
+    text = io.metadata(training_model).get(TRAINING_METADATA_KEY)
+    try:
+        meta = json.loads(text) if text else {}
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{str(training_model)!r}: metadata {TRAINING_METADATA_KEY!r} is not JSON: {exc}") from exc
+    return set(meta.get("buffer_updates", {}).values()) if isinstance(meta, dict) else set()
+
+
+def _federated_records(source: str | os.PathLike,
+                       artifacts: str | os.PathLike | None = None) -> list[ckpt.ParameterRecord]:
+    """The records of ``source``'s checkpoint that cross the wire; the running statistics are
+    those of the training model in ``artifacts`` (default: next to the checkpoint)."""
     data = ckpt.read_checkpoint(_checkpoint_path(source))
-    records = [r for r in data.parameters.values() if r.requires_grad]
-    if not records:
+    statistics = _running_statistics(source if artifacts is None else artifacts)
+    records = [r for r in data.parameters.values()
+               if r.requires_grad or (r.name in statistics and np.issubdtype(np.dtype(r.dtype), np.floating))]
+    if not any(r.requires_grad for r in records):
         raise CheckpointError(f"checkpoint {str(_checkpoint_path(source))!r} holds no trainable parameters: "
                               f"there is nothing to federate")
     return records
 
 
+def _specs(records: Sequence[ckpt.ParameterRecord]) -> list[ParameterSpec]:
+    return [ParameterSpec(r.name, tuple(r.shape), np.dtype(r.dtype)) for r in records]
+
+
 def parameter_specs(source: str | os.PathLike) -> list[ParameterSpec]:
-    """The wire format: the trainable parameters of a checkpoint (or artifact folder), in order.
+    """The wire format: the parameters a federation averages, in checkpoint order.
+
+    These are the trainable parameters and, given the artifact folder (or a checkpoint file
+    in it), the running statistics its training model updates (BatchNorm's running mean and
+    variance: averaged like the weights, as when a PyTorch client sends its ``state_dict``).
+    Other frozen parameters stay on each side as the checkpoint has them.
 
     Example (``artifacts`` is a folder written by ``generate_artifacts``):
         >>> [s.name for s in parameter_specs(artifacts)][:2]
         ['conv1.weight', 'conv1.bias']
     """
-    return [ParameterSpec(r.name, tuple(r.shape), np.dtype(r.dtype)) for r in _trainable_records(source)]
+    return _specs(_federated_records(source))
 
 
 def read_parameters(source: str | os.PathLike) -> list[np.ndarray]:
-    """The trainable parameter values of a checkpoint (or artifact folder), in wire order."""
-    records = _trainable_records(source)
+    """The values of the federated parameters (:func:`parameter_specs`) of a checkpoint or
+    artifact folder, in wire order."""
+    records = _federated_records(source)
     missing = [r.name for r in records if r.value is None]
     if missing:
         raise CheckpointError(f"checkpoint {str(_checkpoint_path(source))!r} is nominal (no values for "
@@ -117,10 +150,16 @@ def check_parameters(specs: Sequence[ParameterSpec], arrays, names: Sequence[str
         raise ParameterMismatchError([f"received a {type(arrays).__name__}; expected a list of arrays"], specs)
     arrays = list(arrays)
     problems = []
-    if names is not None and list(names) != [s.name for s in specs]:
+    expected_names = [s.name for s in specs]
+    if names is not None and list(names) != expected_names:
+        names = list(names)
         wrong = [f"#{i}: {got!r} (expected {want!r})" for i, (got, want) in
-                 enumerate(zip(names, [s.name for s in specs])) if got != want]
-        problems.append(f"parameter names differ: {len(names)} names, mismatches {wrong[:8]}")
+                 enumerate(zip(names, expected_names)) if got != want]
+        wrong += [f"#{i}: {got!r} (expected none)" for i, got in enumerate(names[len(specs):], len(specs))]
+        wrong += [f"#{i}: none (expected {want!r})" for i, want in enumerate(expected_names[len(names):], len(names))]
+        more = f" and {len(wrong) - 8} more" if len(wrong) > 8 else ""
+        problems.append(f"parameter names differ: {len(names)} names for {len(specs)} parameters, "
+                        f"mismatches {wrong[:8]}{more}")
     if len(arrays) != len(specs):
         problems.append(f"received {len(arrays)} arrays; expected {len(specs)}")
     for i, (spec, array) in enumerate(zip(specs, arrays)):
@@ -138,9 +177,38 @@ def check_parameters(specs: Sequence[ParameterSpec], arrays, names: Sequence[str
     return arrays
 
 
-def _names_from_config(config: Mapping | None) -> list[str] | None:
+def _names_from_config(config: Mapping | None, specs: Sequence[ParameterSpec]) -> list[str] | None:
     text = (config or {}).get(PARAMETER_NAMES_KEY)
-    return None if text is None else list(json.loads(text))
+    if text is None:
+        return None
+    try:
+        names = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as exc:
+        names = exc
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ParameterMismatchError([f"config {PARAMETER_NAMES_KEY!r} is {text!r}; expected a JSON list of "
+                                      f"parameter names"], specs)
+    return names
+
+
+def _rate_setting(value) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"learning_rate is {value!r}; expected a number") from None
+
+
+def _count_setting(name: str, value, minimum: int = 1) -> int:
+    """A local training setting (``local_epochs``, ``batch_size``) as an int, or a clear error."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not float(value).is_integer() or value < minimum:
+        raise ValueError(f"{name} is {value!r}; expected an integer >= {minimum}")
+    return int(value)
 
 
 def _batches(count: int, batch_size: int, order: np.ndarray | None = None):
@@ -159,8 +227,15 @@ def _as_data(data: Sequence[np.ndarray], input_names: Sequence[str], what: str) 
     return arrays
 
 
-def _accuracy(logits: np.ndarray, labels: np.ndarray) -> int:
-    return int(np.sum(np.argmax(logits, axis=-1) == labels))
+def _accuracy(scores: np.ndarray, labels: np.ndarray, output: str) -> int:
+    """How many rows' highest class score is at their label."""
+    if scores.ndim < 2 or scores.shape[-1] < 2 or scores.shape[:-1] != labels.shape \
+            or not np.issubdtype(labels.dtype, np.integer):
+        raise InputMismatchError(
+            f"accuracy_output {output!r} has shape {list(scores.shape)} and the labels {list(labels.shape)} "
+            f"{labels.dtype}: accuracy needs class scores [..., classes >= 2] and integer class labels of the "
+            f"scores' shape without the class axis")
+    return int(np.sum(np.argmax(scores, axis=-1) == labels))
 
 
 class OnnxTrainClient(NumPyClient):
@@ -184,6 +259,7 @@ class OnnxTrainClient(NumPyClient):
         seed: seed of the local shuffling.
         device: where the parameters live (``"cpu"``, ``"cuda"``).
         optimizer_state: optimizer state to resume from (as :meth:`optimizer_state` returns).
+        properties: checkpoint properties to resume from (fp16 artifacts keep their loss scale there).
 
     Example (``artifacts`` as from ``generate_artifacts`` for the digits CNN, ``x``, ``y`` a shard):
         >>> client = OnnxTrainClient(artifacts, (x, y), accuracy_output="logits", learning_rate=3e-3)
@@ -197,18 +273,22 @@ class OnnxTrainClient(NumPyClient):
     def __init__(self, artifact_dir: str | os.PathLike, train_data: Sequence[np.ndarray],
                  eval_data: Sequence[np.ndarray] | None = None, *, local_epochs: int = 1, batch_size: int = 32,
                  learning_rate: float = 1e-3, accuracy_output: str | None = None, seed: int = 0,
-                 device: str = "cpu", optimizer_state: ckpt.OptimizerRecord | None = None) -> None:
+                 device: str = "cpu", optimizer_state: ckpt.OptimizerRecord | None = None,
+                 properties: Mapping | None = None) -> None:
         from onnxtrain.api import CheckpointState, Module, Optimizer
 
+        self.local_epochs = _count_setting("local_epochs", local_epochs)
+        self.batch_size = _count_setting("batch_size", batch_size)
+        self.learning_rate = learning_rate
         folder = pathlib.Path(artifact_dir)
         data = ckpt.read_checkpoint(folder / "checkpoint")
         if optimizer_state is not None:  # resume: the Optimizer adopts these instead of zeros
             data.optimizer = optimizer_state
+        data.properties.update(properties or {})  # resume: e.g. the fp16 artifacts' loss scale
         self._state = CheckpointState(data)
         self._module = Module(folder / "training_model.onnx", self._state, folder / "eval_model.onnx", device=device)
         self._optimizer = Optimizer(folder / "optimizer_model.onnx", self._module)
-        self._specs = [ParameterSpec(name, p.shape, p.dtype) for name, p in self._state.parameters.items()
-                       if p.requires_grad]
+        self._specs = parameter_specs(folder)
         inputs = self._module.input_names()
         self._train_data = _as_data(train_data, inputs, "train_data")
         self._eval_data = self._train_data if eval_data is None else _as_data(eval_data, inputs, "eval_data")
@@ -217,13 +297,13 @@ class OnnxTrainClient(NumPyClient):
                                      f"outputs are {self._module.output_names()}")
         self._module.train()
         self._accuracy_output = accuracy_output
-        self.local_epochs, self.batch_size, self.learning_rate = int(local_epochs), int(batch_size), learning_rate
         self._rng = np.random.default_rng(seed)
         self._local_records = None  # Flower's context.state, when built by make_client_fn
 
     @property
     def parameter_names(self) -> list[str]:
-        """Names of the arrays that :meth:`get_parameters` returns and :meth:`set_parameters` takes."""
+        """Names of the arrays that :meth:`get_parameters` returns and :meth:`set_parameters` takes
+        (:func:`parameter_specs`: trainable parameters and running statistics)."""
         return [s.name for s in self._specs]
 
     @property
@@ -235,7 +315,7 @@ class OnnxTrainClient(NumPyClient):
         return self._state._to_data(include_optimizer_state=True).optimizer  # noqa: SLF001 (same package)
 
     def get_parameters(self, config: Mapping | None = None) -> list[np.ndarray]:
-        """The trainable parameters, copied, in :attr:`parameter_names` order."""
+        """The federated parameters, copied, in :attr:`parameter_names` order."""
         return [self._state.parameters[s.name].data for s in self._specs]
 
     def set_parameters(self, parameters: Sequence[np.ndarray], names: Sequence[str] | None = None) -> None:
@@ -246,31 +326,34 @@ class OnnxTrainClient(NumPyClient):
 
     def fit(self, parameters, config):
         """Load the global parameters, train ``local_epochs`` on the local shard, return
-        ``(parameters, number of examples, {"loss": mean training loss, "steps": steps})``."""
-        self.set_parameters(parameters, _names_from_config(config))
-        settings = {"local_epochs": self.local_epochs, "batch_size": self.batch_size,
-                    "learning_rate": self.learning_rate}
-        settings.update({k: config[k] for k in FIT_CONFIG_KEYS if k in (config or {})})
-        self._optimizer.set_learning_rate(float(settings["learning_rate"]))
+        ``(parameters, number of examples, {"loss": mean training loss, "steps": optimizer steps
+        taken, "skipped_steps": steps skipped for non-finite gradients (fp16 artifacts)})``."""
+        config = config or {}
+        epochs = _count_setting("local_epochs", config.get("local_epochs", self.local_epochs))
+        batch_size = _count_setting("batch_size", config.get("batch_size", self.batch_size))
+        learning_rate = _rate_setting(config.get("learning_rate", self.learning_rate))
+        self.set_parameters(parameters, _names_from_config(config, self._specs))
+        self._optimizer.set_learning_rate(learning_rate)
         self._module.train()
-        count, loss_sum, steps = self.num_train_examples, 0.0, 0
-        for _ in range(int(settings["local_epochs"])):
-            for idx in _batches(count, int(settings["batch_size"]), self._rng.permutation(count)):
+        count, loss_sum, steps, skipped = self.num_train_examples, 0.0, 0, 0
+        for _ in range(epochs):
+            for idx in _batches(count, batch_size, self._rng.permutation(count)):
                 loss = self._module(*(a[idx] for a in self._train_data))
                 loss = loss[0] if isinstance(loss, tuple) else loss
                 self._optimizer.step()
                 self._module.lazy_reset_grad()
                 loss_sum += float(loss) * len(idx)
+                skipped += bool(self._optimizer.last_step_skipped)
                 steps += 1
-        epochs = max(int(settings["local_epochs"]), 1)
         if self._local_records is not None:
-            _store_optimizer_state(self._local_records, self.optimizer_state())
-        return self.get_parameters(), count, {"loss": loss_sum / (count * epochs), "steps": steps}
+            _store_local_state(self._local_records, self)
+        metrics = {"loss": loss_sum / (count * epochs), "steps": steps - skipped, "skipped_steps": skipped}
+        return self.get_parameters(), count, metrics
 
     def evaluate(self, parameters, config):
         """Load the parameters, run the eval model on the local eval data, return
         ``(mean loss, number of examples, metrics)`` (``accuracy`` with ``accuracy_output``)."""
-        self.set_parameters(parameters, _names_from_config(config))
+        self.set_parameters(parameters, _names_from_config(config, self._specs))
         try:
             loss, correct = self._evaluate()
         finally:
@@ -288,7 +371,8 @@ class OnnxTrainClient(NumPyClient):
             rows = len(self._eval_data[0][idx])
             loss_sum += float(outputs[0]) * rows
             if self._accuracy_output is not None:
-                correct += _accuracy(outputs[names.index(self._accuracy_output)], self._eval_data[-1][idx])
+                correct += _accuracy(outputs[names.index(self._accuracy_output)], self._eval_data[-1][idx],
+                                     self._accuracy_output)
         return loss_sum / count, None if self._accuracy_output is None else correct
 
 
@@ -304,9 +388,10 @@ def make_client_fn(artifact_dir: ArtifactDir, load_data: LoadData, **client_kwar
     from ``context.run_config``). ``load_data(context)`` returns ``(train_data, eval_data)``
     for this node (e.g. by ``context.node_config["partition-id"]``). Flower calls
     ``client_fn`` for every message: within one process the client is kept per run and node;
-    after every ``fit`` the optimizer state is also stored in ``context.state`` (local to the
-    node, never sent), so a client rebuilt in a new process (Flower's deployment engine runs
-    each message in one) resumes it. ``client_kwargs`` go to :class:`OnnxTrainClient`.
+    after every ``fit`` the optimizer state, the checkpoint properties (fp16 artifacts' loss
+    scale) and the shuffling state are also stored in ``context.state`` (local to the node,
+    never sent), so a client rebuilt in a new process (Flower's deployment engine runs each
+    message in one) goes on as the kept client would. ``client_kwargs`` go to :class:`OnnxTrainClient`.
 
     Example:
         >>> client_fn = make_client_fn(artifacts, lambda context: ((x, y), None), learning_rate=3e-3)
@@ -319,35 +404,48 @@ def make_client_fn(artifact_dir: ArtifactDir, load_data: LoadData, **client_kwar
         if key not in clients:
             train_data, eval_data = load_data(context)
             folder = artifact_dir(context) if callable(artifact_dir) else artifact_dir
-            clients[key] = OnnxTrainClient(folder, train_data, eval_data, **client_kwargs,
-                                           optimizer_state=_load_optimizer_state(context.state))
+            clients[key] = _restore_local_state(context.state, folder, train_data, eval_data, client_kwargs)
         clients[key]._local_records = context.state
         return clients[key].to_client()
 
     return client_fn
 
 
-def _store_optimizer_state(records, state: ckpt.OptimizerRecord | None) -> None:
+def _store_local_state(records, client: OnnxTrainClient) -> None:
+    """Keep what a client rebuilt in a new process needs to go on as if it had stayed: the
+    optimizer state, the checkpoint properties (fp16 artifacts' loss scale) and the shuffling."""
     from flwr.app import Array, ArrayRecord, ConfigRecord
 
-    if state is None:
-        return
-    arrays = {f"{p}\n{s}": Array.from_numpy_ndarray(np.ascontiguousarray(v))
-              for p, per in state.values.items() for s, v in per.items()}
-    records[OPTIMIZER_ARRAYS_KEY] = ArrayRecord(arrays)
-    records[OPTIMIZER_CONFIG_KEY] = ConfigRecord({"step": int(state.step), "learning_rate": float(state.learning_rate),
-                                                  "states": list(state.states)})
+    state = client.optimizer_state()
+    if state is not None:
+        arrays = {f"{p}\n{s}": Array.from_numpy_ndarray(np.ascontiguousarray(v))
+                  for p, per in state.values.items() for s, v in per.items()}
+        records[OPTIMIZER_ARRAYS_KEY] = ArrayRecord(arrays)
+        records[OPTIMIZER_CONFIG_KEY] = ConfigRecord({"step": int(state.step),
+                                                      "learning_rate": float(state.learning_rate),
+                                                      "states": list(state.states)})
+    records[CLIENT_CONFIG_KEY] = ConfigRecord({
+        "properties": json.dumps(dict(client._state.properties.items())),  # noqa: SLF001 (same module)
+        "shuffle": json.dumps(client._rng.bit_generator.state)})  # noqa: SLF001
 
 
-def _load_optimizer_state(records) -> ckpt.OptimizerRecord | None:
-    if OPTIMIZER_ARRAYS_KEY not in records or OPTIMIZER_CONFIG_KEY not in records:
-        return None
-    config = records[OPTIMIZER_CONFIG_KEY]
-    values: dict[str, dict[str, np.ndarray]] = {}
-    for key, array in records[OPTIMIZER_ARRAYS_KEY].items():
-        param, state = key.split("\n")
-        values.setdefault(param, {})[state] = array.numpy()
-    return ckpt.OptimizerRecord(int(config["step"]), float(config["learning_rate"]), list(config["states"]), values)
+def _restore_local_state(records, folder, train_data, eval_data, client_kwargs) -> OnnxTrainClient:
+    optimizer = None
+    if OPTIMIZER_ARRAYS_KEY in records and OPTIMIZER_CONFIG_KEY in records:
+        config = records[OPTIMIZER_CONFIG_KEY]
+        values: dict[str, dict[str, np.ndarray]] = {}
+        for key, array in records[OPTIMIZER_ARRAYS_KEY].items():
+            param, state = key.split("\n")
+            values.setdefault(param, {})[state] = array.numpy()
+        optimizer = ckpt.OptimizerRecord(int(config["step"]), float(config["learning_rate"]),
+                                         list(config["states"]), values)
+    local = records[CLIENT_CONFIG_KEY] if CLIENT_CONFIG_KEY in records else {}
+    properties = json.loads(local["properties"]) if "properties" in local else None
+    client = OnnxTrainClient(folder, train_data, eval_data, **client_kwargs, optimizer_state=optimizer,
+                             properties=properties)
+    if "shuffle" in local:
+        client._rng.bit_generator.state = json.loads(local["shuffle"])  # noqa: SLF001 (same module)
+    return client
 
 
 def make_client_app(artifact_dir: ArtifactDir, load_data: LoadData, **client_kwargs) -> ClientApp:
@@ -373,8 +471,9 @@ class _CentralEvaluator:
 
         source = checkpoint if checkpoint is not None else artifact_dir
         records = ckpt.read_checkpoint(_checkpoint_path(source)).parameters
-        self.specs = parameter_specs(source)
-        self.frozen = {n: r.value for n, r in records.items() if not r.requires_grad}
+        self.specs = _specs(_federated_records(source, artifact_dir))
+        federated = {s.name for s in self.specs}
+        self.frozen = {n: r.value for n, r in records.items() if n not in federated}
         self.session = ort.InferenceSession(str(artifact_dir / "eval_model.onnx"),
                                             providers=providers or ["CPUExecutionProvider"])
         self.data_names = [i.name for i in self.session.get_inputs() if i.name not in records]
@@ -398,7 +497,7 @@ class _CentralEvaluator:
             results = dict(zip(self.outputs, self.session.run(None, {**feeds, **batch})))
             loss_sum += float(results[self.outputs[0]]) * len(self.data[0][idx])
             if self.accuracy_output is not None:
-                correct += _accuracy(results[self.accuracy_output], self.data[-1][idx])
+                correct += _accuracy(results[self.accuracy_output], self.data[-1][idx], self.accuracy_output)
         metrics = {} if self.accuracy_output is None else {"accuracy": correct / count}
         return loss_sum / count, metrics
 
@@ -539,21 +638,22 @@ def save_global_parameters(parameters: Sequence[np.ndarray] | Parameters, base: 
         parameters = parameters_to_ndarrays(parameters)
     if checkpoint_path is None and inference_model_path is None:
         raise ValueError("give checkpoint_path, inference_model_path or both")
-    state = CheckpointState.load_checkpoint(_checkpoint_path(base))
-    specs = [ParameterSpec(n, p.shape, p.dtype) for n, p in state.parameters.items() if p.requires_grad]
-    for spec, array in zip(specs, check_parameters(specs, parameters)):
-        state.parameters[spec.name] = array
-    if checkpoint_path is not None:
-        CheckpointState.save_checkpoint(state, checkpoint_path)
-    if inference_model_path is not None:
-        folder = pathlib.Path(base)
+    folder = pathlib.Path(base)
+    if inference_model_path is not None:  # everything is checked before anything is written
         if not output_names:
             raise ValueError("an inference model needs output_names, e.g. ['logits']")
         if not (folder / "eval_model.onnx").exists():
             raise CheckpointError(f"exporting an inference model needs the artifact folder with eval_model.onnx; "
                                   f"got {str(base)!r}")
+    state = CheckpointState.load_checkpoint(_checkpoint_path(base))
+    specs = parameter_specs(base)
+    for spec, array in zip(specs, check_parameters(specs, parameters)):
+        state.parameters[spec.name] = array
+    if inference_model_path is not None:  # first: it checks the output names before it writes
         module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
         module.export_model_for_inferencing(inference_model_path, list(output_names))
+    if checkpoint_path is not None:
+        CheckpointState.save_checkpoint(state, checkpoint_path)
 
 
 __all__ = ["EVAL_BATCH_SIZE", "PARAMETER_NAMES_KEY", "OnnxTrainClient", "OnnxTrainFedAvg", "ParameterMismatchError",

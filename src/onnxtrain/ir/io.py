@@ -73,24 +73,29 @@ def _refuse_non_tensor_outputs(proto: onnx.ModelProto) -> None:
                 f"options={{'zipmap': False}} gives the probabilities as a tensor)")
 
 
-def _graph_without_tensors(path: str | os.PathLike) -> onnx.GraphProto:
-    """The graph of the ONNX model file at ``path``, its external tensors not loaded."""
+def _without_tensors(path: str | os.PathLike) -> onnx.ModelProto:
+    """The ONNX model file at ``path``, its external tensors not loaded."""
     try:
-        return onnx.load(str(path), load_external_data=False).graph
+        return onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf raises several unrelated types
         raise ModelError(f"could not read ONNX model {str(path)!r}: {exc}") from exc
 
 
 def graph_io_names(path: str | os.PathLike) -> tuple[list[str], list[str]]:
     """The input and output names of the ONNX model file at ``path`` (its tensors are not loaded)."""
-    graph = _graph_without_tensors(path)
+    graph = _without_tensors(path).graph
     return [v.name for v in graph.input], [v.name for v in graph.output]
+
+
+def metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The model-level ``metadata_props`` of the ONNX model file at ``path`` (tensors not loaded)."""
+    return {entry.key: entry.value for entry in _without_tensors(path).metadata_props}
 
 
 def inputs_without_shape(path: str | os.PathLike) -> set[str]:
     """The names of the graph inputs the ONNX model file at ``path`` declares without a shape
     (of any rank; its tensors are not loaded)."""
-    return {v.name for v in _graph_without_tensors(path).input
+    return {v.name for v in _without_tensors(path).graph.input
             if v.type.HasField("tensor_type") and not v.type.tensor_type.HasField("shape")}
 
 

@@ -121,6 +121,10 @@ def test_fused_adam_from_config_modes_and_refusals():
     ({"optimizer": {"type": "Adam"}, "zero_optimization": {"offload_optimizer": {"device": "none"}}}, True),
     ({"optimizer": {"type": "Lamb"}}, False),
     ({}, False),
+    # forms DeepSpeed accepts: its defaults written out, the deprecated bool and cpu_offload
+    ({"optimizer": {"type": "AdamW", "params": None}, "zero_optimization": {"offload_optimizer": None}}, True),
+    ({"optimizer": {"type": "Adam"}, "zero_optimization": True}, True),
+    ({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": "2", "cpu_offload": True}}, False),
 ])
 def test_which_configs_get_fused_adam(config, replaced, tmp_path):
     from onnxtrain.integrations.deepspeed import _load_config, _wants_our_adam
@@ -142,4 +146,31 @@ def test_zero_stage3_is_refused_before_anything_happens():
     net = torch.nn.Linear(2, 2)
     with pytest.raises(DeepSpeedConfigError, match="ZeRO stage 3 partitions the parameters.*expected stage 0, 1 or 2"):
         initialize(net, config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    assert type(net) is torch.nn.Linear and not dist.is_initialized()
+
+
+def test_configs_are_read_as_deepspeed_reads_them(tmp_path):
+    """A file with comments (DeepSpeed reads hjson), base64 JSON, the older ``config_params``
+    keyword and a stage given as a string all reach the stage-3 check; unreadable configs get
+    a DeepSpeedConfigError that names them."""
+    import base64
+
+    from onnxtrain.integrations.deepspeed import initialize
+
+    stage3 = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": "3"}}
+    commented = tmp_path / "ds_config.json"
+    commented.write_text('{\n  // ZeRO-3\n  "train_micro_batch_size_per_gpu": 1,\n  "zero_optimization": {"stage": 3},\n}\n')
+    encoded = base64.urlsafe_b64encode(json.dumps(stage3).encode()).decode()
+    net = torch.nn.Linear(2, 2)
+    for kwargs in ({"config": stage3}, {"config_params": stage3}, {"config": commented}, {"config": encoded}):
+        with pytest.raises(DeepSpeedConfigError, match="ZeRO stage 3 partitions the parameters"):
+            initialize(net, **kwargs)
+    duplicated = tmp_path / "duplicated.json"
+    duplicated.write_text('{"zero_optimization": {"stage": 1}, "zero_optimization": {"stage": 3}}')
+    for config, message in ((duplicated, "duplicated.json' is neither a readable JSON file"),
+                            ("no-such-file.json", "'no-such-file.json' is neither a readable JSON file"),
+                            ({"zero_optimization": {"stage": "x"}}, "'zero_optimization' is not valid"),
+                            ({"optimizer": {"type": "Adam", "params": [1]}}, "'params' must be an object")):
+        with pytest.raises(DeepSpeedConfigError, match=message):
+            initialize(net, config=config)
     assert type(net) is torch.nn.Linear and not dist.is_initialized()

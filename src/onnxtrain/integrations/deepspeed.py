@@ -21,6 +21,8 @@ the ``deepspeed`` extra, and set ``DS_ACCELERATOR=cpu`` on a machine without GPU
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import os
 from collections.abc import Mapping
@@ -28,8 +30,11 @@ from pathlib import Path
 
 import deepspeed
 import deepspeed.ops
+import hjson
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.config_utils import dict_raise_error_on_duplicate_keys
+from deepspeed.runtime.zero.config import get_zero_config
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.torch import DebugOptions, ORTModule
@@ -54,21 +59,56 @@ class DeepSpeedConfigError(OnnxTrainError, ValueError):
 
 
 def _load_config(config) -> dict | None:
+    """The config as a dict we may edit, read as DeepSpeed reads it: a dict, a path to a JSON
+    (hjson: comments and trailing commas allowed, duplicate keys refused) file, or base64 JSON."""
     if config is None or isinstance(config, Mapping):
         return None if config is None else json.loads(json.dumps(config))  # a deep copy we may edit
-    if isinstance(config, (str, os.PathLike)):
-        return json.loads(Path(config).read_text())
-    raise DeepSpeedConfigError(f"DeepSpeed config must be a dict or a JSON file path, got {type(config).__name__}")
+    if not isinstance(config, (str, os.PathLike)):
+        raise DeepSpeedConfigError(f"DeepSpeed config must be a dict, a JSON file path or base64 JSON, "
+                                   f"got {type(config).__name__}")
+    try:
+        if Path(config).exists():
+            with open(config, encoding="utf-8") as file:
+                loaded = hjson.load(file, object_pairs_hook=dict_raise_error_on_duplicate_keys)
+        else:
+            loaded = hjson.loads(base64.urlsafe_b64decode(str(config)).decode("utf-8"))
+    except (ValueError, hjson.HjsonDecodeError, binascii.Error) as exc:  # includes duplicate keys
+        raise DeepSpeedConfigError(f"DeepSpeed config {str(config)[:200]!r} is neither a readable JSON file nor "
+                                   f"base64 JSON: {exc}") from exc
+    if not isinstance(loaded, Mapping):
+        raise DeepSpeedConfigError(f"DeepSpeed config {str(config)[:200]!r} holds a {type(loaded).__name__}; "
+                                   f"expected a JSON object")
+    return json.loads(json.dumps(loaded))
+
+
+def _zero_settings(config: dict) -> tuple[int, str]:
+    """ZeRO's stage and optimizer-offload device as DeepSpeed reads them (its bool form,
+    strings for numbers, the deprecated ``cpu_offload``)."""
+    try:
+        zero = get_zero_config(config)
+    except ValueError as exc:  # pydantic's ValidationError
+        raise DeepSpeedConfigError(f"DeepSpeed config 'zero_optimization' is not valid: {exc}") from exc
+    offload = zero.offload_optimizer
+    device = "none" if offload is None else getattr(offload.device, "value", offload.device)
+    return int(zero.stage), str(device).lower()
+
+
+def _adam_params(optimizer_config: Mapping) -> dict:
+    params = optimizer_config.get("params")
+    if params is None:
+        return {}
+    if not isinstance(params, Mapping):
+        raise DeepSpeedConfigError(f"DeepSpeed optimizer 'params' must be an object, got {params!r}")
+    return dict(params)
 
 
 def _wants_our_adam(config: dict) -> bool:
     optimizer = config.get("optimizer")
-    if not optimizer or str(optimizer.get("type", "")).lower() not in _ADAM_TYPES:
+    if not isinstance(optimizer, Mapping) or str(optimizer.get("type", "")).lower() not in _ADAM_TYPES:
         return False
-    params = optimizer.get("params", {})
-    offload = config.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    _, offload = _zero_settings(config)
     # torch_adam: the user chose torch's Adam; offload: ZeRO-Offload needs DeepSpeed's CPU Adam
-    return not params.get("torch_adam", False) and str(offload).lower() in ("none", "")
+    return not _adam_params(optimizer).get("torch_adam", False) and offload in ("none", "")
 
 
 def fused_adam_from_config(params, optimizer_config: Mapping) -> FusedAdam:
@@ -84,7 +124,7 @@ def fused_adam_from_config(params, optimizer_config: Mapping) -> FusedAdam:
     kind = str(optimizer_config.get("type", "")).lower()
     if kind not in _ADAM_TYPES:
         raise DeepSpeedConfigError(f"optimizer type must be Adam or AdamW, got {optimizer_config.get('type')!r}")
-    settings = dict(optimizer_config.get("params", {}))
+    settings = _adam_params(optimizer_config)
     adam_w_mode = settings.pop("adam_w_mode", _DEEPSPEED_ADAM_W_MODE_DEFAULT) or kind == "adamw"
     settings.pop("torch_adam", None)
     unknown = sorted(set(settings) - set(_DEEPSPEED_ADAM_DEFAULTS))
@@ -120,11 +160,12 @@ def initialize(model: torch.nn.Module, *, debug_options: DebugOptions | None = N
             shared-memory all-reduce op (by default it is marked unavailable, which DeepSpeed
             remembers for the rest of the process).
         optimizer, model_parameters, config, **deepspeed_kwargs: as for ``deepspeed.initialize``
-            (``config``: a dict or a JSON file path).
+            (``config``, or its older name ``config_params``: a dict, a JSON file path or base64
+            JSON, read as DeepSpeed reads them).
 
     Raises:
-        DeepSpeedConfigError: the config's Adam params have no FusedAdam counterpart, or the
-            config asks for ZeRO stage 3 (checked before anything else happens).
+        DeepSpeedConfigError: the config cannot be read, its Adam params have no FusedAdam
+            counterpart, or it asks for ZeRO stage 3 (checked before anything else happens).
 
     Example:
         >>> config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 1},
@@ -132,8 +173,10 @@ def initialize(model: torch.nn.Module, *, debug_options: DebugOptions | None = N
         >>> engine, optimizer, _, _ = initialize(net, config=config)
         >>> loss = loss_fn(engine(x), y); engine.backward(loss); engine.step()
     """
+    if config is None and "config_params" in deepspeed_kwargs:  # DeepSpeed's older name for config
+        config = deepspeed_kwargs.pop("config_params")
     loaded = _load_config(config)
-    stage = (loaded or {}).get("zero_optimization", {}).get("stage", 0)
+    stage = 0 if loaded is None else _zero_settings(loaded)[0]
     if stage >= _ZERO_PARAMETER_PARTITIONING_STAGE:
         raise DeepSpeedConfigError(
             f"ZeRO stage {stage} partitions the parameters and gathers them in forward hooks of each "

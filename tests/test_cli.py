@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import onnx
+import pytest
 
 from tests.test_artifacts import regression_model
 
@@ -46,6 +47,22 @@ def test_artifacts_command_reports_bad_parameter_names(tmp_path):
     result = _onnxtrain("artifacts", "model.onnx", "--requires-grad", "w9", "-o", "out", cwd=tmp_path)
     assert result.returncode != 0
     assert "no initializer named ['w9']" in result.stderr
+
+def test_user_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    """No names at all, an output folder that is a file, no epochs: exit 2 and a message, no traceback."""
+    from onnxtrain import cli
+
+    monkeypatch.chdir(tmp_path)
+    onnx.save(regression_model(), tmp_path / "model.onnx")
+    (tmp_path / "a_file").write_text("")
+    for args, message in [(["artifacts", "model.onnx", "--requires-grad"], "requires_grad is empty"),
+                          (["artifacts", "model.onnx", "-o", "a_file"], "'a_file' is a file, not a folder"),
+                          (["artifacts", "model.onnx", "-o", "a_file/out"], "cannot write the artifacts to")]:
+        assert cli.main(args) == 2
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error
+        cli.main(["demo", "--epochs", "0"])
+    assert exit_info.value.code == 2 and "--epochs: expected an integer >= 1, got '0'" in capsys.readouterr().err
 
 
 def test_artifacts_command_with_ort_format(tmp_path):

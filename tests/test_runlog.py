@@ -76,6 +76,68 @@ def test_bad_input_is_named(tmp_path):
         runlog.plot(tmp_path / "a")
 
 
+def test_a_rejected_step_is_not_counted_and_reserved_names_are_refused(tmp_path):
+    with runlog.RunLog(tmp_path) as log:
+        for bad in ("high", "1.5", True, b"1"):
+            with pytest.raises(runlog.RunLogError, match="'loss' must be a number"):
+                log.step(bad)
+        log.step(1.0)
+        with pytest.raises(runlog.RunLogError, match=r"metrics \['kind', 'step'\] would overwrite"):
+            log.step(0.5, kind=1, step=100)
+        with pytest.raises(runlog.RunLogError, match=r"eval metrics \['kind'\] would overwrite"):
+            log.evaluate(kind=3, accuracy=0.5)
+        log.evaluate(accuracy=0.5)
+    records = [json.loads(line) for line in (tmp_path / runlog.RUN_FILE).read_text().splitlines()]
+    assert [(r["kind"], r.get("step", r.get("steps"))) for r in records[1:]] == [("step", 1), ("eval", 1), ("end", 1)]
+    assert runlog.summarize(tmp_path).steps == 1
+
+
+def test_a_record_cut_short_is_left_out_and_resuming_goes_on(tmp_path):
+    """A run killed while writing leaves a last line without its newline: the report reads
+    everything before it, and a resumed RunLog appends after the last whole record."""
+    log = runlog.RunLog(tmp_path)
+    log.step(2.0)
+    log.step(1.5)
+    log._file.close()  # killed: no end record, and half of the next one
+    with (tmp_path / runlog.RUN_FILE).open("a") as file:
+        file.write('{"kind": "step", "step": 3, "lo')
+    assert runlog.summarize(tmp_path).losses == [2.0, 1.5]
+    _log_run(tmp_path, [1.0])
+    summary = runlog.summarize(tmp_path)
+    assert summary.losses == [2.0, 1.5, 1.0] and summary.finished
+
+
+def test_nan_losses_and_the_timed_samples(tmp_path):
+    for order in ([math.nan, 2.0, 1.0], [2.0, math.nan, 1.0]):
+        _log_run(tmp_path, order, fresh=True)
+        assert runlog.summarize(tmp_path).min_loss == 1.0  # NaN is not a minimum, wherever it is
+    with runlog.RunLog(tmp_path, fresh=True) as log:
+        log.step(1.0, samples=1000)  # no duration: not part of the throughput
+        log.step(1.0, samples=10, seconds=1.0)
+    summary = runlog.summarize(tmp_path)
+    assert (summary.samples, summary.timed_samples, summary.samples_per_second) == (1010, 10, 10.0)
+    assert "throughput: 10.0 samples/s over 10 samples" in summary.text()
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe binary", "not a readable run log"),
+    (b'{"kind": "step", "step": 1}\n', "step record without 'loss'"),
+    (b'{"kind": "step", "step": 1, "loss": "abc"}\n', "step field 'loss' is 'abc', not a number"),
+    (b'{"kind": "eval", "accuracy": 0.5}\n', "eval record without 'step'"),
+    (b'{"kind": "end", "steps": 1}\n', "end record without 'wall_seconds'"),
+    (b'{"kind": "run", "settings": [1]}\n', "'settings' is not an object"),
+    (b'{"kind": "step", "step": 1, "loss": 1.0, "samples": "8"}\n', "step field 'samples' is '8'"),
+])
+def test_malformed_records_are_named(tmp_path, capsys, content, message):
+    from onnxtrain import cli
+
+    (tmp_path / runlog.RUN_FILE).write_bytes(content)
+    with pytest.raises(runlog.RunLogError, match=message):
+        runlog.summarize(tmp_path)
+    assert cli.main(["report", str(tmp_path)]) == 2  # one line, no traceback
+    assert capsys.readouterr().err.startswith("onnxtrain report: ")
+
+
 def test_plot_draws_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     _log_run(tmp_path, [1.0 / (i + 1) for i in range(50)])
@@ -83,6 +145,19 @@ def test_plot_draws_a_png(tmp_path):
     assert path == tmp_path / runlog.PLOT_FILE and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     other = runlog.plot(tmp_path, tmp_path / "sub" / "loss.png")
     assert other.stat().st_size > 1000
+    # given the run.jsonl itself, the default plot goes next to it
+    (tmp_path / runlog.PLOT_FILE).unlink()
+    assert runlog.plot(tmp_path / runlog.RUN_FILE) == tmp_path / runlog.PLOT_FILE
+
+
+def test_plot_leaves_the_callers_matplotlib_backend_alone(tmp_path):
+    pytest.importorskip("matplotlib")
+    code = ("import matplotlib; matplotlib.use('svg'); from onnxtrain import runlog; "
+            f"runlog.plot({str(tmp_path)!r}); print(matplotlib.get_backend())")
+    _log_run(tmp_path, [2.0, math.nan, 1.0])  # a NaN loss plots too
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "svg"
 
 
 def _report(*args):

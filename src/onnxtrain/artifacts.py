@@ -65,11 +65,14 @@ class _Training(TrainingBlock):
         return self._loss(*inputs_to_loss)
 
 
-def _nothing_to_optimize(model, params) -> str:
+def _nothing_to_optimize(model, params, requires_grad) -> str:
     """Why no parameter requires gradients, for the error that an optimizer model needs one."""
     from onnxtrain.passes.fake_quant import quantized_weights
 
     message = "an optimizer model needs at least one parameter that requires gradients"
+    if requires_grad is not None and not list(requires_grad):
+        return (f"{message}; requires_grad is empty: name the parameters to train, or leave it None to train "
+                f"every floating-point initializer that is not frozen")
     if params.frozen:
         return f"{message}; every parameter is frozen: {sorted(params.frozen)}"
     in_attributes = sorted({f"{n.domain}.{n.op_type}" for n in model.graph.all_nodes()
@@ -244,7 +247,7 @@ def generate_artifacts(
         training_model, eval_model = training_block.to_ir_models()
         params = training_block.parameter_values
         if optimizer is not None and not params.trainable:  # checked before any file is written
-            raise ArtifactError(_nothing_to_optimize(base_model, params))
+            raise ArtifactError(_nothing_to_optimize(base_model, params, requires_grad))
         try:
             check_storable({**params.trainable, **params.frozen})
         except CheckpointError as exc:
@@ -252,7 +255,12 @@ def generate_artifacts(
                                 f"it in mixed precision") from exc
 
         directory = pathlib.Path(artifact_directory) if artifact_directory is not None else pathlib.Path.cwd()
-        directory.mkdir(parents=True, exist_ok=True)
+        if directory.exists() and not directory.is_dir():
+            raise ArtifactError(f"artifact_directory {str(directory)!r} is a file, not a folder")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a file on the way there, no permission, ...
+            raise ArtifactError(f"cannot write the artifacts to {str(directory)!r}: {exc.strerror or exc}") from exc
         with bar.phase("writing the models"):
             io.save_model(training_model, directory / f"{prefix}training_model.onnx")
             io.save_model(eval_model, directory / f"{prefix}eval_model.onnx")

@@ -76,13 +76,23 @@ def _report(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnxtrain", description="Train models with stock ONNX Runtime.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits through the artifacts flow")
     demo.add_argument("--out", default="demo_out", help="folder for artifacts and the exported model")
-    demo.add_argument("--epochs", type=int, default=20)
+    demo.add_argument("--epochs", type=_positive_int, default=20)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(run=_demo)

@@ -87,6 +87,8 @@ def run_demo(out_dir: str | pathlib.Path = "demo_out", epochs: int = 20, batch_s
     from onnxtrain import artifacts, runlog
     from onnxtrain.api import CheckpointState, Module, Optimizer
 
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs is {epochs!r}; expected an integer >= 1")
     start = time.perf_counter()
     out_dir = pathlib.Path(out_dir)
     x_train, y_train, x_test, y_test = load_digits(seed)

@@ -41,14 +41,27 @@ class RunLogError(OnnxTrainError, ValueError):
     """A run log is missing, malformed, or was given something that is not a number."""
 
 
+# Keys every record of a kind has; metrics may not take these names.
+_RESERVED = {"step": ("kind", "step", "loss", "samples", "seconds"), "eval": ("kind", "step")}
+
+
 def _number(key: str, value) -> float | int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, (bool, str, bytes)):
         try:
-            value = float(value)  # numpy scalars, 0-d arrays, torch scalars
+            return float(value)  # numpy scalars, 0-d arrays, torch scalars
         except (TypeError, ValueError):
-            raise RunLogError(f"run log metric {key!r} must be a number, got {type(value).__name__} {value!r}") \
-                from None
-    return value
+            pass
+    raise RunLogError(f"run log metric {key!r} must be a number, got {type(value).__name__} {value!r}")
+
+
+def _metrics(kind: str, metrics: dict) -> dict:
+    clashing = sorted(set(metrics) & set(_RESERVED[kind]))
+    if clashing:
+        raise RunLogError(f"run log {kind} metrics {clashing} would overwrite the record's own fields "
+                          f"{list(_RESERVED[kind])}; name them otherwise")
+    return {k: _number(k, v) for k, v in metrics.items()}
 
 
 class RunLog:
@@ -68,6 +81,7 @@ class RunLog:
         self.path = self.directory / RUN_FILE
         if fresh and self.path.exists():
             self.path.unlink()
+        _drop_torn_record(self.path)
         self._file = self.path.open("a", encoding="utf-8")
         self._steps = 0
         self._started = time.perf_counter()
@@ -78,19 +92,20 @@ class RunLog:
         self._file.flush()
 
     def step(self, loss, samples: int | None = None, seconds: float | None = None, **metrics) -> None:
-        """Record one training step: its loss, how many samples it saw and how long it took."""
-        self._steps += 1
-        record = {"kind": "step", "step": self._steps, "loss": _number("loss", loss)}
+        """Record one training step: its loss, how many samples it saw and how long it took.
+        Values that are not numbers raise :class:`RunLogError` and the step is not counted."""
+        record = {"kind": "step", "step": self._steps + 1, "loss": _number("loss", loss)}
         if samples is not None:
             record["samples"] = int(_number("samples", samples))
         if seconds is not None:
             record["seconds"] = _number("seconds", seconds)
-        record.update({k: _number(k, v) for k, v in metrics.items()})
+        record.update(_metrics("step", metrics))
         self._write(record)
+        self._steps += 1
 
     def evaluate(self, **metrics) -> None:
         """Record an evaluation (accuracy, eval loss, ...) after the steps logged so far."""
-        self._write({"kind": "eval", "step": self._steps, **{k: _number(k, v) for k, v in metrics.items()}})
+        self._write({"kind": "eval", "step": self._steps, **_metrics("eval", metrics)})
 
     def close(self) -> None:
         """Write the ``end`` record (wall time since the log was opened) and close the file."""
@@ -121,6 +136,7 @@ class RunSummary:
     finished: bool
     evaluations: list[dict] = field(default_factory=list)
     step_records: list[dict] = field(default_factory=list, repr=False)
+    timed_samples: int = 0  # the samples of the steps that have a duration (samples_per_second's)
 
     @property
     def losses(self) -> list[float]:
@@ -136,7 +152,7 @@ class RunSummary:
         if self.steps:
             lines.append(f"loss: first {self.first_loss:.4f}, last {self.last_loss:.4f}, min {self.min_loss:.4f}")
         if self.samples_per_second is not None:
-            lines.append(f"throughput: {self.samples_per_second:.1f} samples/s over {self.samples} samples")
+            lines.append(f"throughput: {self.samples_per_second:.1f} samples/s over {self.timed_samples} samples")
         if self.wall_seconds is not None:
             lines.append(f"wall time: {self.wall_seconds:.1f} s")
         for evaluation in self.evaluations:
@@ -146,21 +162,60 @@ class RunSummary:
         return "\n".join(lines)
 
 
-def _records(directory: str | os.PathLike) -> list[dict]:
+def _run_file(directory: str | os.PathLike) -> Path:
     path = Path(directory)
-    path = path / RUN_FILE if path.is_dir() else path
+    return path / RUN_FILE if path.is_dir() else path
+
+
+def _drop_torn_record(path: Path) -> None:
+    """Cut a last record that a killed run left without its newline, so appending goes on
+    from whole records."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if not data.endswith(b"\n"):
+        with path.open("r+b") as file:
+            file.truncate(data.rfind(b"\n") + 1)
+
+
+# Fields each kind of record must hold (all fields of steps, evals and ends are numbers).
+_FIELDS = {"step": ("loss",), "eval": ("step",), "end": ("wall_seconds",)}
+
+
+def _check_record(record: dict, where: str) -> None:
+    for key in _FIELDS.get(record["kind"], ()):
+        if key not in record:
+            raise RunLogError(f"{where}: {record['kind']} record without {key!r}")
+    if record["kind"] == "run" and not isinstance(record.get("settings", {}), dict):
+        raise RunLogError(f"{where}: the run's 'settings' is not an object")
+    if record["kind"] in ("step", "eval", "end"):
+        for key, value in record.items():
+            if key != "kind" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise RunLogError(f"{where}: {record['kind']} field {key!r} is {value!r}, not a number")
+
+
+def _records(directory: str | os.PathLike) -> list[dict]:
+    path = _run_file(directory)
     if not path.exists():
         raise RunLogError(f"no run log at {path}: expected a {RUN_FILE} written by onnxtrain.runlog.RunLog")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError) as exc:
+        raise RunLogError(f"{path}: not a readable run log ({exc})") from None
+    lines = text.splitlines()
     records = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
+            if number == len(lines) and not text.endswith("\n"):
+                break  # the record a killed run was writing: everything before it stands
             raise RunLogError(f"{path}, line {number}: not a JSON record ({exc})") from None
         if not isinstance(record, dict) or "kind" not in record:
             raise RunLogError(f"{path}, line {number}: expected an object with a 'kind', got {line[:80]!r}")
+        _check_record(record, f"{path}, line {number}")
         records.append(record)
     return records
 
@@ -169,26 +224,29 @@ def summarize(directory: str | os.PathLike) -> RunSummary:
     """Read ``<directory>/run.jsonl`` (or that file itself) into a :class:`RunSummary`.
 
     A resumed run (several ``run`` headers in one file) is summarized as one run whose steps
-    continue; the header of the first part names it.
+    continue; the header of the first part names it. A last record cut short (a run killed
+    while writing it) is left out. ``min_loss`` is over the losses that are not NaN.
     """
     records = _records(directory)
     header = next((r for r in records if r["kind"] == "run"), {})
     steps = [r for r in records if r["kind"] == "step"]
     losses = [float(r["loss"]) for r in steps]
+    compared = [loss for loss in losses if not math.isnan(loss)]
     timed = [r for r in steps if "samples" in r and r.get("seconds")]
     samples = sum(r.get("samples", 0) for r in steps)
+    timed_samples = sum(r["samples"] for r in timed)
     seconds = sum(r["seconds"] for r in timed)
     ends = [r for r in records if r["kind"] == "end"]
     nan = math.nan
     return RunSummary(
         name=header.get("name", "run"), settings=header.get("settings", {}), steps=len(steps),
         first_loss=losses[0] if losses else nan, last_loss=losses[-1] if losses else nan,
-        min_loss=min(losses) if losses else nan, samples=samples,
-        samples_per_second=sum(r["samples"] for r in timed) / seconds if seconds else None,
+        min_loss=min(compared) if compared else nan, samples=samples,
+        samples_per_second=timed_samples / seconds if seconds else None,
         wall_seconds=sum(r["wall_seconds"] for r in ends) if ends else None,
         finished=bool(ends) and records[-1]["kind"] == "end",
         evaluations=[{k: v for k, v in r.items() if k != "kind"} for r in records if r["kind"] == "eval"],
-        step_records=steps)
+        step_records=steps, timed_samples=timed_samples)
 
 
 def _trailing_means(values: list[float], weights: list[float], window: int) -> list[float]:
@@ -206,17 +264,17 @@ def plot(directory: str | os.PathLike, path: str | os.PathLike | None = None) ->
     summary = summarize(directory)
     if not summary.steps:
         raise RunLogError(f"the run log in {directory} has no steps to plot")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+    try:  # a Figure with its own Agg canvas: the caller's pyplot backend stays as it is
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
     except ImportError as exc:
         raise RunLogError(f"plotting a run needs matplotlib ({exc}); pip install matplotlib") from None
-    path = Path(path) if path is not None else Path(directory) / PLOT_FILE
+    path = Path(path) if path is not None else _run_file(directory).parent / PLOT_FILE
     timed = [(i + 1, r["samples"], r["seconds"]) for i, r in enumerate(summary.step_records)
              if "samples" in r and r.get("seconds")]
-    fig, axes = plt.subplots(1, 2 if timed else 1, figsize=(11 if timed else 6, 4), squeeze=False)
+    fig = Figure(figsize=(11 if timed else 6, 4))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2 if timed else 1, squeeze=False)
     steps = range(1, summary.steps + 1)
     window = min(SMOOTHING_WINDOW, summary.steps)
     loss_axis = axes[0][0]
@@ -225,7 +283,8 @@ def plot(directory: str | os.PathLike, path: str | os.PathLike | None = None) ->
         loss_axis.plot(steps, _trailing_means(summary.losses, [1.0] * summary.steps, window), color="tab:blue",
                        linewidth=1.8, label=f"mean of the last {window} steps")
     loss_axis.set(xlabel="step", ylabel="loss", title=f"{summary.name}: training loss")
-    if min(summary.losses) > 0:
+    finite = [loss for loss in summary.losses if math.isfinite(loss)]
+    if finite and min(finite) > 0:
         loss_axis.set_yscale("log")
     loss_axis.legend()
     if timed:  # samples over seconds of the last steps: single steps are too short to read alone
@@ -237,5 +296,4 @@ def plot(directory: str | os.PathLike, path: str | os.PathLike | None = None) ->
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     return path

@@ -258,6 +258,19 @@ def test_export_onnx_optimized_runs_in_onnxruntime_with_the_torch_logits(runs, t
     _check_export(runs["fused"], tokenizer, tmp_path / "model.onnx", optimize=True, inputs=sample)
 
 
+def test_an_output_named_like_an_input_is_refused_before_export(tmp_path):
+    from onnxtrain.errors import ExportError
+    from onnxtrain.integrations.onnx_inference import export_inference_onnx
+
+    class Echo(torch.nn.Module):
+        def forward(self, x):
+            return {"x": x * 2.0}
+
+    with pytest.raises(ExportError, match=r"outputs \['x'\] have the names of inputs"):
+        export_inference_onnx(Echo(), {"x": torch.ones(2, 3)}, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
 def test_export_onnx_without_any_sample_says_what_it_needs(tmp_path):
     trainer = ORTTrainer(model=torch.nn.Linear(2, 2), args=_args(ORTTrainingArguments, tmp_path))
     with pytest.raises(ORTTrainerError, match="sample inputs"):

@@ -53,7 +53,8 @@ def export_inference_onnx(module: torch.nn.Module, inputs: Mapping[str, torch.Te
     allows). ``optimize`` runs the exporter's graph optimizer (constant folding, fusions; about
     half the export time on MiniLM); ONNX Runtime optimizes the graph again when it loads it.
     The module's train/eval mode is restored afterwards. Raises ``InputMismatchError``
-    for inputs that are not tensors and ``ExportError`` if ``torch.onnx.export`` fails.
+    for inputs that are not tensors and ``ExportError`` if ``torch.onnx.export`` fails or an
+    output has an input's name.
 
     Example:
         >>> names = export_inference_onnx(model, {"input_ids": ids, "attention_mask": mask}, "model.onnx")
@@ -71,6 +72,10 @@ def export_inference_onnx(module: torch.nn.Module, inputs: Mapping[str, torch.Te
     try:
         with torch.no_grad():
             output_names, _ = _output_tensors(module(**inputs))
+        clashing = [n for n in output_names if n in inputs]
+        if clashing:  # an ONNX graph defines each name once
+            raise ExportError(f"{type(module).__name__}'s outputs {clashing} have the names of inputs; an ONNX model "
+                              f"names every value once: rename the inputs or the outputs")
         dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in tensors)
         with quiet_exporter():
             program = torch.onnx.export(_KeywordCall(module, names), tensors, dynamo=True, verbose=False,

@@ -211,6 +211,52 @@ def test_wrap_modules_dotted_names_and_options():
         assert not any(isinstance(m, ORTModule) for m in root.modules())
 
 
+def test_containers_stand_for_their_elements_and_frozen_models_keep_their_wrappers():
+    class Layers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)])
+            self.heads = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2)})
+
+        def forward(self, x):
+            for i in range(len(self.layers)):
+                x = torch.tanh(self.layers[i](x))
+            return self.heads["a"](x)
+
+    root = Layers()
+    x = torch.randn(5, 3)
+    expected = root(x)
+    assert wrap_modules(root) == ["layers.0", "layers.1", "heads.a"]  # ModuleList/ModuleDict have no forward
+    torch.testing.assert_close(root(x), expected)
+    assert all(root.layers[i].export_count == 1 for i in range(2)) and root.heads["a"].export_count == 1
+    unwrap_modules(root)
+    with pytest.raises(LightningIntegrationError, match=r"'layers' \(ModuleList\) in ORTModule: it has no forward"):
+        wrap_modules(root, "layers")
+    # a wrapped container with a forward still indexes, iterates and counts as the container
+    wrapped = ORTModule(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()))
+    assert len(wrapped) == 2 and [type(m) for m in wrapped] == [torch.nn.Linear, torch.nn.ReLU] and bool(wrapped)
+    assert bool(ORTModule(torch.nn.Linear(2, 2)))
+    # a model frozen for inference (LightningModule.freeze()): its wrapped children stay, its plain ones are picked
+    root = _Parts()
+    wrap_modules(root, "head")
+    root.requires_grad_(False)
+    assert wrap_modules(root) == ["encoder"] and isinstance(root.head, ORTModule)
+    assert wrap_modules(root) == []
+
+
+def test_sync_batchnorm_conversion_through_a_wrapper_keeps_the_tree():
+    """SyncBatchNorm.convert_sync_batchnorm (Lightning's sync_batchnorm=True) rebuilds the tree
+    through named_children and add_module, which lists the wrapper's own slot."""
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    keys = list(net.state_dict())
+    wrapped = ORTModule(net)
+    converted = torch.nn.SyncBatchNorm.convert_sync_batchnorm(wrapped)
+    assert converted is wrapped and wrapped.module is net and isinstance(net[1], torch.nn.SyncBatchNorm)
+    assert list(wrapped.state_dict()) == keys and "_original_module" not in dict(net.named_children())
+    with pytest.raises(TypeError, match="cannot swap the module it wraps"):
+        wrapped.add_module("_original_module", torch.nn.Linear(2, 2))
+
+
 def test_missing_modules_are_named_in_the_error(tmp_path):
     root = _Parts()
     with pytest.raises(LightningIntegrationError, match=r"no submodule 'decoder'.*children: \['encoder', 'head'"):
@@ -220,7 +266,7 @@ def test_missing_modules_are_named_in_the_error(tmp_path):
         wrap_modules(root, ["head", "encoder"], memory_budget=-1)
     assert not any(isinstance(m, ORTModule) for m in root.modules())
     assert wrap_modules(root, ["head", "head"]) == ["head"]
-    with pytest.raises(LightningIntegrationError, match="no child module with trainable parameters"):
+    with pytest.raises(LightningIntegrationError, match="no child module with parameters"):
         wrap_modules(torch.nn.Sequential(torch.nn.ReLU()))
     assert wrap_modules(_Parts(), "decoder", missing_ok=True) == []
 

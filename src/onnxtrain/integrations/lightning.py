@@ -57,9 +57,29 @@ def _resolve(root: torch.nn.Module, dotted: str) -> tuple[torch.nn.Module, str, 
     return parent, parts[-1], module if isinstance(module, torch.nn.Module) else None
 
 
+def _runs_forward(module: torch.nn.Module) -> bool:
+    """Whether the module can be called (containers such as ModuleList and ModuleDict cannot)."""
+    return type(module).forward is not torch.nn.Module.forward
+
+
 def _default_names(root: torch.nn.Module) -> list[str]:
-    """Direct children with trainable parameters (loss modules and metrics have none)."""
-    return [name for name, child in root.named_children() if _has_trainable_parameters(child)]
+    """Direct children that hold trainable parameters (loss modules and metrics hold none) or,
+    in a model frozen for inference, any parameters; a container without a forward
+    (ModuleList, ModuleDict) stands for its elements."""
+    trainable = _has_trainable_parameters(root)
+    names = []
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:
+        for name, child in module.named_children():
+            if not any(p.requires_grad or not trainable for p in child.parameters()):
+                continue
+            if _runs_forward(child):
+                names.append(prefix + name)
+            else:
+                walk(child, f"{prefix}{name}.")
+
+    walk(root, "")
+    return names
 
 
 def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None, *,
@@ -71,9 +91,11 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
     Args:
         root: the module whose submodules to wrap; ``root`` itself is never wrapped (Lightning
             calls its ``training_step``, not only its ``forward``).
-        names: attribute paths (``"model"``, ``"backbone.encoder"``) of the submodules, or
-            None for every direct child that has trainable parameters. ORTModules do not
-            nest: a module inside or around one that is wrapped already is refused.
+        names: attribute paths (``"model"``, ``"backbone.encoder"``, ``"layers.0"``) of the
+            submodules, or None for every direct child that has trainable parameters (any
+            parameters, in a model frozen for inference), with the elements of a ``ModuleList``
+            or ``ModuleDict`` child in its place (containers have no forward to run). ORTModules
+            do not nest: a module inside or around one that is wrapped already is refused.
         debug_options, memory_opt_level, memory_budget: passed to each ``ORTModule``.
         missing_ok: skip names that do not exist (yet) instead of raising.
 
@@ -82,9 +104,9 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
     Parameters stay the same tensors: an optimizer built before keeps working.
 
     Raises:
-        LightningIntegrationError: a name is missing or is not a module, wrapping it would
-            nest ORTModules, or ``names`` is None and ``root`` has no child module with
-            trainable parameters.
+        LightningIntegrationError: a name is missing, is not a module or is a container
+            without a forward, wrapping it would nest ORTModules, or ``names`` is None and
+            ``root`` has no child module with parameters.
 
     Example:
         >>> wrap_modules(lit_model, "model", memory_opt_level=1)
@@ -94,7 +116,7 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
         targets = _default_names(root)
         if not targets and not missing_ok:
             raise LightningIntegrationError(
-                f"{type(root).__name__} has no child module with trainable parameters to wrap in "
+                f"{type(root).__name__} has no child module with parameters to wrap in "
                 f"ORTModule; name the submodules (children: {[n for n, _ in root.named_children()]})")
     else:
         targets = [names] if isinstance(names, str) else list(names)
@@ -109,6 +131,10 @@ def wrap_modules(root: torch.nn.Module, names: str | Sequence[str] | None = None
                 f"(children: {[n for n, _ in root.named_children()]})")
         if isinstance(module, ORTModule) or id(module) in planned:
             continue
+        if not _runs_forward(module):
+            raise LightningIntegrationError(
+                f"cannot wrap {name!r} ({type(module).__name__}) in ORTModule: it has no forward of its own, the "
+                f"code around it calls its elements; name those (e.g. {name}.0) or the module that uses them")
         inner = [n for n, m in module.named_modules() if isinstance(m, ORTModule)]
         if inner:
             raise LightningIntegrationError(
@@ -170,9 +196,10 @@ class ORTModuleCallback(pl.Callback):
         debug_options, memory_opt_level, memory_budget: ``ORTModule``'s options, for each.
 
     Works with ``precision="32-true"`` and ``"bf16-mixed"`` (autocast; ``"16-mixed"`` takes the
-    same path, untested). With
-    ``"bf16-true"`` on CPU the parameters are bf16, for which onnxruntime's CPU provider has
-    no arithmetic kernels: ORTModule falls back to PyTorch (with a warning).
+    same path; Lightning turns it into bf16 on CPU). With ``"bf16-true"``/``"16-true"`` the
+    parameters themselves are low precision: ORTModule runs them as any model converted to
+    low precision (docs/ortmodule.md: computed in float32 where onnxruntime's CPU provider has
+    no low-precision kernels, rounded where PyTorch rounds).
 
     Example:
         >>> trainer = lightning.Trainer(max_steps=100, callbacks=[ORTModuleCallback("model")])

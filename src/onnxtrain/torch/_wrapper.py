@@ -81,6 +81,15 @@ class ModuleWrapper(torch.nn.Module):
         # a wrapped container (Sequential, ModuleList, ModuleDict) indexes as it did
         return self._original_module[index]
 
+    def __len__(self) -> int:
+        return len(self._original_module)
+
+    def __bool__(self) -> bool:  # without it, truth would ask __len__, which only containers have
+        return bool(self._original_module)
+
+    def __iter__(self):
+        return iter(self._original_module)
+
     def register_buffer(self, name: str, tensor: torch.Tensor | None, persistent: bool = True) -> None:
         """Register a buffer on the wrapped module (where ``state_dict()`` and the export see it)."""
         self._original_module.register_buffer(name, tensor, persistent)
@@ -90,7 +99,18 @@ class ModuleWrapper(torch.nn.Module):
         self._original_module.register_parameter(name, param)
 
     def add_module(self, name: str, module: torch.nn.Module | None) -> None:
-        """Add a submodule to the wrapped module."""
+        """Add a submodule to the wrapped module.
+
+        The wrapped module's own slot (``_original_module``, which ``named_children()`` lists)
+        takes only the module already there: tools that rebuild a tree through
+        ``named_children`` and ``add_module`` (``SyncBatchNorm.convert_sync_batchnorm``) put it
+        back; wrapping another module needs a new wrapper."""
+        if name == WRAPPED:
+            if module is not self._original_module:
+                raise TypeError(f"{type(self).__name__} cannot swap the module it wraps ({type(module).__name__} for "
+                                f"{type(self._original_module).__name__}): wrap the new module in a new "
+                                f"{type(self).__name__}")
+            return
         self._original_module.add_module(name, module)
 
     register_module = add_module

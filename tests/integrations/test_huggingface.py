@@ -271,6 +271,30 @@ def test_an_output_named_like_an_input_is_refused_before_export(tmp_path):
     assert not (tmp_path / "m.onnx").exists()
 
 
+def test_t5_exports_for_inference_like_torch(tmp_path):
+    """T5's attention (transpose, contiguous, view after SDPA) exports only with each contiguous a
+    clone, as ORTModule's export does."""
+    import onnxruntime as ort
+
+    from onnxtrain.integrations.onnx_inference import export_inference_onnx
+
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                   decoder_start_token_id=0, dropout_rate=0.0)
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config)
+    inputs = {"input_ids": torch.randint(1, 64, (2, 7)), "attention_mask": torch.ones(2, 7, dtype=torch.int64),
+              "decoder_input_ids": torch.randint(1, 64, (2, 5))}
+    names = export_inference_onnx(model, inputs, tmp_path / "t5.onnx", optimize=False)
+    assert names[0] == "logits"
+    session = ort.InferenceSession(str(tmp_path / "t5.onnx"), providers=["CPUExecutionProvider"])
+    other = {"input_ids": torch.randint(1, 64, (3, 9)), "attention_mask": torch.ones(3, 9, dtype=torch.int64),
+             "decoder_input_ids": torch.randint(1, 64, (3, 4))}  # other batch and lengths: dims stayed dynamic
+    with torch.no_grad():
+        expected = model.eval()(**other).logits.numpy()
+    got = session.run(["logits"], {k: v.numpy() for k, v in other.items()})[0]
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_export_onnx_without_any_sample_says_what_it_needs(tmp_path):
     trainer = ORTTrainer(model=torch.nn.Linear(2, 2), args=_args(ORTTrainingArguments, tmp_path))
     with pytest.raises(ORTTrainerError, match="sample inputs"):

@@ -4,11 +4,14 @@ The graph takes the call's tensors as inputs (named as the keywords) and returns
 module's output tensors (named as the fields of a Hugging Face ``ModelOutput``, or
 ``output_<i>``); the weights are initializers. Every dim is exported as
 ``torch.export.Dim.AUTO``, so batch size and sequence length stay dynamic where the
-model allows it. The result runs in a stock ``onnxruntime.InferenceSession``.
+model allows it; a model that cannot be captured with dynamic dims for this sample (a
+length-1 sample through transformers' attention) is exported with the sample's shapes, with
+a warning. The result runs in a stock ``onnxruntime.InferenceSession``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 
@@ -17,6 +20,9 @@ import torch
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.ir import io
 from onnxtrain.torch._export import export_failure, quiet_exporter
+from onnxtrain.torch._exporter import contiguous_as_clone
+
+logger = logging.getLogger(__name__)
 
 
 def _output_tensors(out) -> tuple[list[str], list[torch.Tensor]]:
@@ -31,6 +37,23 @@ def _output_tensors(out) -> tuple[list[str], list[torch.Tensor]]:
         return [f"output_{i}" for i in range(len(tensors))], tensors
     raise ExportError(f"cannot export a module whose forward returns {type(out).__name__}; "
                       "expected a tensor, a tuple of tensors or a ModelOutput/dict")
+
+
+def _capture(module: torch.nn.Module, tensors: tuple, dynamic) -> torch.export.ExportedProgram:
+    """The exporter's capture (non-strict ``torch.export``), with each ``contiguous`` a clone:
+    the exporter's own decomposition of it drops the copy in Hugging Face T5's attention."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        exporting = _flags.set_onnx_exporting_flag
+    except (ImportError, AttributeError):  # another internal layout
+        exporting = None
+
+    def run():
+        return torch.export.export(module, tensors, dynamic_shapes=dynamic, strict=False)
+
+    program = exporting(run)() if exporting is not None else run()
+    contiguous_as_clone(program)
+    return program
 
 
 class _KeywordCall(torch.nn.Module):
@@ -76,11 +99,18 @@ def export_inference_onnx(module: torch.nn.Module, inputs: Mapping[str, torch.Te
         if clashing:  # an ONNX graph defines each name once
             raise ExportError(f"{type(module).__name__}'s outputs {clashing} have the names of inputs; an ONNX model "
                               f"names every value once: rename the inputs or the outputs")
+        call = _KeywordCall(module, names)
         dynamic = tuple({d: torch.export.Dim.AUTO for d in range(t.dim())} for t in tensors)
         with quiet_exporter():
-            program = torch.onnx.export(_KeywordCall(module, names), tensors, dynamo=True, verbose=False,
-                                        optimize=optimize, input_names=names, output_names=output_names,
-                                        dynamic_shapes=(dynamic,))
+            try:
+                captured = _capture(call, tensors, (dynamic,))
+            except Exception as exc:  # noqa: BLE001  (the capture raises many types)
+                logger.warning("exporting %s with dynamic dims failed (%s: %s); exporting it with the sample's "
+                               "shapes %s", type(module).__name__, type(exc).__name__, str(exc).splitlines()[0][:200],
+                               [list(t.shape) for t in tensors])
+                captured = _capture(call, tensors, None)
+            program = torch.onnx.export(captured, (), dynamo=True, verbose=False, optimize=optimize,
+                                        input_names=names, output_names=output_names)
     except ExportError:
         raise
     except Exception as exc:  # the exporter raises many types; the reason is in the message

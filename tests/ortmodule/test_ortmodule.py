@@ -764,6 +764,13 @@ def test_save_onnx_writes_every_stage(tmp_path):
 
     for name in names:
         onnx.checker.check_model(onnx.load(str(tmp_path / name)))
+    # values the gradient builder adds between the graphs (dropout masks, layer norm statistics)
+    # carry the forward's inferred shapes, which onnx.checker requires on graph inputs and outputs
+    net = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.LayerNorm(8), torch.nn.Dropout(0.1), torch.nn.Linear(8, 5))
+    wrapped = ORTModule(net, DebugOptions(save_onnx=True, onnx_prefix="ln", save_path=tmp_path, fallback=False))
+    wrapped(torch.randn(3, 12)).sum().backward()
+    for stage in ("forward", "backward"):
+        onnx.checker.check_model(onnx.load(str(tmp_path / f"ln_training_{stage}.onnx")))
 
 
 def test_copies_keep_debug_options():

@@ -7,6 +7,7 @@ older opsets and IR versions up for ``load_model``, works on protobuf too).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Union
 
@@ -112,9 +113,9 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     return ir.to_proto(model)
 
 
-def save_model(model: ir.Model, path: str | os.PathLike) -> None:
+def save_model(model: ir.Model | onnx.ModelProto, path: str | os.PathLike) -> None:
     """Write ``model`` to ``path`` (external data next to it when it is large)."""
-    proto = to_proto(model)
+    proto = model if isinstance(model, onnx.ModelProto) else to_proto(model)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if proto.ByteSize() > EXTERNAL_DATA_THRESHOLD:
@@ -199,6 +200,20 @@ def infer_concrete_shapes(model: ir.Model, input_shapes) -> dict[str, tuple[ir.D
         if all(d is not None for d in dims):
             found[value.name] = (ir.DataType(tensor.elem_type), dims)
     return found
+
+
+def with_inferred_io_shapes(model: ir.Model, known: Mapping[str, onnx.TypeProto] | None = None) -> onnx.ModelProto:
+    """``model`` as protobuf with the shapes onnx infers on its graph inputs and outputs (that
+    onnx.checker requires there); inputs without a shape take theirs from ``known`` (name ->
+    type) first. Where inference fails (an oversized model, an unknown op), the model as it is."""
+    proto = to_proto(model)
+    for value in proto.graph.input:
+        if value.name in (known or {}) and not value.type.tensor_type.HasField("shape"):
+            value.type.CopyFrom(known[value.name])
+    try:
+        return onnx.shape_inference.infer_shapes(proto)
+    except Exception:  # noqa: BLE001  (a debugging aid: the model is written either way)
+        return proto
 
 
 def check_model(model: ir.Model) -> None:

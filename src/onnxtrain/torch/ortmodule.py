@@ -712,8 +712,11 @@ class ORTModule(ModuleWrapper):
                             len(graphs.forward.graph), len(graphs.backward.graph), time.perf_counter() - began,
                             graphs.memory.explain(limit=0).splitlines()[0] if graphs.memory is not None else "")
             variant.memory[wrt] = graphs.memory
-            self._save(graphs.forward, "forward")
-            self._save(graphs.backward, "backward")
+            if self._debug.save_onnx:  # the values passed between them carry the forward's inferred shapes
+                forward = io.with_inferred_io_shapes(graphs.forward)
+                self._save(forward, "forward")
+                self._save(io.with_inferred_io_shapes(graphs.backward, {v.name: v.type for v in forward.graph.output}),
+                           "backward")
             # memory options trade speed for memory: the arena also gives back what a run freed
             programs = TrainingPrograms.build(graphs, list(reached), device_of(inputs),
                                               self._debug.resolved_session_options(),

@@ -11,7 +11,7 @@ from tests.torch_models import MLP, export, torch
 
 from onnxtrain import artifacts, names
 from onnxtrain.api import CheckpointState, Module, Optimizer
-from onnxtrain.errors import ArtifactError
+from onnxtrain.errors import ArtifactError, CheckpointError
 from onnxtrain.onnxblock.loss_scale import DynamicLossScale
 
 STEPS = 30
@@ -110,6 +110,21 @@ def test_fp16_overflow_skips_the_step_and_backs_off_the_scale(mlp_onnx, tmp_path
     _train(module, optimizer, x, y, steps=1)
     assert not optimizer.last_step_skipped and optimizer.step_count == 4
     assert not all(np.array_equal(p.data, before[n]) for n, p in state.parameters)
+
+    # a scale or tracker that is not a count is refused by name, before anything runs
+    for name, value, message in [(names.LOSS_SCALE, "65536x", "'loss_scale' is '65536x'; .*positive finite"),
+                                 (names.LOSS_SCALE, 0.0, "'loss_scale' is 0.0"),
+                                 (names.LOSS_SCALE_GROWTH_TRACKER, 2.5, "'loss_scale_growth_tracker' is 2.5; .*>= 0")]:
+        kept = state.properties[name]
+        state.properties[name] = value
+        with pytest.raises(CheckpointError, match=message):
+            module(x[:16], y[:16])
+        state.properties[name] = kept
+    module(x[:16], y[:16])
+    del state.properties[names.LOSS_SCALE]
+    with pytest.raises(CheckpointError, match="'loss_scale' is None"):
+        optimizer.step()
+    assert optimizer.step_count == 4
 
 
 def test_fp16_scale_follows_grad_scaler(mlp_onnx, tmp_path):

@@ -5,7 +5,7 @@ import { readFileSync } from 'node:fs';
 import { test } from 'node:test';
 import {
   CheckpointError, CheckpointState, InputMismatchError, LinearLRScheduler, Module, ModelError, OnnxTrainError,
-  Optimizer, encodeCheckpoint, ort, readCheckpoint,
+  Optimizer, RunError, encodeCheckpoint, ort, readCheckpoint,
 } from 'onnxtrain-web/node';
 import { fixturePath } from './fixtures.js';
 
@@ -139,9 +139,22 @@ test('setting a parameter checks its dtype and size; steps on one state must not
   const labels = new ort.Tensor('int32', Int32Array.of(1, 2), [2]);
   const first = module.trainStep(images, labels);
   await assert.rejects(optimizer.step(), isError(OnnxTrainError, /a training step on the same state is still running/));
+  // changes the step would write its results over are refused too, not lost
+  const flat = module.getContiguousParameters();
+  assert.throws(() => state.parameters.set('fc.bias', new Float32Array(10)),
+    isError(OnnxTrainError, /cannot set parameter "fc.bias": a training step on the same state is still running/));
+  assert.throws(() => module.copyBufferToParameters(flat), isError(OnnxTrainError, /cannot copy a buffer into the parameters/));
+  assert.throws(() => module.lazyResetGrad(), isError(OnnxTrainError, /cannot reset the gradients/));
   await first;
   await optimizer.step();
   assert.equal(optimizer.stepCount, 1);
+  assert.throws(() => module.copyBufferToParameters([0.5]), isError(InputMismatchError, /got Array; pass a typed array/));
+  assert.throws(() => module.copyBufferToParameters(null), isError(InputMismatchError, /got null/));
+  assert.throws(() => state.parameters.set('fc.bias', { data: new Float32Array(10) }),
+    isError(InputMismatchError, /without a tensor's type and dims/));
+  await optimizer.release();
+  await optimizer.release(); // releasing twice is harmless
+  await assert.rejects(optimizer.step(), isError(RunError, /optimizer step: onnxruntime failed the run/));
   const lr = optimizer.getLearningRate();
   assert.throws(() => optimizer.setLearningRate(-0.1), { name: 'RangeError', message: /learning rate must be >= 0, got -0.1/ });
   assert.throws(() => optimizer.setLearningRate(NaN), /learning rate must be a finite number/);

@@ -66,6 +66,28 @@ test('fp16 artifacts: overflowing steps are skipped, the scale backs off and gro
   assert.equal(optimizer.stepCount, skipped.filter((s) => !s).length, 'skipped steps do not count');
 });
 
+test('fp16 artifacts: a loss scale or growth tracker that is not a count refuses the step, never skips silently', async () => {
+  const small = JSON.parse(readFileSync(fixturePath('small/data.json'), 'utf8'));
+  const artifact = (file) => fixturePath(`small/fp16/${file}`);
+  const state = await CheckpointState.load(artifact('checkpoint'));
+  const module = await Module.create(artifact('training_model.onnx'), state);
+  const optimizer = await Optimizer.create(artifact('optimizer_model.onnx'), module);
+  const [, features] = small.x_dims;
+  const x = new ort.Tensor('float32', Float32Array.from(small.x).slice(0, small.rows * features), [small.rows, features]);
+  const y = new ort.Tensor('int32', Int32Array.from(small.y).slice(0, small.rows), [small.rows]);
+  for (const [name, value, message] of [['loss_scale', '65536x', /"loss_scale" is 65536x; .*a positive finite number/],
+    ['loss_scale', 0, /"loss_scale" is 0/], ['loss_scale_growth_tracker', 2.5, /"loss_scale_growth_tracker" is 2.5; .*integer >= 0/]]) {
+    const before = state.properties.get(name);
+    state.properties.set(name, value);
+    await assert.rejects(module.trainStep(x, y), (error) => error.name === 'CheckpointError' && message.test(error.message));
+    state.properties.set(name, before);
+  }
+  await module.trainStep(x, y);
+  state.properties.delete('loss_scale');
+  await assert.rejects(optimizer.step(), (error) => error.name === 'CheckpointError' && /"loss_scale" is undefined/.test(error.message));
+  assert.equal(optimizer.stepCount, 0);
+});
+
 test('ORT-format models carry the same training metadata: statistics written back, the loss scale', async () => {
   for (const name of ['batchnorm', 'fp16']) {
     const { state, module } = await trainSmall(name, true);

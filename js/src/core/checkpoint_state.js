@@ -88,6 +88,10 @@ export class Parameters {
     const slot = this._state._slot(name);
     let values = data;
     if (data && !ArrayBuffer.isView(data) && typeof data === 'object' && 'data' in data) {
+      if (typeof data.type !== 'string' || !Array.isArray(data.dims)) {
+        throw new InputMismatchError(`parameter ${JSON.stringify(name)} takes a typed array or an onnxruntime Tensor; ` +
+          `got an object without a tensor's type and dims`);
+      }
       if (data.type !== slot.dtype) {
         throw new InputMismatchError(`parameter ${JSON.stringify(name)} has dtype ${slot.dtype}; got a tensor of ${data.type}`);
       }
@@ -108,6 +112,7 @@ export class Parameters {
       throw new InputMismatchError(`parameter ${JSON.stringify(name)} has shape ${formatShape(slot.shape)} ` +
         `(${elementCount(slot.shape)} elements); got ${typed.length} values`);
     }
+    this._state._checkIdle(`set parameter ${JSON.stringify(name)}`);
     slot.value = copyOf(slot.dtype, typed);
     slot.hasValue = true;
   }
@@ -357,6 +362,17 @@ export class CheckpointState {
 
   _missingValues() {
     return [...this._slots.values()].filter((s) => !s.hasValue).map((s) => s.name);
+  }
+
+  /**
+   * Refuse a change of the state while a step on it is running: the step writes its results
+   * back when it ends, over the change.
+   * @param {string} what
+   */
+  _checkIdle(what) {
+    if (this._busy) {
+      throw new OnnxTrainError(`cannot ${what}: ${this._busy} on the same state is still running; await it first`);
+    }
   }
 
   /**

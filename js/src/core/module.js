@@ -19,6 +19,27 @@ import { describeSpec, gatherInputs, isStaticDim, jsonMetadata, loadModel, runSe
 const DEFAULT_LOSS_SCALE = 2 ** 16;
 
 /**
+ * fp16 artifacts' dynamic loss scale and its growth tracker, from the state's properties (where
+ * the Module puts them and the Optimizer updates them), checked.
+ * @param {CheckpointState} state
+ * @returns {{scale: number, tracker: bigint}}
+ */
+export function lossScaleOf(state) {
+  const scale = state.properties.get(names.LOSS_SCALE);
+  const tracker = state.properties.get(names.LOSS_SCALE_GROWTH_TRACKER) ?? 0;
+  if (typeof scale !== 'number' || !Number.isFinite(scale) || scale <= 0) {
+    throw new CheckpointError(`property ${JSON.stringify(names.LOSS_SCALE)} is ${String(scale)}; fp16 artifacts keep ` +
+      `their loss scale there, a positive finite number (the Module sets ${DEFAULT_LOSS_SCALE} when it is missing as it is created)`);
+  }
+  const integral = typeof tracker === 'bigint' || (typeof tracker === 'number' && Number.isInteger(tracker));
+  if (!integral || tracker < 0) {
+    throw new CheckpointError(`property ${JSON.stringify(names.LOSS_SCALE_GROWTH_TRACKER)} is ${String(tracker)}; ` +
+      'expected a count of steps, an integer >= 0');
+  }
+  return { scale, tracker: BigInt(tracker) };
+}
+
+/**
  * How a training or eval model's inputs and outputs map onto the state.
  * @typedef {object} Signature
  * @property {string[]} params  parameter inputs, in the model's order
@@ -172,6 +193,7 @@ export class Module {
     /** @type {CheckpointState} */
     this._state = parts.state;
     this._train = parts.train;
+    this._released = false;
     /** @type {Signature} */
     this._trainSignature = parts.trainSignature;
     this._eval = parts.evaluation;
@@ -216,7 +238,7 @@ export class Module {
       }
       feeds[names.LAZY_RESET_GRAD] = new Tensor('bool', Uint8Array.of(this._resetGrad ? 1 : 0), []);
       if (sig.lossScaled) {
-        feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(Number(state.properties.get(names.LOSS_SCALE))), []);
+        feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(lossScaleOf(state).scale), []);
       }
       const results = await runSession(this._train.session, feeds, 'training step', sig.userInputs);
       // only after a successful run do the new gradients and statistics become current
@@ -253,6 +275,7 @@ export class Module {
 
   /** Make the next training step overwrite the gradients instead of adding to them. */
   lazyResetGrad() {
+    this._state._checkIdle('reset the gradients');
     this._resetGrad = true;
   }
 
@@ -311,8 +334,12 @@ export class Module {
     const expected = this.getParametersSize(trainableOnly);
     const kind = trainableOnly ? 'trainable' : 'all';
     if (!(flat instanceof dtypeInfo(dtype, 'parameter buffer').array)) {
-      throw new InputMismatchError(`parameter buffer must hold ${dtype} values (${kind} parameters), got ${flat?.constructor?.name ?? typeof flat}`);
+      const got = buffer === null ? 'null' : ArrayBuffer.isView(buffer) || flat === undefined
+        ? (buffer?.constructor?.name ?? typeof buffer) : `a tensor of ${flat?.constructor?.name ?? typeof flat}`;
+      throw new InputMismatchError(`parameter buffer must hold ${dtype} values (${kind} parameters), got ${got}; ` +
+        'pass a typed array or a 1-D tensor');
     }
+    this._state._checkIdle('copy a buffer into the parameters');
     if (buffer?.dims && buffer.dims.length !== 1) {
       throw new InputMismatchError(`parameter buffer has shape ${formatShape(buffer.dims)}; expected a 1-D buffer`);
     }
@@ -367,6 +394,8 @@ export class Module {
 
   /** Release the sessions. */
   async release() {
+    if (this._released) return;
+    this._released = true;
     await this._train.session.release?.();
     await this._eval?.session.release?.();
   }

@@ -11,9 +11,9 @@ import { CheckpointError, ModelError } from './errors.js';
 import { copyOf, zerosOf } from './dtypes.js';
 import * as names from './names.js';
 import { DEFAULT_LEARNING_RATE } from './checkpoint_state.js';
-import { Module } from './module.js';
+import { Module, lossScaleOf } from './module.js';
 import { OPTIMIZER_METADATA_KEY } from './onnx_proto.js';
-import { jsonMetadata, loadModel } from './session.js';
+import { jsonMetadata, loadModel, runSession } from './session.js';
 
 /**
  * Updates the trainable parameters of a {@link Module} from its accumulated gradients.
@@ -52,6 +52,7 @@ export class Optimizer {
     /** @type {Module} */
     this._module = parts.module;
     this._model = parts.model;
+    this._released = false;
     this._state = this._module._state;
     this._params = [...this._module._trainSignature.trainable];
     this._states = this._readSignature();
@@ -152,9 +153,9 @@ export class Optimizer {
         [names.STEP]: new Tensor('int64', BigInt64Array.of(BigInt(opt.step + 1)), []),
       };
       if (this._lossScaled) {
-        feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(Number(state.properties.get(names.LOSS_SCALE))), []);
-        feeds[names.LOSS_SCALE_GROWTH_TRACKER] = new Tensor('int64',
-          BigInt64Array.of(BigInt(state.properties.get(names.LOSS_SCALE_GROWTH_TRACKER) ?? 0)), []);
+        const { scale, tracker } = lossScaleOf(state);
+        feeds[names.LOSS_SCALE] = new Tensor('float32', Float32Array.of(scale), []);
+        feeds[names.LOSS_SCALE_GROWTH_TRACKER] = new Tensor('int64', BigInt64Array.of(tracker), []);
       }
       for (const p of this._params) {
         const slot = state._slot(p);
@@ -163,7 +164,7 @@ export class Optimizer {
         const perState = /** @type {Map<string, ArrayBufferView>} */ (opt.values.get(p));
         for (const s of this._states) feeds[names.stateName(p, s)] = new Tensor(slot.dtype, perState.get(s), slot.shape);
       }
-      const outputs = await this._model.session.run(feeds);
+      const outputs = await runSession(this._model.session, feeds, 'optimizer step', []);
       for (const p of this._params) {
         state._slot(p).value = outputs[names.updatedName(p)].data;
         const perState = /** @type {Map<string, ArrayBufferView>} */ (opt.values.get(p));
@@ -212,6 +213,8 @@ export class Optimizer {
 
   /** Release the session. */
   async release() {
+    if (this._released) return;
+    this._released = true;
     await this._model.session.release?.();
   }
 }

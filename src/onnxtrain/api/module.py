@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 
 import numpy as np
@@ -108,6 +109,20 @@ def _check_param(state: CheckpointState, name: str, spec: IOSpec, grad: bool, tr
             isinstance(d, int) and d != s for d, s in zip(spec.shape, slot.shape))):
         raise CheckpointError(f"parameter {name!r} has shape {list(slot.shape)} in the checkpoint; the {what} "
                               f"expects {spec.describe()}")
+
+
+def loss_scale_of(properties: dict) -> tuple[float, int]:
+    """fp16 artifacts' dynamic loss scale and its growth tracker, from the state's properties
+    (where the Module puts them and the Optimizer updates them), or a CheckpointError."""
+    scale, tracker = properties.get(names.LOSS_SCALE), properties.get(names.LOSS_SCALE_GROWTH_TRACKER, 0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise CheckpointError(f"property {names.LOSS_SCALE!r} is {scale!r}; fp16 artifacts keep their loss scale "
+                              f"there, a positive finite number (the Module sets {DEFAULT_LOSS_SCALE:g} when it is "
+                              f"missing as it is created)")
+    if isinstance(tracker, bool) or not isinstance(tracker, int) or tracker < 0:
+        raise CheckpointError(f"property {names.LOSS_SCALE_GROWTH_TRACKER!r} is {tracker!r}; expected a count of "
+                              f"steps, an integer >= 0")
+    return float(scale), tracker
 
 
 def _training_metadata(session: ort.InferenceSession) -> dict:
@@ -239,7 +254,7 @@ class Module:
             binding.bind_ortvalue_input(names.LAZY_RESET_GRAD, self._flags[self._reset_grad])
             if sig.loss_scaled:
                 binding.bind_cpu_input(names.LOSS_SCALE,
-                                       np.array(state._properties[names.LOSS_SCALE], dtype=np.float32))
+                                       np.array(loss_scale_of(state._properties)[0], dtype=np.float32))
         else:
             session = self._eval_session
             binding = self._eval_bindings.get((state._layout, state._param_phase))

@@ -27,7 +27,7 @@ import onnxruntime as ort
 from onnxtrain import names
 from onnxtrain.api._fused import FusedStep
 from onnxtrain.api.checkpoint_state import _OptimizerState
-from onnxtrain.api.module import Module
+from onnxtrain.api.module import Module, loss_scale_of
 from onnxtrain.errors import CheckpointError, ModelError
 from onnxtrain.runtime import fusions
 from onnxtrain.runtime.binding import BindingCache
@@ -206,8 +206,7 @@ class Optimizer:
     def _step_inputs(self) -> tuple:
         """What an update depends on besides parameters, gradients and states."""
         state, opt = self._state, self._opt
-        props = state._properties
-        scale = (props[names.LOSS_SCALE], props[names.LOSS_SCALE_GROWTH_TRACKER]) if self._loss_scaled else ()
+        scale = loss_scale_of(state._properties) if self._loss_scaled else ()
         return (state._layout, state._param_phase, opt.phase, opt.learning_rate, opt.step, *scale)
 
     def _bind_step_inputs(self, binding: ort.IOBinding) -> None:
@@ -216,10 +215,9 @@ class Optimizer:
         # ``step`` is the number of this update (1 for the first): bias corrections use it as a power.
         binding.bind_cpu_input(names.STEP, np.array(opt.step + 1, dtype=np.int64))
         if self._loss_scaled:
-            props = state._properties
-            binding.bind_cpu_input(names.LOSS_SCALE, np.array(props[names.LOSS_SCALE], dtype=np.float32))
-            binding.bind_cpu_input(names.LOSS_SCALE_GROWTH_TRACKER,
-                                   np.array(props[names.LOSS_SCALE_GROWTH_TRACKER], dtype=np.int64))
+            scale, tracker = loss_scale_of(state._properties)
+            binding.bind_cpu_input(names.LOSS_SCALE, np.array(scale, dtype=np.float32))
+            binding.bind_cpu_input(names.LOSS_SCALE_GROWTH_TRACKER, np.array(tracker, dtype=np.int64))
 
     def _setup_binding(self, binding: ort.IOBinding) -> None:
         state = self._state

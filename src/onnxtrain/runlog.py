@@ -172,10 +172,11 @@ def _drop_torn_record(path: Path) -> None:
     from whole records."""
     if not path.exists() or path.stat().st_size == 0:
         return
-    data = path.read_bytes()
-    if not data.endswith(b"\n"):
-        with path.open("r+b") as file:
-            file.truncate(data.rfind(b"\n") + 1)
+    with path.open("r+b") as file:
+        file.seek(-1, os.SEEK_END)
+        if file.read(1) != b"\n":  # rare: only then read it all to find the last whole record
+            file.seek(0)
+            file.truncate(file.read().rfind(b"\n") + 1)
 
 
 # Fields each kind of record must hold (all fields of steps, evals and ends are numbers).

@@ -340,13 +340,16 @@ def _build(path: Path, state: dict, tensors: dict[str, np.ndarray]) -> Checkpoin
     params: dict[str, ParameterRecord] = {}
     try:
         for entry in state["parameters"]:
-            name = entry["name"]
-            rec = ParameterRecord(name, bool(entry["requires_grad"]), np.dtype(entry["dtype"]),
-                                  tuple(int(d) for d in entry["shape"]))
+            name, requires_grad, dtype, shape = entry["name"], entry["requires_grad"], entry["dtype"], entry["shape"]
+            if not isinstance(name, str) or not isinstance(requires_grad, bool) or dtype not in _SAFETENSORS_DTYPES \
+                    or not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+                raise CheckpointError(f"{where}: malformed parameter entry in the metadata: {_short(entry)} (expected "
+                                      f"a str name, a bool requires_grad, one of the dtypes {list(_SAFETENSORS_DTYPES)} "
+                                      f"and a list of dims >= 0)")
             if name in params:
                 raise CheckpointError(f"{where} lists parameter {name!r} twice")
-            params[name] = rec
-    except (KeyError, TypeError, ValueError) as exc:
+            params[name] = ParameterRecord(name, requires_grad, np.dtype(dtype), tuple(shape))
+    except (KeyError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"{where}: malformed parameter entry in the metadata: {exc!r}") from exc
 
     used = set()
@@ -362,9 +365,15 @@ def _build(path: Path, state: dict, tensors: dict[str, np.ndarray]) -> Checkpoin
     if state.get("optimizer") is not None:
         opt = state["optimizer"]
         try:
-            optimizer = OptimizerRecord(int(opt["step"]), float(opt["learning_rate"]), list(opt["states"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            step, learning_rate, states = opt["step"], opt["learning_rate"], opt["states"]
+        except (KeyError, TypeError) as exc:
             raise CheckpointError(f"{where}: malformed optimizer metadata: {exc!r}") from exc
+        if not _is_count(step) or isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) \
+                or not math.isfinite(learning_rate) or learning_rate < 0 or not isinstance(states, list) \
+                or not all(isinstance(n, str) for n in states) or len(set(states)) != len(states):
+            raise CheckpointError(f"{where}: malformed optimizer metadata: {_short(opt)} (expected an int step >= 0, "
+                                  f"a finite learning_rate >= 0 and a list of distinct state names)")
+        optimizer = OptimizerRecord(step, float(learning_rate), list(states))
         for key in tensors:
             if not key.startswith(OPTIMIZER_PREFIX):
                 continue
@@ -379,6 +388,9 @@ def _build(path: Path, state: dict, tensors: dict[str, np.ndarray]) -> Checkpoin
             missing = [s for s in optimizer.states if s not in per_state]
             if missing:
                 raise CheckpointError(f"{where}: optimizer state {missing} of parameter {param!r} is missing")
+        if optimizer.step > 0 and optimizer.states and not optimizer.values:
+            raise CheckpointError(f"{where}: the optimizer took {optimizer.step} steps with states {optimizer.states}, "
+                                  f"but the checkpoint holds none of their tensors")
 
     extra = sorted(set(tensors) - used)
     if extra:
@@ -396,7 +408,21 @@ def _build(path: Path, state: dict, tensors: dict[str, np.ndarray]) -> Checkpoin
     missing = [name for name, value in properties.items() if value is None]
     if missing:
         raise CheckpointError(f"{where}: properties {missing} are null without a nonfinite value")
+    wrong = [name for name, value in properties.items()
+             if isinstance(value, bool) or not isinstance(value, (int, float, str))
+             or (isinstance(value, float) and not math.isfinite(value) and name not in nonfinite)]
+    if wrong:
+        raise CheckpointError(f"{where}: properties {wrong[:8]} are not int, float or str values")
     return CheckpointData(params, nominal, optimizer, properties)
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _short(entry) -> str:
+    text = repr(entry)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def _checked(where: str, key: str, value: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:

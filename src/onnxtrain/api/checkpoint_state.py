@@ -9,7 +9,9 @@ current, so a failed run never leaves a half-written tensor behind.
 
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -22,6 +24,18 @@ from onnxtrain.runtime.device import Device
 from onnxtrain.runtime.values import from_numpy, to_numpy, zeros
 
 DEFAULT_LEARNING_RATE = 1e-3  # upstream's default when neither checkpoint nor user set one
+
+
+def exclusive(method):
+    """Run ``method`` (of a CheckpointState, or of an object with a ``_state``) holding the
+    state's lock: steps, and the reads and writes of the state between them, take turns across
+    threads (onnxruntime releases the GIL while it runs; a step flips buffers others read)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        state = self if isinstance(self, CheckpointState) else self._state
+        with state._lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 class _Slot:
@@ -86,6 +100,7 @@ class Parameter:
         return self._name
 
     @property
+    @exclusive
     def data(self) -> np.ndarray:
         slot = self._state._slots[self._name]
         if not slot.has_value:
@@ -98,6 +113,7 @@ class Parameter:
         self._state._assign(self._name, value)
 
     @property
+    @exclusive
     def grad(self) -> np.ndarray | None:
         slot = self._state._slots[self._name]
         return to_numpy(self._state._grad(slot)) if slot.has_grad else None
@@ -236,14 +252,20 @@ class CheckpointState:
             raise TypeError(f"Invalid argument for CheckpointState received {type(data)}; "
                             f"use CheckpointState.load_checkpoint(path)")
         self._device = Device("cpu")
+        self._lock = threading.RLock()  # see exclusive()
         self._slots: dict[str, _Slot] = {}
         for name, rec in data.parameters.items():
             slot = _Slot(name, rec.requires_grad, rec.dtype, rec.shape)
             if rec.value is not None:
                 slot.values = [from_numpy(np.array(rec.value, dtype=slot.dtype, copy=True), self._device)]
                 slot.has_value = True
-            else:
-                slot.values = [zeros(slot.shape, slot.dtype, self._device)]
+            else:  # a nominal checkpoint: placeholders of the declared size
+                try:
+                    slot.values = [zeros(slot.shape, slot.dtype, self._device)]
+                except (MemoryError, RuntimeError, ValueError) as exc:
+                    raise CheckpointError(f"nominal parameter {name!r} of shape {list(rec.shape)} {rec.dtype} could not "
+                                          f"be allocated ({np.prod(rec.shape, dtype=float) * rec.dtype.itemsize / 2**30:.3g} "
+                                          f"GiB): {type(exc).__name__}") from exc
             self._slots[name] = slot
         self._properties: dict[str, Any] = dict(data.properties)
         self._optimizer: _OptimizerState | None = None
@@ -350,6 +372,7 @@ class CheckpointState:
         if changed:
             self._layout += 1
 
+    @exclusive
     def _assign(self, name: str, value) -> None:
         slot = self._slots[name]
         if isinstance(value, ort.OrtValue):
@@ -368,6 +391,7 @@ class CheckpointState:
 
     # -- internal: serialization ---------------------------------------------------------
 
+    @exclusive
     def _to_data(self, include_optimizer_state: bool) -> ckpt.CheckpointData:
         missing = self._missing_values()
         nominal = len(missing) == len(self._slots) and bool(missing)

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 
 from onnxtrain import names
-from onnxtrain.api.checkpoint_state import CheckpointState
+from onnxtrain.api.checkpoint_state import CheckpointState, exclusive
 from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
 from onnxtrain.ir import io
 from onnxtrain.runtime import fusions
@@ -232,6 +232,7 @@ class Module:
 
     # -- running -------------------------------------------------------------------------
 
+    @exclusive
     def __call__(self, *user_inputs, **named_inputs):
         """Run one training step (``training``) or eval step; return the loss (and extra outputs)."""
         training = self.training
@@ -329,6 +330,7 @@ class Module:
         """Set evaluation mode; return self."""
         return self.train(False)
 
+    @exclusive
     def lazy_reset_grad(self) -> None:
         """Make the next training step overwrite the gradients instead of adding to them."""
         self._reset_grad = True
@@ -351,6 +353,7 @@ class Module:
         """Number of elements in all (or only the trainable) parameters."""
         return sum(slot.size for slot in self._selected(trainable_only))
 
+    @exclusive
     def get_contiguous_parameters(self, trainable_only: bool = False) -> ort.OrtValue:
         """All (or the trainable) parameters flattened into one 1-D OrtValue, in the training
         model's parameter order (trainable first, then frozen)."""
@@ -363,6 +366,7 @@ class Module:
             else np.zeros(0, dtype=dtype)
         return owned_from_numpy(flat.astype(dtype, copy=False), self._device)
 
+    @exclusive
     def copy_buffer_to_parameters(self, buffer, trainable_only: bool = True) -> None:
         """Copy a flat buffer (as from :meth:`get_contiguous_parameters`: an OrtValue, also
         onnxruntime's C-level one that upstream passes, or anything with ``.numpy()``, or an
@@ -390,6 +394,7 @@ class Module:
 
     # -- export --------------------------------------------------------------------------
 
+    @exclusive
     def export_model_for_inferencing(self, inference_model_uri: str | os.PathLike,
                                      graph_output_names: list[str]) -> None:
         """Write an inference model: the eval model pruned to the nodes that compute

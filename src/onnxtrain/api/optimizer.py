@@ -26,7 +26,7 @@ import onnxruntime as ort
 
 from onnxtrain import names
 from onnxtrain.api._fused import FusedStep
-from onnxtrain.api.checkpoint_state import _OptimizerState
+from onnxtrain.api.checkpoint_state import _OptimizerState, exclusive
 from onnxtrain.api.module import Module, loss_scale_of
 from onnxtrain.errors import CheckpointError, ModelError
 from onnxtrain.runtime import fusions
@@ -239,6 +239,7 @@ class Optimizer:
         for name, value in self._scale_outputs.items():
             binding.bind_ortvalue_output(name, value)
 
+    @exclusive
     def step(self) -> None:
         """Update every trainable parameter once from its accumulated gradient.
 

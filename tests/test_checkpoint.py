@@ -280,6 +280,46 @@ def test_accepts_onnx_ir_tensors(tmp_path):
     assert rec.value is None and rec.shape == (2, 3) and rec.dtype == np.float32
 
 
+def _state_meta(parameter=None, **extra):
+    entry = {"name": "w", "requires_grad": True, "dtype": "float32", "shape": [2], **(parameter or {})}
+    return {"format": "onnxtrain.checkpoint", "version": "1", "state": json.dumps({"parameters": [entry], **extra})}
+
+
+_ADAM = {"step": 3, "learning_rate": 0.001, "states": []}
+
+
+@pytest.mark.parametrize("parameter, extra, message", [
+    ({"name": 7}, {}, "malformed parameter entry"),
+    ({"requires_grad": "false"}, {}, "malformed parameter entry"),  # bool("false") would be True
+    ({"shape": "2"}, {}, "malformed parameter entry"),
+    ({"shape": [-2]}, {}, "malformed parameter entry"),
+    ({"dtype": "complex64"}, {}, "malformed parameter entry"),
+    ({}, {"optimizer": {**_ADAM, "step": "3"}}, "malformed optimizer metadata"),
+    ({}, {"optimizer": {**_ADAM, "step": 2.9}}, "malformed optimizer metadata"),
+    ({}, {"optimizer": {**_ADAM, "step": True}}, "malformed optimizer metadata"),
+    ({}, {"optimizer": {**_ADAM, "learning_rate": "0.001"}}, "malformed optimizer metadata"),
+    ({}, {"optimizer": {**_ADAM, "learning_rate": float("nan")}}, "malformed optimizer metadata"),
+    ({}, {"optimizer": {**_ADAM, "states": ["momentum0"]}}, "took 3 steps with states"),
+    ({}, {"properties": {"flag": True}}, r"properties \['flag'\] are not int, float or str"),
+    ({}, {"properties": {"tags": [1, 2]}}, r"properties \['tags'\]"),
+])
+def test_metadata_is_read_strictly(tmp_path, parameter, extra, message):
+    """Hand-edited metadata is refused, never coerced (as the JavaScript reader does)."""
+    path = tmp_path / "checkpoint"
+    save_file({"param/w": np.ones(2, np.float32)}, str(path), metadata=_state_meta(parameter, **extra))
+    with pytest.raises(CheckpointError, match=message):
+        read_checkpoint(path)
+
+
+def test_a_nominal_parameter_too_large_to_allocate_is_named(tmp_path):
+    from onnxtrain.api import CheckpointState
+
+    path = tmp_path / "checkpoint"
+    save_file({}, str(path), metadata=_state_meta({"shape": [2**40, 2**20]}, nominal=True))
+    with pytest.raises(CheckpointError, match=r"nominal parameter 'w' of shape \[1099511627776, 1048576\]"):
+        CheckpointState.load_checkpoint(path)
+
+
 def test_inf_and_nan_properties_round_trip_as_valid_json(tmp_path):
     """JSON has no inf or nan (the JavaScript runtime's JSON.parse refuses Python's Infinity):
     they are null in "properties", their values in "nonfinite_properties"."""

@@ -82,6 +82,30 @@ test('bad checkpoint bytes get a CheckpointError that says what is wrong', async
   await assert.rejects(CheckpointState.load(fixturePath('artifacts')), isError(CheckpointError, /is a directory/));
 });
 
+/** A checkpoint without tensors whose metadata is `state` (an object or its JSON text, hand-written as a damaged file's). */
+function metadataOnly(state) {
+  const text = typeof state === 'string' ? state : JSON.stringify(state);
+  const header = new TextEncoder().encode(JSON.stringify({
+    __metadata__: { format: 'onnxtrain.checkpoint', version: '1', state: text } }));
+  const padded = new Uint8Array(8 + Math.ceil(header.length / 8) * 8).fill(0x20);
+  new DataView(padded.buffer).setBigUint64(0, BigInt(padded.length - 8), true);
+  padded.set(header, 8);
+  return padded;
+}
+
+test('metadata that cannot be met is a CheckpointError: huge or BigInt sizes, an optimizer without its state', () => {
+  const entry = { name: 'w', requires_grad: true, dtype: 'float32', shape: [2 ** 20, 2 ** 20] };
+  assert.throws(() => CheckpointState.fromBytes(metadataOnly({ parameters: [entry], nominal: true })),
+    isError(CheckpointError, /nominal parameter "w" of shape \[1048576, 1048576\] float32 could not be allocated/));
+  const bigint = metadataOnly(JSON.stringify({ parameters: [{ ...entry, shape: [1] }], nominal: true })
+    .replace('[1]', '[4611686018427387904]'));  // 2**62: read as a BigInt
+  assert.throws(() => CheckpointState.fromBytes(bigint), isError(CheckpointError, /malformed parameter entry.*4611686018427387904/));
+  const data = readCheckpoint(checkpointBytes());
+  data.optimizer = { step: 3, learningRate: 1e-3, states: ['momentum0', 'momentum1'], values: new Map() };
+  assert.throws(() => CheckpointState.fromBytes(encodeCheckpoint(data)),
+    isError(CheckpointError, /took 3 steps with states \["momentum0","momentum1"\], but the checkpoint holds none/));
+});
+
 test('a checkpoint that lacks a parameter the training model takes is refused, naming it', async () => {
   const data = readCheckpoint(checkpointBytes());
   data.parameters.delete('fc.bias');

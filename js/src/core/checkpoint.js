@@ -22,6 +22,15 @@ export const PARAM_PREFIX = 'param/';
 export const OPTIMIZER_PREFIX = 'optimizer/';
 
 /**
+ * A metadata entry for an error message: JSON, BigInts (integers beyond 2**53) as digits, cut short.
+ * @param {unknown} entry
+ */
+function describe(entry) {
+  const text = JSON.stringify(entry, (_, value) => (typeof value === 'bigint' ? value.toString() : value)) ?? String(entry);
+  return text.length > 200 ? `${text.slice(0, 200)}...` : text;
+}
+
+/**
  * @typedef {object} ParameterRecord
  * @property {string} name
  * @property {boolean} requiresGrad
@@ -83,7 +92,7 @@ export function readCheckpoint(bytes, source = '<bytes>', { externalData = null 
     const { name, requires_grad: requiresGrad, dtype, shape } = entry ?? {};
     if (typeof name !== 'string' || typeof requiresGrad !== 'boolean' || typeof dtype !== 'string' ||
         !Array.isArray(shape) || !shape.every((d) => Number.isInteger(d) && d >= 0)) {
-      throw new CheckpointError(`${where}: malformed parameter entry in the metadata: ${JSON.stringify(entry)} ` +
+      throw new CheckpointError(`${where}: malformed parameter entry in the metadata: ${describe(entry)} ` +
         '(expected name, requires_grad, dtype and shape)');
     }
     dtypeInfo(dtype, `${where}: parameter ${JSON.stringify(name)}`);
@@ -105,10 +114,11 @@ export function readCheckpoint(bytes, source = '<bytes>', { externalData = null 
   let optimizer = null;
   if (state.optimizer !== undefined && state.optimizer !== null) {
     const { step, learning_rate: learningRate, states } = state.optimizer;
-    if (!Number.isInteger(step) || typeof learningRate !== 'number' || !Array.isArray(states) ||
-        !states.every((s) => typeof s === 'string')) {
-      throw new CheckpointError(`${where}: malformed optimizer metadata ${JSON.stringify(state.optimizer)} ` +
-        '(expected an integer step, a numeric learning_rate and a list of state names)');
+    if (!Number.isInteger(step) || step < 0 || typeof learningRate !== 'number' || !Number.isFinite(learningRate) ||
+        learningRate < 0 || !Array.isArray(states) || !states.every((s) => typeof s === 'string') ||
+        new Set(states).size !== states.length) {
+      throw new CheckpointError(`${where}: malformed optimizer metadata ${describe(state.optimizer)} ` +
+        '(expected an integer step >= 0, a finite learning_rate >= 0 and a list of distinct state names)');
     }
     optimizer = { step, learningRate, states: [...states], values: new Map() };
     for (const [key, tensor] of tensors) {
@@ -130,6 +140,10 @@ export function readCheckpoint(bytes, source = '<bytes>', { externalData = null 
       if (missing.length) {
         throw new CheckpointError(`${where}: optimizer state ${JSON.stringify(missing)} of parameter ${JSON.stringify(param)} is missing`);
       }
+    }
+    if (step > 0 && states.length && optimizer.values.size === 0) {
+      throw new CheckpointError(`${where}: the optimizer took ${step} steps with states ${JSON.stringify(states)}, ` +
+        'but the checkpoint holds none of their tensors');
     }
   }
   const extra = [...tensors.keys()].filter((k) => !used.has(k)).sort();

@@ -209,6 +209,21 @@ export class Properties {
  * state.properties.set('epoch', 3);
  * await CheckpointState.save(state, 'artifacts/checkpoint', { includeOptimizerState: true });
  */
+
+/**
+ * Zeros for a parameter of a nominal checkpoint, or a CheckpointError when its size cannot be allocated.
+ * @param {{name: string, dtype: string, shape: number[]}} record
+ */
+function nominalValue(record) {
+  try {
+    return zerosOf(record.dtype, record.shape);
+  } catch (error) {
+    if (!(error instanceof RangeError)) throw error;
+    throw new CheckpointError(`nominal parameter ${JSON.stringify(record.name)} of shape ${formatShape(record.shape)} ` +
+      `${record.dtype} could not be allocated: ${error.message}`);
+  }
+}
+
 export class CheckpointState {
   /** The platform (onnxruntime binding, file access) of this class; set by the entry points. */
   static platform = /** @type {import('./platform.js').Platform | null} */ (null);
@@ -225,7 +240,7 @@ export class CheckpointState {
     for (const [name, record] of data.parameters) {
       this._slots.set(name, {
         name, requiresGrad: record.requiresGrad, dtype: record.dtype, shape: [...record.shape],
-        value: record.value ?? zerosOf(record.dtype, record.shape), grad: null,
+        value: record.value ?? nominalValue(record), grad: null,
         hasValue: record.value !== null, hasGrad: false,
       });
     }

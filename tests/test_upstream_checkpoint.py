@@ -19,7 +19,7 @@ from onnxtrain.api import CheckpointState, Module, Optimizer
 from onnxtrain.checkpoint import read_checkpoint
 from onnxtrain.errors import CheckpointError, ModelError
 from onnxtrain.upstream_checkpoint import read_upstream_checkpoint
-from tests.upstream_odtc import external_fixture, odtc_bytes
+from tests.upstream_odtc import external_fixture, odtc_bytes, repeated_momentum_bytes
 
 DATA = Path(__file__).parent / "data" / "upstream"
 EXPECTED = json.loads((DATA / "expected.json").read_text())
@@ -122,6 +122,16 @@ def test_damaged_bytes_give_a_checkpoint_error_or_a_consistent_state(tmp_path):
         for param in record.parameters.values():
             assert param.value.shape == param.shape and param.value.dtype == param.dtype
     assert errors > 0
+
+
+def test_a_state_listed_twice_is_refused_before_its_bytes_are_read_again(tmp_path):
+    path = tmp_path / "checkpoint"
+    path.write_bytes(repeated_momentum_bytes(np.ones(4, np.float32), references=1))
+    assert read_checkpoint(path).optimizer.states == ["momentum0"]
+    # 20,000 references to one 4 MB tensor: refused at the second, not read 20,000 times
+    path.write_bytes(repeated_momentum_bytes(np.ones(2**20, np.float32), references=20_000))
+    with pytest.raises(CheckpointError, match="holds optimizer state 'momentum0' of 'w' twice"):
+        read_checkpoint(path)
 
 
 def test_a_garbage_file_with_the_identifier_is_named_corrupt(tmp_path):

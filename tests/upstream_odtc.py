@@ -82,3 +82,56 @@ def external_fixture() -> tuple[dict, dict]:
     frozen = {"ids": np.array([[1, 2**40], [-3, 4]], np.int64), "tail": rng.standard_normal((2, 9)).astype(np.float32),
               "half": np.array([[0.5, -2.0], [65504.0, 1e-3]], np.float16), "mask": np.array([True, False, True])}
     return trainable, frozen
+
+
+def repeated_momentum_bytes(value: np.ndarray, references: int) -> bytes:
+    """An ODTC checkpoint with one trainable float32 parameter ``w`` (inline) whose optimizer
+    ``momentums`` vector points ``references`` times at one ``momentum0`` tensor table: a file
+    a few bytes long per reference that a reader must refuse before re-reading the tensor."""
+    import flatbuffers
+
+    b = flatbuffers.Builder(1024)
+
+    def tensor(name: str, array: np.ndarray) -> int:
+        name_offset, raw = b.CreateString(name), b.CreateByteVector(array.astype("<f4").tobytes())
+        b.StartVector(8, array.ndim, 8)
+        for d in reversed(array.shape):
+            b.PrependInt64(d)
+        dims = _end_vector(b, array.ndim)
+        b.StartObject(7)
+        b.PrependUOffsetTRelativeSlot(0, name_offset, 0)
+        b.PrependUOffsetTRelativeSlot(2, dims, 0)
+        b.PrependInt32Slot(3, _CODES[np.dtype(np.float32)], 0)
+        b.PrependUOffsetTRelativeSlot(4, raw, 0)
+        return b.EndObject()
+
+    def tables(items: list[int]) -> int:
+        b.StartVector(4, len(items), 4)
+        for item in reversed(items):
+            b.PrependUOffsetTRelative(item)
+        return _end_vector(b, len(items))
+
+    parameter = tensor("w", value)
+    momentums = tables([tensor("momentum0", np.zeros_like(value))] * references)
+    param_name = b.CreateString("w")
+    b.StartObject(2)
+    b.PrependUOffsetTRelativeSlot(0, param_name, 0)
+    b.PrependUOffsetTRelativeSlot(1, momentums, 0)
+    states = tables([b.EndObject()])
+    group_name = b.CreateString("group0")
+    b.StartObject(4)
+    b.PrependUOffsetTRelativeSlot(0, group_name, 0)
+    b.PrependInt64Slot(1, 1, 0)
+    b.PrependFloat32Slot(2, 0.001, 0.0)
+    b.PrependUOffsetTRelativeSlot(3, states, 0)
+    groups = tables([b.EndObject()])
+    trainable = tables([parameter])
+    b.StartObject(4)
+    b.PrependUOffsetTRelativeSlot(0, trainable, 0)
+    module_state = b.EndObject()
+    b.StartObject(4)
+    b.PrependInt32Slot(0, 2, 0)
+    b.PrependUOffsetTRelativeSlot(1, module_state, 0)
+    b.PrependUOffsetTRelativeSlot(2, groups, 0)
+    b.Finish(b.EndObject(), file_identifier=b"ODTC")
+    return bytes(b.Output())

@@ -107,6 +107,13 @@ test('saving an upstream checkpoint writes onnxtrain\'s format with the same con
   assert.deepEqual(converted.optimizer?.values, original.optimizer?.values);
 });
 
+test('an optimizer state listed twice is refused before its bytes are read again', () => {
+  // 20,000 references to one 4 MB momentum0 tensor (tests/upstream_odtc.py repeated_momentum_bytes)
+  const bytes = new Uint8Array(readFileSync(fixturePath('upstream/repeated_momentum')));
+  assert.throws(() => readCheckpoint(bytes), (error) => error instanceof CheckpointError &&
+    /holds optimizer state "momentum0" of "w" twice/.test(error.message));
+});
+
 test('a nominal upstream checkpoint is refused with the way out', async () => {
   await assert.rejects(CheckpointState.load(upstreamData('nominal_checkpoint')),
     isCheckpointError(/nominal checkpoint.*without shapes.*generate_artifacts/));

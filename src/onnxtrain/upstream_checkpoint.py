@@ -177,8 +177,12 @@ def _optimizer(root: _Table, parameters: dict[str, ParameterRecord], external: _
             raise CheckpointError(f"{where} holds optimizer state for {param!r}, which is not a parameter")
         if not parameters[param].requires_grad:
             raise CheckpointError(f"{where} holds optimizer state for the frozen parameter {param!r}")
+        if param in record.values:
+            raise CheckpointError(f"{where} holds optimizer state for {param!r} twice")
         states = {}
         for table in entry.tables(_PARAMETER_OPTIMIZER_STATE["momentums"]):
+            if table.string(_TENSOR["name"]) in states:  # before reading its bytes again
+                raise CheckpointError(f"{where} holds optimizer state {table.string(_TENSOR['name'])!r} of {param!r} twice")
             state_name, value = _tensor(table, external, where)
             rec = parameters[param]
             if value.shape != rec.shape or value.dtype != rec.dtype:
@@ -207,6 +211,8 @@ def _properties(bag: _Table | None, where: str) -> dict[str, int | float | str]:
             name = table.string(_PROPERTY["name"])
             if not name:
                 raise CheckpointError(f"{where} holds a property without a name")
+            if name in properties:
+                raise CheckpointError(f"{where} holds property {name!r} twice")
             properties[name] = read(table)
     return properties
 

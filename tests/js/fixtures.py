@@ -234,7 +234,7 @@ UPSTREAM_TRAINABLE = ["fc1.weight", "fc1.bias", "fc2.weight"]
 def write_upstream(out: pathlib.Path) -> None:
     """Artifacts of upstream's model.onnx, an external-data checkpoint and float32 roundings."""
     from onnxtrain import artifacts
-    from tests.upstream_odtc import external_fixture, odtc_bytes
+    from tests.upstream_odtc import external_fixture, odtc_bytes, repeated_momentum_bytes
 
     out.mkdir(parents=True, exist_ok=True)
     artifacts.generate_artifacts(str(UPSTREAM_DATA / "model.onnx"), requires_grad=UPSTREAM_TRAINABLE,
@@ -243,6 +243,9 @@ def write_upstream(out: pathlib.Path) -> None:
     artifacts.generate_artifacts(str(UPSTREAM_DATA / "model.onnx"), requires_grad=UPSTREAM_TRAINABLE,
                                  frozen_params=["fc2.bias"], loss=artifacts.LossType.CrossEntropyLoss,
                                  optimizer=artifacts.OptimType.SGD, artifact_directory=out / "artifacts_sgd")
+
+    # one momentum tensor referenced many times: refused before it is read again
+    (out / "repeated_momentum").write_bytes(repeated_momentum_bytes(np.ones(2**20, np.float32), references=20_000))
 
     trainable, frozen = external_fixture()
     checkpoint, data = odtc_bytes(trainable, frozen, inline={"b"})

@@ -213,9 +213,14 @@ function readOptimizer(root, parameters, external, where) {
     if (!record.requiresGrad) {
       throw new CheckpointError(`${where} holds optimizer state for the frozen parameter ${JSON.stringify(param)}`);
     }
+    if (values.has(param)) throw new CheckpointError(`${where} holds optimizer state for ${JSON.stringify(param)} twice`);
     /** @type {Map<string, ArrayBufferView>} */
     const states = new Map();
     for (const table of entry.tables(PARAMETER_OPTIMIZER_STATE.momentums)) {
+      const repeated = table.string(TENSOR.name);
+      if (repeated !== null && states.has(repeated)) {  // before reading its bytes again
+        throw new CheckpointError(`${where} holds optimizer state ${JSON.stringify(repeated)} of ${JSON.stringify(param)} twice`);
+      }
       const { name: stateName, dtype, shape, value } = readTensor(table, external, where);
       if (formatShape(shape) !== formatShape(record.shape) || dtype !== record.dtype) {
         throw new CheckpointError(`${where}: optimizer state ${JSON.stringify(stateName)} of ${JSON.stringify(param)} ` +
@@ -263,6 +268,9 @@ function readProperties(bag, where) {
     for (const table of bag.tables(slot)) {
       const name = table.string(PROPERTY.name);
       if (!name) throw new CheckpointError(`${where} holds a property without a name`);
+      if (Object.prototype.hasOwnProperty.call(properties, name)) {
+        throw new CheckpointError(`${where} holds property ${JSON.stringify(name)} twice`);
+      }
       const value = read(table);
       // an own property even for "__proto__"
       Object.defineProperty(properties, name, { value, enumerable: true, writable: true, configurable: true });

@@ -106,6 +106,20 @@ def test_missing_file_and_directory(tmp_path):
         write_checkpoint(tmp_path, {"w": np.ones(2, np.float32)}, set())
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs POSIX FIFOs")
+def test_a_path_that_is_not_a_regular_file_is_named(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # reading it would wait for a writer forever
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        read_checkpoint(fifo)
+    if os.path.exists("/dev/zero"):  # reading it would never end
+        with pytest.raises(CheckpointError, match="is not a regular file"):
+            read_checkpoint("/dev/zero")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    with pytest.raises(CheckpointError, match="cannot be read: Too many levels of symbolic links"):
+        read_checkpoint(tmp_path / "loop")
+
+
 @pytest.mark.parametrize("damage", ["truncate_header", "truncate_data", "truncate_one_byte", "garbage", "empty",
                                     "flip_header_length"])
 def test_corrupt_file(tmp_path, damage):

@@ -11,7 +11,7 @@ import { chmod, open, readFile, realpath, rename, stat, unlink } from 'node:fs/p
 import { basename, dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import * as ort from 'onnxruntime-node';
-import { bindPlatform, CheckpointError, ModelError } from './core/index.js';
+import { bindPlatform, CheckpointError, ModelError, OnnxTrainError } from './core/index.js';
 
 export * from './core/index.js';
 export { ort };
@@ -32,8 +32,13 @@ async function readBytes(source, what) {
   }
   const path = text.startsWith('file:') ? fileURLToPath(text) : text;
   try {
+    const info = await stat(path);
+    if (!info.isFile() && !info.isDirectory()) {  // a FIFO would block, a device read without end
+      throw new (errorFor(what))(`the ${what} ${JSON.stringify(path)} is not a regular file, expected a file`);
+    }
     return new Uint8Array(await readFile(path));
   } catch (error) {
+    if (error instanceof OnnxTrainError) throw error;
     const code = /** @type {NodeJS.ErrnoException} */ (error).code;
     const reason = code === 'ENOENT' ? 'does not exist' : code === 'EISDIR' ? 'is a directory, expected a file'
       : `cannot be read (${/** @type {Error} */ (error).message})`;

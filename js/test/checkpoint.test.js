@@ -1,7 +1,7 @@
 // The checkpoint format (read what Python wrote, write what Python reads), CheckpointState,
 // LinearLRScheduler and the errors bad input gets.
 import assert from 'node:assert/strict';
-import { readFileSync } from 'node:fs';
+import { existsSync, readFileSync } from 'node:fs';
 import { test } from 'node:test';
 import {
   CheckpointError, CheckpointState, InputMismatchError, LinearLRScheduler, Module, ModelError, OnnxTrainError,
@@ -80,6 +80,9 @@ test('bad checkpoint bytes get a CheckpointError that says what is wrong', async
   assert.throws(() => CheckpointState.fromBytes(renamed), isError(CheckpointError, /not an onnxtrain checkpoint/));
   await assert.rejects(CheckpointState.load(fixturePath('no_such_checkpoint')), isError(CheckpointError, /does not exist/));
   await assert.rejects(CheckpointState.load(fixturePath('artifacts')), isError(CheckpointError, /is a directory/));
+  if (existsSync('/dev/zero')) {  // reading it would never end
+    await assert.rejects(CheckpointState.load('/dev/zero'), isError(CheckpointError, /is not a regular file/));
+  }
 });
 
 /** A checkpoint without tensors whose metadata is `state` (an object or its JSON text, hand-written as a damaged file's). */

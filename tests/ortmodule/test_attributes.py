@@ -373,3 +373,28 @@ def test_lists_and_dicts_changed_in_place_run_a_graph_exported_for_them():
             if theirs is not None:
                 torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     assert wrapped.export_count == 3  # the last change returns to the second graph's values
+
+
+def test_an_export_inside_parametrize_cached_neither_keeps_nor_leaves_cached_weights():
+    """torch.nn.utils.parametrize.cached() on around the first call: the capture must not take a
+    weight cached before as a constant, nor leave its fake weight in the cache."""
+    from torch.nn.utils import parametrize
+
+    class Symmetric(torch.nn.Module):
+        def forward(self, w):
+            return w.triu() + w.triu(1).transpose(-1, -2)
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    parametrize.register_parametrization(layer, "weight", Symmetric())
+    model, x = ORTModule(layer), torch.randn(3, 4)
+    with parametrize.cached():
+        before = layer.weight  # cached now
+        y = model(x)
+        weight = layer.weight
+        assert weight is before and type(weight) is torch.Tensor
+        (y.square().mean() + 0.01 * weight.square().sum()).backward()  # a weight penalty reads the cache
+    assert model.export_count == 1 and model.fallback_reason is None
+    with torch.no_grad():
+        layer.parametrizations.weight.original.add_(1.0)
+    torch.testing.assert_close(model(x), torch.nn.functional.linear(x, layer.weight, layer.bias))

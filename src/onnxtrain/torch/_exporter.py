@@ -472,6 +472,22 @@ def cumulative_batch_norms(module: torch.nn.Module):
     return _forwards_replaced(norms, _cumulative_batch_norm_forward)
 
 
+@contextlib.contextmanager
+def _parametrizations_uncached():
+    """Capture with ``torch.nn.utils.parametrize.cached()`` off, whatever the caller has on: a
+    cache filled before would hand the trace its real weights as constants (a graph that keeps
+    them), and the trace would leave its fake ones in the cache for the caller's next read. The
+    caller's cache is as it was afterwards."""
+    from torch.nn.utils import parametrize
+
+    enabled, cache = parametrize._cache_enabled, parametrize._cache
+    parametrize._cache_enabled, parametrize._cache = 0, {}
+    try:
+        yield
+    finally:
+        parametrize._cache_enabled, parametrize._cache = enabled, cache
+
+
 # torch.export and torch.onnx.export keep process-wide state while they run (dispatch-mode slots,
 # a global patcher, the module hierarchy being traced): two exports in two threads at once break
 # each other (both fail). Every capture-and-export holds this lock; re-entrant, for a forward that
@@ -494,7 +510,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
-              cumulative_batch_norms(module)):
+              cumulative_batch_norms(module), _parametrizations_uncached()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -115,6 +115,11 @@ class ModuleWrapper(torch.nn.Module):
 
     register_module = add_module
 
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint's hook: the wrapped module's names carry no
+        ``_original_module.``, as ``state_dict`` writes them (optimizer state dicts load back)."""
+        return {WRAPPED: WRAPPED}
+
     def _get_name(self) -> str:
         # the wrapped module's class name, where libraries identify a model by it (transformers'
         # Trainer shifts the labels of a causal LM for label smoothing by that name)

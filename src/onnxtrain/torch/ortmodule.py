@@ -8,6 +8,7 @@ import itertools
 import logging
 import numbers
 import os
+import sys
 import threading
 import time
 import warnings
@@ -220,6 +221,28 @@ def _hashable(value):
     return value
 
 
+def _fsdp_obstacle(module: torch.nn.Module) -> str | None:
+    """Why the way FSDP holds ``module`` keeps it from being exported, or None (FSDP not in use)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:  # never imported: no FSDP anywhere
+        return None
+    from torch.distributed.fsdp._flat_param import FlatParameter
+
+    kinds = tuple(getattr(fsdp, name) for name in ("FullyShardedDataParallel", "FSDPModule") if hasattr(fsdp, name))
+    units = [name or "the module itself" for name, sub in module.named_modules() if isinstance(sub, kinds)]
+    if units:
+        return (f"it holds FSDP units ({', '.join(units[:4])}): an export would run FSDP's unsharding under the "
+                f"exporter's fake tensors and leave FSDP's state broken. Shard the ORTModule instead: "
+                f"fully_shard(ORTModule(model)) (FSDP2, per block too)")
+    for sub in module.modules():
+        for value in (*sub._parameters.values(), *vars(sub).values()):
+            if isinstance(value, torch.Tensor) and isinstance(value._base if value._is_view() else value, FlatParameter):
+                return ("FullyShardedDataParallel (FSDP1) around it replaced its parameters by views of a flat "
+                        "parameter, which an export cannot take; FSDP2 shards an ORTModule's own parameters: "
+                        "fully_shard(ORTModule(model))")
+    return None
+
+
 def _parameters_swapped(module: torch.nn.Module) -> bool:
     """Whether a parameter's place holds a plain tensor (``torch.func.functional_call``'s doing)."""
     return any(p is not None and not isinstance(p, torch.nn.Parameter)
@@ -321,6 +344,9 @@ class ORTModule(ModuleWrapper):
                  dynamic: bool | None = None, inline_autograd_functions: bool | Iterable[type] = ()):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
+        obstacle = _fsdp_obstacle(module)
+        if obstacle is not None:
+            raise OnnxTrainError(f"ORTModule cannot wrap {type(module).__name__}: {obstacle}")
         inline_functions = _inline_functions(inline_autograd_functions)
         if dynamic not in (None, True, False):
             raise TypeError(f"ORTModule dynamic must be None (automatic), True or False, got {dynamic!r}")
@@ -424,6 +450,13 @@ class ORTModule(ModuleWrapper):
             # an export is tracing a model that holds this ORTModule (an outer ORTModule's):
             # the traced forward is the module's own, part of the outer graph
             return module(*args, **kwargs)
+        if not self.export_count:  # before the first export: FSDP's state must not be traced
+            obstacle = _fsdp_obstacle(module)
+            if obstacle is not None:
+                if not self._debug.fallback:
+                    raise ExportError(f"{type(module).__name__} cannot run in ONNX Runtime: {obstacle}")
+                self._fall_back(ExportError(obstacle))
+                return module(*args, **kwargs)
         call = flatten_call(module, args, kwargs)
         state = call.state
         try:  # building: export, gradient graph, sessions; a failure here may fall back

@@ -236,7 +236,8 @@ def _fsdp_obstacle(module: torch.nn.Module) -> str | None:
                 f"fully_shard(ORTModule(model)) (FSDP2, per block too)")
     for sub in module.modules():
         for value in (*sub._parameters.values(), *vars(sub).values()):
-            if isinstance(value, torch.Tensor) and isinstance(value._base if value._is_view() else value, FlatParameter):
+            if isinstance(value, torch.Tensor) and not torch.nn.parameter.is_lazy(value) \
+                    and isinstance(value._base if value._is_view() else value, FlatParameter):
                 return ("FullyShardedDataParallel (FSDP1) around it replaced its parameters by views of a flat "
                         "parameter, which an export cannot take; FSDP2 shards an ORTModule's own parameters: "
                         "fully_shard(ORTModule(model))")

@@ -3,12 +3,12 @@
 Clients train with the training artifacts (:class:`~onnxtrain.api.CheckpointState`,
 :class:`~onnxtrain.api.Module`, :class:`~onnxtrain.api.Optimizer`) on stock onnxruntime, so a
 client process needs no PyTorch. What crosses the wire is the list of trainable parameters
-as numpy arrays, in the checkpoint's order (:func:`parameter_specs`); gradients, optimizer
-state and data stay on the client. The server runs Flower's FedAvg started from the
-artifacts' checkpoint (:func:`make_strategy`), optionally with central evaluation of the eval
-model in a plain ``onnxruntime.InferenceSession`` (:func:`make_evaluate_fn`), and writes the
-global parameters back into a checkpoint or an inference model
-(:func:`save_global_parameters`).
+and running statistics as numpy arrays, in the checkpoint's order (:func:`parameter_specs`);
+gradients, optimizer state and data stay on the client. The server runs Flower's FedAvg
+started from the artifacts' checkpoint (:func:`make_strategy`), optionally with central
+evaluation of the eval model in a plain ``onnxruntime.InferenceSession``
+(:func:`make_evaluate_fn`), and writes the global parameters back into a checkpoint or an
+inference model (:func:`save_global_parameters`).
 
 Importing this module imports ``flwr`` (``pip install 'onnxtrain[flower]'``); importing
 ``onnxtrain`` does not.
@@ -56,7 +56,7 @@ CLIENT_CONFIG_KEY = "onnxtrain.client"
 
 
 class ParameterMismatchError(InputMismatchError):
-    """Parameters received from the federation do not match the model's trainable parameters.
+    """Parameters received from the federation do not match the model's federated parameters.
 
     ``problems`` lists every mismatch found (count, names, shapes, dtypes, non-finite values).
     """
@@ -186,8 +186,8 @@ def _names_from_config(config: Mapping | None, specs: Sequence[ParameterSpec]) -
     except (TypeError, json.JSONDecodeError) as exc:
         names = exc
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise ParameterMismatchError([f"config {PARAMETER_NAMES_KEY!r} is {text!r}; expected a JSON list of "
-                                      f"parameter names"], specs)
+        problem = f"config {PARAMETER_NAMES_KEY!r} is {text!r}; expected a JSON list of parameter names"
+        raise ParameterMismatchError([problem], specs)
     return names
 
 
@@ -241,8 +241,9 @@ def _accuracy(scores: np.ndarray, labels: np.ndarray, output: str) -> int:
 class OnnxTrainClient(NumPyClient):
     """A Flower ``NumPyClient`` that trains training artifacts with ``onnxtrain.api``.
 
-    Parameters go over the wire as the trainable parameters in checkpoint order
-    (:attr:`parameter_names`); the optimizer state stays in the client across rounds.
+    Parameters go over the wire as the trainable parameters and running statistics in
+    checkpoint order (:attr:`parameter_names`); the optimizer state stays in the client
+    across rounds.
     A received parameter list that does not match raises :class:`ParameterMismatchError`
     and leaves the client's parameters as they were.
 
@@ -509,7 +510,7 @@ def make_evaluate_fn(artifact_dir: str | os.PathLike, data: Sequence[np.ndarray]
 
     Runs the artifacts' ``eval_model.onnx`` in an ``onnxruntime.InferenceSession`` on the
     central ``data`` (arrays in the eval model's input order, e.g. ``(images, labels)``),
-    feeding the global trainable parameters (and the checkpoint's frozen ones) as graph
+    feeding the global parameters (and the checkpoint's other frozen ones) as graph
     inputs. With ``accuracy_output`` the metrics hold ``accuracy`` against the last array.
 
     Example:
@@ -536,7 +537,7 @@ class OnnxTrainFedAvg(FedAvg):
     """Flower's FedAvg over onnxtrain parameters (build it with :func:`make_strategy`).
 
     Sends the parameter names with every instruction, checks every client's returned
-    parameters against the checkpoint's trainable parameters (a mismatching result counts as
+    parameters against the checkpoint's federated parameters (a mismatching result counts as
     a failure and is listed in :attr:`rejected`), keeps the latest global parameters (at
     first the initial ones) in :attr:`global_parameters` and, with ``save_checkpoint_to``,
     writes them into a checkpoint after every round.
@@ -580,7 +581,7 @@ def make_strategy(initial_parameters_from: str | os.PathLike, *, evaluate_fn=Non
                   evaluate_config: Mapping | Callable[[int], Mapping] | None = None,
                   save_checkpoint_to: str | os.PathLike | None = None, min_clients: int = 2,
                   **fedavg_kwargs) -> OnnxTrainFedAvg:
-    """Flower's FedAvg starting from the trainable parameters of a checkpoint or artifact folder.
+    """Flower's FedAvg starting from the federated parameters of a checkpoint or artifact folder.
 
     Args:
         initial_parameters_from: artifact folder (its ``checkpoint``) or checkpoint file.

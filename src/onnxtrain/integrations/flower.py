@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import pathlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -99,22 +99,36 @@ def _running_statistics(source: str | os.PathLike) -> set[str]:
     return set(meta.get("buffer_updates", {}).values()) if isinstance(meta, dict) else set()
 
 
-def _federated_records(source: str | os.PathLike,
-                       artifacts: str | os.PathLike | None = None) -> list[ckpt.ParameterRecord]:
-    """The records of ``source``'s checkpoint that cross the wire; the running statistics are
-    those of the training model in ``artifacts`` (default: next to the checkpoint)."""
+def _federated(parameters: Iterable, statistics: set[str], where: str) -> list:
+    """Of ``parameters`` (checkpoint records, or a state's parameters: anything with ``name``,
+    ``requires_grad``, ``dtype``), those that cross the wire: the trainable ones and the
+    floating-point running statistics among ``statistics``."""
+    chosen = [p for p in parameters
+              if p.requires_grad or (p.name in statistics and np.issubdtype(np.dtype(p.dtype), np.floating))]
+    if not any(p.requires_grad for p in chosen):
+        raise CheckpointError(f"{where} holds no trainable parameters: there is nothing to federate")
+    return chosen
+
+
+def _federated_records(source: str | os.PathLike, artifacts: str | os.PathLike | None = None
+                       ) -> tuple[ckpt.CheckpointData, list[ckpt.ParameterRecord]]:
+    """``source``'s checkpoint, read once, and its records that cross the wire; the running
+    statistics are those of the training model in ``artifacts`` (default: next to the checkpoint)."""
     data = ckpt.read_checkpoint(_checkpoint_path(source))
     statistics = _running_statistics(source if artifacts is None else artifacts)
-    records = [r for r in data.parameters.values()
-               if r.requires_grad or (r.name in statistics and np.issubdtype(np.dtype(r.dtype), np.floating))]
-    if not any(r.requires_grad for r in records):
-        raise CheckpointError(f"checkpoint {str(_checkpoint_path(source))!r} holds no trainable parameters: "
-                              f"there is nothing to federate")
-    return records
+    return data, _federated(data.parameters.values(), statistics, f"checkpoint {str(_checkpoint_path(source))!r}")
 
 
-def _specs(records: Sequence[ckpt.ParameterRecord]) -> list[ParameterSpec]:
-    return [ParameterSpec(r.name, tuple(r.shape), np.dtype(r.dtype)) for r in records]
+def _specs(parameters: Iterable) -> list[ParameterSpec]:
+    return [ParameterSpec(p.name, tuple(p.shape), np.dtype(p.dtype)) for p in parameters]
+
+
+def _values(records: Sequence[ckpt.ParameterRecord], source: str | os.PathLike) -> list[np.ndarray]:
+    missing = [r.name for r in records if r.value is None]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(_checkpoint_path(source))!r} is nominal (no values for "
+                              f"{missing[:8]}); federated training needs initial parameter values")
+    return [np.ascontiguousarray(r.value) for r in records]
 
 
 def parameter_specs(source: str | os.PathLike) -> list[ParameterSpec]:
@@ -129,18 +143,13 @@ def parameter_specs(source: str | os.PathLike) -> list[ParameterSpec]:
         >>> [s.name for s in parameter_specs(artifacts)][:2]
         ['conv1.weight', 'conv1.bias']
     """
-    return _specs(_federated_records(source))
+    return _specs(_federated_records(source)[1])
 
 
 def read_parameters(source: str | os.PathLike) -> list[np.ndarray]:
     """The values of the federated parameters (:func:`parameter_specs`) of a checkpoint or
     artifact folder, in wire order."""
-    records = _federated_records(source)
-    missing = [r.name for r in records if r.value is None]
-    if missing:
-        raise CheckpointError(f"checkpoint {str(_checkpoint_path(source))!r} is nominal (no values for "
-                              f"{missing[:8]}); federated training needs initial parameter values")
-    return [np.ascontiguousarray(r.value) for r in records]
+    return _values(_federated_records(source)[1], source)
 
 
 def check_parameters(specs: Sequence[ParameterSpec], arrays, names: Sequence[str] | None = None) -> list[np.ndarray]:
@@ -289,7 +298,10 @@ class OnnxTrainClient(NumPyClient):
         self._state = CheckpointState(data)
         self._module = Module(folder / "training_model.onnx", self._state, folder / "eval_model.onnx", device=device)
         self._optimizer = Optimizer(folder / "optimizer_model.onnx", self._module)
-        self._specs = parameter_specs(folder)
+        # the running statistics are those the training model writes back (its Module knows them)
+        self._specs = _specs(_federated(self._state.parameters.values(),
+                                        set(self._module._train.buffer_updates.values()),  # noqa: SLF001
+                                        f"checkpoint {str(folder / 'checkpoint')!r}"))
         inputs = self._module.input_names()
         self._train_data = _as_data(train_data, inputs, "train_data")
         self._eval_data = self._train_data if eval_data is None else _as_data(eval_data, inputs, "eval_data")
@@ -471,10 +483,11 @@ class _CentralEvaluator:
         import onnxruntime as ort
 
         source = checkpoint if checkpoint is not None else artifact_dir
-        records = ckpt.read_checkpoint(_checkpoint_path(source)).parameters
-        self.specs = _specs(_federated_records(source, artifact_dir))
-        federated = {s.name for s in self.specs}
-        self.frozen = {n: r.value for n, r in records.items() if n not in federated}
+        stored, federated = _federated_records(source, artifact_dir)
+        records = stored.parameters
+        self.specs = _specs(federated)
+        names = {s.name for s in self.specs}
+        self.frozen = {n: r.value for n, r in records.items() if n not in names}
         self.session = ort.InferenceSession(str(artifact_dir / "eval_model.onnx"),
                                             providers=providers or ["CPUExecutionProvider"])
         self.data_names = [i.name for i in self.session.get_inputs() if i.name not in records]
@@ -609,9 +622,10 @@ def make_strategy(initial_parameters_from: str | os.PathLike, *, evaluate_fn=Non
         fedavg_kwargs.setdefault(key, min_clients)
     for key in ("fit_metrics_aggregation_fn", "evaluate_metrics_aggregation_fn"):
         fedavg_kwargs.setdefault(key, weighted_average)
-    return OnnxTrainFedAvg(parameter_specs(initial_parameters_from), base_checkpoint=initial_parameters_from,
+    _, federated = _federated_records(initial_parameters_from)
+    return OnnxTrainFedAvg(_specs(federated), base_checkpoint=initial_parameters_from,
                            save_checkpoint_to=save_checkpoint_to, evaluate_fn=evaluate_fn,
-                           initial_parameters=ndarrays_to_parameters(read_parameters(initial_parameters_from)),
+                           initial_parameters=ndarrays_to_parameters(_values(federated, initial_parameters_from)),
                            **fedavg_kwargs)
 
 
@@ -647,7 +661,8 @@ def save_global_parameters(parameters: Sequence[np.ndarray] | Parameters, base: 
             raise CheckpointError(f"exporting an inference model needs the artifact folder with eval_model.onnx; "
                                   f"got {str(base)!r}")
     state = CheckpointState.load_checkpoint(_checkpoint_path(base))
-    specs = parameter_specs(base)
+    specs = _specs(_federated(state.parameters.values(), _running_statistics(base),
+                              f"checkpoint {str(_checkpoint_path(base))!r}"))
     for spec, array in zip(specs, check_parameters(specs, parameters)):
         state.parameters[spec.name] = array
     if inference_model_path is not None:  # first: it checks the output names before it writes

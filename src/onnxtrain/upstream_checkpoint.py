@@ -181,8 +181,9 @@ def _optimizer(root: _Table, parameters: dict[str, ParameterRecord], external: _
             raise CheckpointError(f"{where} holds optimizer state for {param!r} twice")
         states = {}
         for table in entry.tables(_PARAMETER_OPTIMIZER_STATE["momentums"]):
-            if table.string(_TENSOR["name"]) in states:  # before reading its bytes again
-                raise CheckpointError(f"{where} holds optimizer state {table.string(_TENSOR['name'])!r} of {param!r} twice")
+            repeated = table.string(_TENSOR["name"])
+            if repeated in states:  # before reading its bytes again
+                raise CheckpointError(f"{where} holds optimizer state {repeated!r} of {param!r} twice")
             state_name, value = _tensor(table, external, where)
             rec = parameters[param]
             if value.shape != rec.shape or value.dtype != rec.dtype:

@@ -20,7 +20,7 @@ import torch
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.ir import io
 from onnxtrain.torch._export import export_failure, quiet_exporter
-from onnxtrain.torch._exporter import contiguous_as_clone
+from onnxtrain.torch._exporter import as_onnx_export, contiguous_as_clone
 
 logger = logging.getLogger(__name__)
 
@@ -42,16 +42,7 @@ def _output_tensors(out) -> tuple[list[str], list[torch.Tensor]]:
 def _capture(module: torch.nn.Module, tensors: tuple, dynamic) -> torch.export.ExportedProgram:
     """The exporter's capture (non-strict ``torch.export``), with each ``contiguous`` a clone:
     the exporter's own decomposition of it drops the copy in Hugging Face T5's attention."""
-    try:
-        from torch.onnx._internal.exporter import _flags
-        exporting = _flags.set_onnx_exporting_flag
-    except (ImportError, AttributeError):  # another internal layout
-        exporting = None
-
-    def run():
-        return torch.export.export(module, tensors, dynamic_shapes=dynamic, strict=False)
-
-    program = exporting(run)() if exporting is not None else run()
+    program = as_onnx_export(lambda: torch.export.export(module, tensors, dynamic_shapes=dynamic, strict=False))
     contiguous_as_clone(program)
     return program
 

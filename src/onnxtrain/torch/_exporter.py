@@ -514,6 +514,16 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 
+    return as_onnx_export(run)
+
+
+def as_onnx_export(run: Callable[[], torch.export.ExportedProgram]) -> torch.export.ExportedProgram:
+    """``run()`` with ``torch.onnx.is_in_onnx_export()`` true, as the exporter's own capture runs
+    (a model that branches on it takes its export path)."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+    except ImportError:  # another internal layout
+        return run()
     exporting = getattr(_flags, "set_onnx_exporting_flag", None)
     return exporting(run)() if exporting is not None else run()
 

@@ -201,16 +201,6 @@ export class Properties {
 }
 
 /**
- * The training state. Create it with {@link CheckpointState.load}; a `Module` and an
- * `Optimizer` then read and update it.
- *
- * @example
- * const state = await CheckpointState.load('artifacts/checkpoint');
- * state.properties.set('epoch', 3);
- * await CheckpointState.save(state, 'artifacts/checkpoint', { includeOptimizerState: true });
- */
-
-/**
  * Zeros for a parameter of a nominal checkpoint, or a CheckpointError when its size cannot be allocated.
  * @param {{name: string, dtype: string, shape: number[]}} record
  */
@@ -224,6 +214,15 @@ function nominalValue(record) {
   }
 }
 
+/**
+ * The training state. Create it with {@link CheckpointState.load}; a `Module` and an
+ * `Optimizer` then read and update it.
+ *
+ * @example
+ * const state = await CheckpointState.load('artifacts/checkpoint');
+ * state.properties.set('epoch', 3);
+ * await CheckpointState.save(state, 'artifacts/checkpoint', { includeOptimizerState: true });
+ */
 export class CheckpointState {
   /** The platform (onnxruntime binding, file access) of this class; set by the entry points. */
   static platform = /** @type {import('./platform.js').Platform | null} */ (null);

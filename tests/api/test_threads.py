@@ -6,6 +6,7 @@ every result equals some serial order of the calls."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -40,10 +41,10 @@ def _batch(seed):
     return rng.standard_normal((ROWS, WIDTH)).astype(np.float32), rng.integers(0, CLASSES, ROWS).astype(np.int32)
 
 
-def _make(folder):
+def _make(folder, **optimizer_options):
     state = CheckpointState.load_checkpoint(folder / "checkpoint")
     module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
-    return state, module, Optimizer(folder / "optimizer_model.onnx", module)
+    return state, module, Optimizer(folder / "optimizer_model.onnx", module, **optimizer_options)
 
 
 def _together(*calls):
@@ -102,6 +103,23 @@ def test_eval_from_two_threads_returns_each_threads_loss(folder):
     assert got == [[expected[0]] * 40, [expected[1]] * 40]
 
 
+class _SlowRuns:
+    """The optimizer's session, with a pause after each run: the moment a step has updated the
+    spare buffers and not yet swapped them in, held open long enough for another thread's write
+    to land there when nothing keeps it out (then the swap would drop the write)."""
+
+    def __init__(self, session, ran: threading.Event):
+        self._session, self._ran = session, ran
+
+    def run_with_iobinding(self, binding, *args):
+        self._session.run_with_iobinding(binding, *args)
+        self._ran.set()
+        time.sleep(0.2)
+
+    def __getattr__(self, name):
+        return getattr(self._session, name)
+
+
 def test_a_write_during_a_step_is_kept_or_comes_first(folder):
     x, y = _batch(3)
     new_b1 = np.full(WIDTH, 0.25, np.float32)
@@ -115,12 +133,16 @@ def test_a_write_during_a_step_is_kept_or_comes_first(folder):
         if not write_first:
             state.parameters["b1"] = new_b1
         outcomes.append(state.parameters["b1"].data)
-    for _ in range(TRIALS):
-        state, module, optimizer = _make(folder)
+    assert not np.array_equal(*outcomes)
+    state, module, optimizer = _make(folder, fused_step=False)
+    module(x, y)
+    ran = threading.Event()
+    optimizer._session = _SlowRuns(optimizer._session, ran)
 
-        def write(s=state):
-            s.parameters["b1"] = new_b1
+    def write():
+        assert ran.wait(10)
+        state.parameters["b1"] = new_b1
 
-        _together(lambda m=module, o=optimizer: (m(x, y), o.step()), write)
-        b1 = state.parameters["b1"].data
-        assert any(np.array_equal(b1, o) for o in outcomes)
+    _together(optimizer.step, write)
+    b1 = state.parameters["b1"].data
+    assert any(np.array_equal(b1, o) for o in outcomes)

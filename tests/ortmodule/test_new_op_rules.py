@@ -441,6 +441,19 @@ def test_a_distribution_that_asks_for_validation_runs_in_pytorch():
     assert torch.distributions.Distribution._validate_args == default  # restored after the capture
 
 
+_FAKE_QUANTIZERS = {
+    "per-channel-float-zero-point": lambda y: torch.fake_quantize_per_channel_affine(
+        y, torch.tensor([0.1, 0.05, 0.2, 0.3]), torch.tensor([0.0, 1.0, 2.5, -3.25]), 1, -8, 7),
+    "per-tensor": lambda y: torch.fake_quantize_per_tensor_affine(y, 0.1, 3, -8, 7),
+    "tensor-qparams": lambda y: torch.fake_quantize_per_tensor_affine(
+        y, torch.tensor([0.07]), torch.tensor([2], dtype=torch.int32), -8, 7),
+    "per-channel": lambda y: torch.fake_quantize_per_channel_affine(
+        y, torch.tensor([0.1, 0.05, 0.2, 0.3]), torch.tensor([0, 1, -2, 3], dtype=torch.int32), 1, -8, 7),
+}
+_FAKE_QUANTIZER_SCALES = {"per-channel-float-zero-point": [0.1, 0.05, 0.2, 0.3], "per-tensor": [0.1] * 4,
+                          "tensor-qparams": [0.07] * 4, "per-channel": [0.1, 0.05, 0.2, 0.3]}
+
+
 @pytest.mark.parametrize(("kind", "dtype"), [
     ("per-tensor", torch.float32), ("tensor-qparams", torch.float32), ("per-channel", torch.float32),
     ("per-channel-float-zero-point", torch.float32), ("per-tensor", torch.float16), ("per-channel", torch.float16)])
@@ -451,15 +464,7 @@ def test_fake_quantization_trains_with_pytorchs_straight_through_gradient(kind, 
     (zero where the value was clipped): also with a float zero point (``round(x / s + z)``, where
     ours added it after rounding) and in float16 (quantized in float32, as PyTorch's kernels: ours
     computed in float16 and missed the grid by an ulp or a step)."""
-    quantize = {
-        "per-channel-float-zero-point": lambda y: torch.fake_quantize_per_channel_affine(
-            y, torch.tensor([0.1, 0.05, 0.2, 0.3]), torch.tensor([0.0, 1.0, 2.5, -3.25]), 1, -8, 7),
-        "per-tensor": lambda y: torch.fake_quantize_per_tensor_affine(y, 0.1, 3, -8, 7),
-        "tensor-qparams": lambda y: torch.fake_quantize_per_tensor_affine(
-            y, torch.tensor([0.07]), torch.tensor([2], dtype=torch.int32), -8, 7),
-        "per-channel": lambda y: torch.fake_quantize_per_channel_affine(
-            y, torch.tensor([0.1, 0.05, 0.2, 0.3]), torch.tensor([0, 1, -2, 3], dtype=torch.int32), 1, -8, 7),
-    }[kind]
+    quantize = _FAKE_QUANTIZERS[kind]
 
     class _Quantized(nn.Module):
         def __init__(self):
@@ -483,6 +488,37 @@ def test_fake_quantization_trains_with_pytorchs_straight_through_gradient(kind, 
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(wrapped.module.lin.weight.grad, eager.lin.weight.grad, rtol=tolerance, atol=tolerance)
     assert (eager.lin.weight.grad != 0).any()
+
+
+@pytest.mark.parametrize("kind", sorted(_FAKE_QUANTIZERS))
+def test_float64_fake_quantization_rounds_where_pytorchs_kernels_do(kind):
+    """A float64 input to fake quantization: PyTorch's CPU kernels round the scale, its reciprocal,
+    the per-tensor values ``(q - z) * s`` and the per-channel ``x / s`` before a float zero point is
+    added to float32. Ours computed in float64 throughout: with a scale of 0.1 almost every value
+    differed (0.1 against float32's 0.1), and values near a rounding tie landed a step apart."""
+    quantize = _FAKE_QUANTIZERS[kind]
+
+    class _Quantized(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+        def forward(self, x):
+            return quantize(x * self.gain)
+
+    scales = torch.tensor(_FAKE_QUANTIZER_SCALES[kind], dtype=torch.float64)
+    ties = (torch.arange(-12, 12, dtype=torch.float64)[:, None] + 0.5) * scales
+    x = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1),
+                   torch.randn(64, 4, dtype=torch.float64)])
+    eager, wrapped = eager_and_wrapped(_Quantized)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        ours = wrapped(x)
+    theirs = eager(x)
+    assert torch.equal(ours, theirs)
+    ours.sum().backward()
+    theirs.sum().backward()
+    torch.testing.assert_close(wrapped.module.gain.grad, eager.gain.grad, rtol=1e-12, atol=0)
 
 
 @pytest.mark.parametrize(("var_shape", "full", "reduction"), [

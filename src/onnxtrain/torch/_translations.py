@@ -1334,29 +1334,47 @@ def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False
     return result, *_lu_stand_ins(matrix), _info(matrix)
 
 
-def _fake_quantized(x, scale, zero_point, quant_min: int, quant_max: int, float_zero_point: bool = False):
+def _fake_quantized(x, scale, zero_point, quant_min: int, quant_max: int, per_channel: bool = False,
+                    float_zero_point: bool = False):
     """``(values, in range)``: ``(clamp(round(x / scale) + zero_point) - zero_point) * scale`` (round
     half to even, as PyTorch's ``nearbyint``; ``round(x / scale + zero_point)`` for a float zero
     point, as PyTorch's per-channel kernel), and where the rounded value was inside the range.
-    ``scale`` and ``zero_point`` are numbers or tensors broadcasting against ``x``; ``x / scale`` is
-    ``x`` times the float32 reciprocal of the scale, and a float16 or bfloat16 ``x`` is quantized in
-    float32 and the values rounded to its type once, as PyTorch's kernels do. The values carry the
-    straight-through gradient PyTorch's fake quantization has: ``dy`` where in range, 0 elsewhere,
-    as ``detach(values) + (x - detach(x)) * in_range`` (exactly the quantized values: ``x - x`` is 0)."""
+    ``scale`` and ``zero_point`` are numbers or tensors broadcasting against ``x`` (one per channel
+    with ``per_channel``). The steps are rounded where PyTorch's CPU kernels round them: the scale
+    to float32 and ``x / scale`` as ``x`` times the float32 reciprocal of the scale, whatever ``x``'s
+    type; a float16 or bfloat16 ``x`` is quantized in float32 and the values rounded to its type
+    once; for a float64 ``x``, the per-tensor kernels compute the values ``(q - zero_point) *
+    scale`` in float32 and the per-channel kernel adds a float zero point to ``x / scale`` rounded
+    to float32. The values carry the straight-through gradient PyTorch's fake quantization has:
+    ``dy`` where in range, 0 elsewhere, as ``detach(values) + (x - detach(x)) * in_range`` (exactly
+    the quantized values: ``x - x`` is 0)."""
     low_precision = x.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    double = x.dtype == ir.DataType.DOUBLE
     computed = op.Cast(x, to=ir.DataType.FLOAT) if low_precision else x
     if isinstance(scale, (int, float)):
         inverse = _like(computed, float(np.float32(1.0) / np.float32(scale)))
-        scale = _like(computed, scale)
+        scale = _like(computed, float(np.float32(scale)))
     else:
+        scale = op.Cast(scale, to=ir.DataType.FLOAT)
+        inverse = op.CastLike(op.Reciprocal(scale), computed)
         scale = op.CastLike(scale, computed)
-        inverse = op.Reciprocal(scale)
     zero_point = _like(computed, zero_point) if isinstance(zero_point, (int, float)) else op.CastLike(zero_point, computed)
     scaled = op.Mul(computed, inverse)
-    rounded = op.Round(op.Add(scaled, zero_point)) if float_zero_point else op.Add(op.Round(scaled), zero_point)
+    if not float_zero_point:
+        rounded = op.Add(op.Round(scaled), zero_point)
+    elif double:
+        rounded = op.CastLike(op.Round(op.Add(op.Cast(scaled, to=ir.DataType.FLOAT),
+                                              op.Cast(zero_point, to=ir.DataType.FLOAT))), computed)
+    else:
+        rounded = op.Round(op.Add(scaled, zero_point))
     low, high = _like(computed, float(quant_min)), _like(computed, float(quant_max))
     in_range = op.And(op.GreaterOrEqual(rounded, low), op.LessOrEqual(rounded, high))
-    values = op.Mul(op.Sub(op.Clip(rounded, low, high), zero_point), scale)
+    steps = op.Sub(op.Clip(rounded, low, high), zero_point)
+    if double and not per_channel:
+        values = op.CastLike(op.Mul(op.Cast(steps, to=ir.DataType.FLOAT), op.Cast(scale, to=ir.DataType.FLOAT)),
+                             computed)
+    else:
+        values = op.Mul(steps, scale)
     if low_precision:
         values = op.CastLike(values, x)
     return _value_with_gradient(values, x, op.CastLike(in_range, x)), in_range
@@ -1387,7 +1405,7 @@ def fake_quantize_per_channel_affine_cachemask(x, scale, zero_point, axis: int, 
     shape = op.Constant(value_ints=[-1 if k == axis % rank else 1 for k in range(rank)])
     float_zero_point = zero_point.dtype is not None and zero_point.dtype.is_floating_point()
     return _fake_quantized(x, op.Reshape(scale, shape), op.Reshape(zero_point, shape), quant_min, quant_max,
-                           float_zero_point)
+                           per_channel=True, float_zero_point=float_zero_point)
 
 
 def fake_quantize_per_tensor_affine(x, scale: float, zero_point: int, quant_min: int, quant_max: int):

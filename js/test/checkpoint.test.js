@@ -129,13 +129,30 @@ test('a parameter whose dtype or shape differs from the model is refused, naming
     isError(CheckpointError, /"fc\.bias" is float64 in the checkpoint; the training model expects float32/));
 });
 
+test('integer inputs of another integer type are converted where every value fits, as in Python', async () => {
+  const images = new ort.Tensor('float32', Float32Array.from({ length: 3 * 64 }, (_, i) => (i % 17) / 17), [3, 1, 8, 8]);
+  const labels = [Int32Array.of(1, 7, 3), BigInt64Array.of(1n, 7n, 3n), Uint8Array.of(1, 7, 3)];
+  const types = ['int32', 'int64', 'uint8'];
+  const losses = [];
+  for (const [i, data] of labels.entries()) {
+    const module = await Module.create(artifact('training_model.onnx'), await CheckpointState.load(artifact('checkpoint')),
+      artifact('eval_model.onnx'));
+    const tensor = new ort.Tensor(types[i], data, [3]);
+    losses.push([(await module.trainStep(images, tensor)).loss.data[0], (await module.evalStep({ image: images, labels: tensor })).loss.data[0]]);
+  }
+  assert.deepEqual(losses[1], losses[0]);
+  assert.deepEqual(losses[2], losses[0]);
+});
+
 test('inputs of the wrong type, rank, count or name get an InputMismatchError', async () => {
   const state = await CheckpointState.load(artifact('checkpoint'));
   const module = await Module.create(artifact('training_model.onnx'), state);
   const images = new ort.Tensor('float32', new Float32Array(2 * 64), [2, 1, 8, 8]);
   const labels = new ort.Tensor('int32', Int32Array.of(1, 2), [2]);
-  await assert.rejects(module.trainStep(images, new ort.Tensor('int64', BigInt64Array.of(1n, 2n), [2])),
-    isError(InputMismatchError, /input "labels" is int64 \[2\]; expected int32 \["batch"\] \(element type int64 instead of int32\)/));
+  await assert.rejects(module.trainStep(images, new ort.Tensor('int64', BigInt64Array.of(1n, 1n << 40n), [2])),
+    isError(InputMismatchError, /input "labels" is int64 \[2\]; expected int32 \["batch"\] \(element type int64 with values in \[1, 1099511627776\], outside int32's range\)/));
+  await assert.rejects(module.trainStep(images, new ort.Tensor('float32', Float32Array.of(1, 2), [2])),
+    isError(InputMismatchError, /input "labels" is float32 \[2\]; expected int32 \["batch"\] \(element type float32 instead of int32\)/));
   await assert.rejects(module.trainStep(new ort.Tensor('float32', new Float32Array(2 * 64), [2, 64]), labels),
     isError(InputMismatchError, /input "image" is float32 \[2, 64\]; expected float32 \["batch", 1, 8, 8\] \(rank 2 instead of 4\)/));
   await assert.rejects(module.trainStep(new ort.Tensor('float32', new Float32Array(2 * 81), [2, 1, 9, 9]), labels),

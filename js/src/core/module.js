@@ -226,7 +226,7 @@ export class Module {
    */
   async trainStep(...inputs) {
     const sig = this._trainSignature;
-    const feeds = gatherInputs(sig.userInputs, inputs, 'training step');
+    const feeds = gatherInputs(sig.userInputs, inputs, 'training step', this._platform.ort.Tensor);
     const state = this._state;
     this._checkValues();
     const { Tensor } = this._platform.ort;
@@ -262,7 +262,7 @@ export class Module {
    */
   async evalStep(...inputs) {
     const sig = this._evalSignatureOrThrow('an eval step');
-    const feeds = gatherInputs(sig.userInputs, inputs, 'eval step');
+    const feeds = gatherInputs(sig.userInputs, inputs, 'eval step', this._platform.ort.Tensor);
     this._checkValues();
     const evaluation = /** @type {any} */ (this._eval);
     const outputs = await this._state._exclusive('an eval step', () => {

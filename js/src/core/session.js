@@ -4,7 +4,7 @@
  */
 
 import { InputMismatchError, ModelError, RunError } from './errors.js';
-import { formatShape } from './dtypes.js';
+import { DTYPES, formatShape } from './dtypes.js';
 import { inputsWithoutShape, readModelMetadata } from './onnx_proto.js';
 import { describeSource, readSource } from './platform.js';
 
@@ -103,13 +103,16 @@ export function jsonMetadata(metadata, key, what) {
 
 /**
  * Map user inputs (positional, or one object by name) onto `specs` and check each: an
- * onnxruntime Tensor of the declared type, rank and fixed dims.
+ * onnxruntime Tensor of the declared type, rank and fixed dims. Integers of another integer
+ * type are converted where every value fits (int64 class labels for an int32 labels input, as
+ * the Python runtime and onnxruntime-training 1.19.2's artifacts take them).
  * @param {IOSpec[]} specs
  * @param {unknown[]} args
  * @param {string} what  e.g. "training step"
+ * @param {new (type: any, data: any, dims: readonly number[]) => any} Tensor  onnxruntime's Tensor class
  * @returns {Record<string, any>} feeds by name
  */
-export function gatherInputs(specs, args, what) {
+export function gatherInputs(specs, args, what, Tensor) {
   const names = specs.map((s) => s.name);
   /** @type {Record<string, any>} */
   let byName;
@@ -137,14 +140,49 @@ export function gatherInputs(specs, args, what) {
       throw new InputMismatchError(`${what}: input ${JSON.stringify(spec.name)} must be an onnxruntime Tensor ` +
         `(${describeSpec(spec)}), got ${value === null ? 'null' : value.constructor?.name ?? typeof value}`);
     }
-    const problem = mismatch(spec, value) ?? symbolMismatch(spec, value, symbols);
+    const converted = integersConverted(spec, value, Tensor);
+    const problem = (typeof converted === 'string' ? converted : mismatch(spec, converted)) ??
+      symbolMismatch(spec, value, symbols);
     if (problem) {
       throw new InputMismatchError(`${what}: input ${JSON.stringify(spec.name)} is ${value.type} ` +
         `${formatShape(value.dims)}; expected ${describeSpec(spec)} (${problem})`);
     }
-    feeds[spec.name] = value;
+    feeds[spec.name] = converted;
   }
   return feeds;
+}
+
+/**
+ * `tensor` as a Tensor of `spec`'s integer type where it holds integers of another integer type
+ * and every value fits; `tensor` itself where no conversion applies (`mismatch` then judges it);
+ * why not, where a value is out of the type's range.
+ * @param {IOSpec} spec
+ * @param {any} tensor
+ * @param {new (type: any, data: any, dims: readonly number[]) => any} Tensor
+ * @returns {any}
+ */
+function integersConverted(spec, tensor, Tensor) {
+  const target = spec.type;
+  if (target === null || target === tensor.type || !INTEGER_TYPES.has(target) || !INTEGER_TYPES.has(tensor.type) ||
+      (tensor.location !== undefined && tensor.location !== 'cpu' && tensor.location !== 'cpu-pinned')) {
+    return tensor;
+  }
+  const data = /** @type {ArrayLike<number | bigint>} */ (tensor.data);
+  const bits = BigInt(8 * DTYPES[target].bytes);
+  const signed = !target.startsWith('u');
+  const [min, max] = signed ? [-(1n << (bits - 1n)), (1n << (bits - 1n)) - 1n] : [0n, (1n << bits) - 1n];
+  let low = null, high = null;
+  for (let i = 0; i < data.length; i++) {
+    const v = BigInt(data[i]);
+    if (low === null || v < low) low = v;
+    if (high === null || v > high) high = v;
+  }
+  if (low !== null && high !== null && (low < min || high > max)) {
+    return `element type ${tensor.type} with values in [${low}, ${high}], outside ${target}'s range`;
+  }
+  const wide = target.endsWith('64');
+  const values = DTYPES[target].array.from(data, (/** @type {number | bigint} */ v) => (wide ? BigInt(v) : Number(v)));
+  return new Tensor(target, values, tensor.dims);
 }
 
 /** @param {unknown} value */

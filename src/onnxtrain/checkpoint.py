@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from onnxtrain.errors import CheckpointError
+from onnxtrain.paths import unreadable_file
 
 FORMAT = "onnxtrain.checkpoint"
 VERSION = 1
@@ -287,16 +288,9 @@ def read_checkpoint(path: str | os.PathLike) -> CheckpointData:
     from safetensors import safe_open
 
     path = Path(path)
-    try:
-        mode = path.stat().st_mode
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {str(path)!r} does not exist") from None
-    except OSError as exc:  # a symbolic link loop, no permission
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {exc.strerror or exc}") from None
-    if stat.S_ISDIR(mode):
-        raise CheckpointError(f"checkpoint {str(path)!r} is a directory, expected a checkpoint file")
-    if not stat.S_ISREG(mode):  # a FIFO would block, a device read without end
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a regular file, expected a checkpoint file")
+    problem = unreadable_file(path)
+    if problem:
+        raise CheckpointError(f"checkpoint {str(path)!r} {problem}, expected a checkpoint file")
     from onnxtrain import upstream_checkpoint
 
     if upstream_checkpoint.is_upstream_checkpoint(path):

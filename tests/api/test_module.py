@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 
+from onnxtrain import artifacts as artifact_generation
 from onnxtrain.api import CheckpointState, Module
 from onnxtrain.checkpoint import write_checkpoint
 from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
@@ -220,6 +223,20 @@ def test_missing_model_file(artifacts, tmp_path):
         Module(tmp_path / "bad.onnx", state)
     with pytest.raises(ValueError, match="unknown device"):
         Module(artifacts.training, state, device="tpu")
+
+
+def test_a_model_path_that_is_not_a_regular_file_is_named(artifacts, tmp_path):
+    """A folder, a FIFO (reading it would wait for a writer forever) or a device is named for
+    what it is: the messages said "does not exist"."""
+    state = CheckpointState.load_checkpoint(artifacts.checkpoint)
+    with pytest.raises(ModelError, match=r"training model file .* is a directory, expected an ONNX model file"):
+        Module(tmp_path, state)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo.onnx")
+        with pytest.raises(ModelError, match="eval model file .* is not a regular file"):
+            Module(artifacts.training, state, tmp_path / "fifo.onnx")
+        with pytest.raises(ModelError, match="ONNX model file .* is not a regular file"):
+            artifact_generation.generate_artifacts(str(tmp_path / "fifo.onnx"), artifact_directory=tmp_path / "out")
 
 
 # ----------------------------------------------------------------------------- export

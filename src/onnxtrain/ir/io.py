@@ -17,6 +17,7 @@ import onnx_ir as ir
 
 from onnxtrain.errors import ModelError
 from onnxtrain.ir.upgrade import upgrade
+from onnxtrain.paths import unreadable_file
 
 ModelLike = Union[str, os.PathLike, "onnx.ModelProto", ir.Model]
 
@@ -38,8 +39,9 @@ def load_model(model: ModelLike) -> ir.Model:
         proto = model
     elif isinstance(model, (str, os.PathLike)):
         path = Path(model)
-        if not path.is_file():
-            raise ModelError(f"ONNX model file {str(path)!r} does not exist")
+        problem = unreadable_file(path)
+        if problem:
+            raise ModelError(f"ONNX model file {str(path)!r} {problem}, expected an ONNX model file")
         try:
             proto = onnx.load(str(path))
         except Exception as exc:  # protobuf raises several unrelated types

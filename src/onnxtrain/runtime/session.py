@@ -11,6 +11,7 @@ import onnx
 import onnxruntime as ort
 
 from onnxtrain.errors import ModelError, RunError
+from onnxtrain.paths import unreadable_file
 from onnxtrain.runtime.denormals import creating_thread_kept
 
 # onnxruntime type strings -> numpy dtypes (bfloat16 has no numpy dtype and is left out).
@@ -106,8 +107,9 @@ def create_session(model: str | os.PathLike | bytes, providers: list,
     """
     if isinstance(model, (str, os.PathLike)):
         model = os.fspath(model)
-        if not os.path.isfile(model):
-            raise ModelError(f"{what} file {model!r} does not exist")
+        problem = unreadable_file(model)
+        if problem:
+            raise ModelError(f"{what} file {model!r} {problem}, expected an ONNX model file")
     if session_options is None:
         session_options = quiet_session_options()
     try:

@@ -21,6 +21,7 @@ import torch
 
 from onnxtrain.checkpoint import _atomic_write
 from onnxtrain.errors import CheckpointError
+from onnxtrain.paths import unreadable_file
 
 META_KEY = "zero"
 FORMAT_VERSION = 1
@@ -46,8 +47,9 @@ def save_shard(shard: dict, path: str | os.PathLike) -> None:
 def load_shard(path: str | os.PathLike) -> dict:
     """Read one shard; :class:`CheckpointError` if it is missing, unreadable or no shard."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"ZeRO optimizer shard {str(path)!r} does not exist")
+    problem = unreadable_file(path)
+    if problem:
+        raise CheckpointError(f"ZeRO optimizer shard {str(path)!r} {problem}, expected a shard file")
     try:
         shard = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 -- torch raises many types for a bad file

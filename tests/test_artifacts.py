@@ -415,6 +415,34 @@ def test_outputs_follow_upstreams_order_and_loss_none_takes_the_first_output(tmp
     assert outputs == ["loss", "y", "m"]
 
 
+def test_a_loss_of_more_than_one_value_is_refused(tmp_path):
+    """loss=None on a model whose first output is [N, 2] (or a loss block returning per-sample
+    losses) trained the sum of its values silently; PyTorch's backward refuses such a loss too.
+    A loss of shape [1] (older exporters) still trains."""
+    scores_first = _scored_model()
+    scores_first.graph.output.reverse()
+    with pytest.raises(ArtifactError, match=r"the loss 'y' has shape \[N,2\]: a loss is one number.*loss=None takes"):
+        artifacts.generate_artifacts(scores_first, requires_grad=["w"], loss=None, artifact_directory=tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+
+    class Squares(onnxblock.Block):
+        def __init__(self, reduced):
+            super().__init__()
+            self.reduced = reduced
+
+        def build(self, mean_name, output_name):
+            squares = onnxblock.blocks.Mul()(output_name, output_name)
+            return onnxblock.blocks.ReduceSum(keepdims=True)(squares) if self.reduced else squares
+
+    with pytest.raises(ArtifactError, match=r"has shape \[N,2\]: a loss is one number"):
+        artifacts.generate_artifacts(_scored_model(), requires_grad=["w"], loss=Squares(False),
+                                     artifact_directory=tmp_path / "b")
+    artifacts.generate_artifacts(_scored_model(), requires_grad=["w"], loss=Squares(True),  # [1, 1]
+                                 artifact_directory=tmp_path / "c")
+    assert [d.dim_value for d in onnx.load(tmp_path / "c" / "training_model.onnx").graph.output[0]
+            .type.tensor_type.shape.dim] == [1, 1]
+
+
 def test_an_empty_requires_grad_trains_nothing(tmp_path):
     # as upstream: only what is named trains ([] was taken as "not given": everything trained)
     artifacts.generate_artifacts(_scored_model(), requires_grad=[], loss=None, artifact_directory=tmp_path)

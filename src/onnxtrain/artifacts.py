@@ -168,7 +168,8 @@ def generate_artifacts(
             statistics, stay constants).
         frozen_params: initializers kept fixed but stored in the checkpoint.
         loss: a :class:`LossType` or a custom ``onnxblock.Block`` returning the loss name;
-            None when the model's (only) output already is the loss.
+            None when the model's first output already is the loss. The loss is one number
+            (a scalar, or shape ``[1]``): a loss of per-sample values is refused.
         optimizer: an :class:`OptimType` or an ``onnxblock.optim`` block; None: no optimizer model.
         artifact_directory: output folder (created; default the current directory).
         prefix: prepended to every file name.

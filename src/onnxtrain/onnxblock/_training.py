@@ -188,6 +188,12 @@ def _parameter_value(value: ir.Value) -> np.ndarray:
             f"(onnx.load(path) with the data file beside it)") from exc
 
 
+def _more_than_one(dim: int | ir.SymbolicDim) -> bool:
+    """Whether a loss's dim holds (or, named, stands for) more than one element: a fixed size
+    other than 1, or a named one (a batch); an unnamed unknown dim may well be 1."""
+    return dim != 1 if isinstance(dim, int) else dim.value is not None
+
+
 def _lift_parameters(model: ir.Model, params: Parameters) -> None:
     """Parameters become graph inputs (trainable first, then frozen), in that order."""
     graph = model.graph
@@ -327,6 +333,11 @@ def build_training_and_eval(
     loss = values[loss_name]
     if loss.dtype not in FLOAT_TYPES:
         raise ArtifactError(f"the loss {loss_name!r} must be floating point, not {loss.dtype}")
+    if loss.shape is not None and any(_more_than_one(dim) for dim in loss.shape):
+        raise ArtifactError(f"the loss {loss_name!r} has shape {loss.shape}: a loss is one number (a scalar, or "
+                            "shape [1]) to differentiate; reduce it (a mean or sum over the batch) in the model or "
+                            "the loss block" + (" (loss=None takes the model's first output as the loss)"
+                                                if loss_name == graph.outputs[0].name else ""))
     loss_inputs = [v.name for v in graph.inputs if v.name not in user_inputs]
 
     _lift_parameters(model, params)

@@ -127,9 +127,9 @@ def test_fused_adam_from_config_modes_and_refusals():
     ({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": "2", "cpu_offload": True}}, False),
 ])
 def test_which_configs_get_fused_adam(config, replaced, tmp_path):
-    from onnxtrain.integrations.deepspeed import _load_config, _wants_our_adam
+    from onnxtrain.integrations.deepspeed import _load_config, _wants_our_adam, _zero_settings
 
-    assert _wants_our_adam(_load_config(config)) is replaced
+    assert _wants_our_adam(_load_config(config), _zero_settings(_load_config(config))[1]) is replaced
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(config))
     assert _load_config(path) == config and _load_config(str(path)) == config

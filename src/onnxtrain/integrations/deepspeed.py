@@ -102,11 +102,12 @@ def _adam_params(optimizer_config: Mapping) -> dict:
     return dict(params)
 
 
-def _wants_our_adam(config: dict) -> bool:
+def _wants_our_adam(config: dict, offload: str) -> bool:
+    """Whether ``config`` asks for an Adam our FusedAdam can be (``offload``: ZeRO's
+    optimizer-offload device, from :func:`_zero_settings`)."""
     optimizer = config.get("optimizer")
     if not isinstance(optimizer, Mapping) or str(optimizer.get("type", "")).lower() not in _ADAM_TYPES:
         return False
-    _, offload = _zero_settings(config)
     # torch_adam: the user chose torch's Adam; offload: ZeRO-Offload needs DeepSpeed's CPU Adam
     return not _adam_params(optimizer).get("torch_adam", False) and offload in ("none", "")
 
@@ -176,7 +177,7 @@ def initialize(model: torch.nn.Module, *, debug_options: DebugOptions | None = N
     if config is None and "config_params" in deepspeed_kwargs:  # DeepSpeed's older name for config
         config = deepspeed_kwargs.pop("config_params")
     loaded = _load_config(config)
-    stage = 0 if loaded is None else _zero_settings(loaded)[0]
+    stage, offload = (0, "none") if loaded is None else _zero_settings(loaded)
     if stage >= _ZERO_PARAMETER_PARTITIONING_STAGE:
         raise DeepSpeedConfigError(
             f"ZeRO stage {stage} partitions the parameters and gathers them in forward hooks of each "
@@ -187,7 +188,7 @@ def initialize(model: torch.nn.Module, *, debug_options: DebugOptions | None = N
     if not build_cpu_shm_comm and get_accelerator().device_name() == "cpu":
         # DeepSpeed reads this dict (its ops' compatibility) before building an op
         deepspeed.ops.__compatible_ops__[_CPU_SHM_OP] = False
-    if optimizer is None and use_fused_adam and loaded is not None and _wants_our_adam(loaded):
+    if optimizer is None and use_fused_adam and loaded is not None and _wants_our_adam(loaded, offload):
         params = model_parameters if model_parameters is not None else \
             [p for p in model.parameters() if p.requires_grad]
         optimizer = fused_adam_from_config(params, loaded.pop("optimizer"))

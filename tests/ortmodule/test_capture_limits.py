@@ -334,3 +334,32 @@ def test_a_data_dependent_branch_is_located_in_the_reason():
 
     with pytest.raises(ExportError, match=r"at .*test_capture_limits\.py:\d+: if torch\.rand\(1\) > 0\.5:"):
         ORTModule(_BranchesOnADraw(), DebugOptions(fallback=False))(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("how", ["static", "dynamic"])
+def test_a_converted_quantized_model_falls_back_naming_its_quantized_modules(how):
+    """torch.ao.quantization.convert / quantize_dynamic pack the weights in TorchScript objects:
+    the reason read "LinearPackedParamsBase does not have a field with name '__obj_flatten__'".
+    It now names the quantized modules and the way to train (the prepared model)."""
+    from onnxtrain.errors import ExportError
+    from onnxtrain.torch import DebugOptions
+
+    quantization = pytest.importorskip("torch.ao.quantization")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation
+        if how == "dynamic":
+            converted = quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+        else:
+            stubbed = torch.nn.Sequential(quantization.QuantStub(), model, quantization.DeQuantStub())
+            stubbed.qconfig = quantization.get_default_qconfig("fbgemm")
+            prepared = quantization.prepare(stubbed)
+            prepared(torch.randn(16, 8))
+            converted = quantization.convert(prepared)
+    x = torch.randn(4, 8)
+    expected = converted(x)
+    with pytest.warns(ORTModuleFallbackWarning, match=r"quantized modules whose weights are packed \(\S*0 "
+                                                      r"\(torch\.ao\.nn\.quantized\.\S*Linear\), .*Train the prepared"):
+        assert torch.equal(ORTModule(converted)(x), expected)
+    with pytest.raises(ExportError, match="quantized modules whose weights are packed"):
+        ORTModule(converted, DebugOptions(fallback=False))(x)

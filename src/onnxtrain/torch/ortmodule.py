@@ -244,6 +244,33 @@ def _fsdp_obstacle(module: torch.nn.Module) -> str | None:
     return None
 
 
+_QUANTIZED = "torch.ao.nn.quantized"  # the modules torch.ao.quantization.convert writes
+
+
+def _packed_weights_obstacle(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s quantized (packed) weights keep it from being exported, or None: the
+    modules ``torch.ao.quantization.convert`` writes keep their weights in TorchScript objects
+    (``LinearPackedParamsBase``, ...) or quantized tensors, which the exporter cannot trace."""
+    held = {}
+    for name, sub in module.named_modules():
+        tensors = (*sub._parameters.values(), *sub._buffers.values())
+        if any(isinstance(v, torch.ScriptObject) for v in vars(sub).values()) \
+                or any(t is not None and t.is_quantized for t in tensors):
+            # named by its outermost quantized module (a quantized Linear, not its _packed_params)
+            parts = name.split(".") if name else []
+            owner = next((".".join(parts[:k]) for k in range(len(parts) + 1)
+                          if type(module.get_submodule(".".join(parts[:k]))).__module__.startswith(_QUANTIZED)), name)
+            kind = type(module.get_submodule(owner))
+            held[owner] = f"{owner or 'the module itself'} ({kind.__module__}.{kind.__qualname__})"
+    held = list(held.values())
+    if not held:
+        return None
+    return (f"it holds quantized modules whose weights are packed ({', '.join(held[:4])}"
+            f"{', ...' if len(held) > 4 else ''}), which the exporter cannot trace: a model converted by "
+            "torch.ao.quantization.convert is for inference. Train the prepared model (prepare_qat: its fake "
+            "quantization trains in ONNX Runtime) and convert it after training")
+
+
 def _parameters_swapped(module: torch.nn.Module) -> bool:
     """Whether a parameter's place holds a plain tensor (``torch.func.functional_call``'s doing)."""
     return any(p is not None and not isinstance(p, torch.nn.Parameter)
@@ -452,7 +479,7 @@ class ORTModule(ModuleWrapper):
             # the traced forward is the module's own, part of the outer graph
             return module(*args, **kwargs)
         if not self.export_count:  # before the first export: FSDP's state must not be traced
-            obstacle = _fsdp_obstacle(module)
+            obstacle = _fsdp_obstacle(module) or _packed_weights_obstacle(module)
             if obstacle is not None:
                 if not self._debug.fallback:
                     raise ExportError(f"{type(module).__name__} cannot run in ONNX Runtime: {obstacle}")

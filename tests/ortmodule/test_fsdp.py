@@ -72,6 +72,15 @@ _WORKER = textwrap.dedent("""
     wrapped = fully_shard(ORTModule(model()))
     torch.testing.assert_close(wrapped(x), model()(x))
     print("fsdp2 exports:", wrapped.export_count, wrapped.fallback_reason)
+    # tensor parallelism: DTensor parameters run in PyTorch, the reason says so (it named DTensorSpec)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    parallel = ORTModule(parallelize_module(model(), init_device_mesh("cpu", (1,)),
+                                            {"0": ColwiseParallel(), "2": RowwiseParallel()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.testing.assert_close(parallel(x), model()(x))
+    print("tensor parallel reason:", "are DTensors (0.weight, 0.bias, 2.weight, 2.bias)" in parallel.fallback_reason)
     dist.destroy_process_group()
 """)
 
@@ -89,4 +98,4 @@ def test_fsdp_around_or_inside_an_ortmodule(tmp_path):
                             env={**__import__("os").environ, "PORT": str(port), "OMP_NUM_THREADS": "1"}, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["refused: True", "refused: True", "fsdp1 reason: True 0",
-                                          "fsdp2 exports: 1 None"]
+                                          "fsdp2 exports: 1 None", "tensor parallel reason: True"]

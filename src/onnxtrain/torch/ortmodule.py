@@ -244,6 +244,27 @@ def _fsdp_obstacle(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _dtensor_obstacle(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s DTensor parameters or buffers (tensor parallelism) keep it from being
+    exported, or None. FSDP2 around an ORTModule gives its forward plain unsharded parameters."""
+    dtensors = sys.modules.get("torch.distributed.tensor")
+    if dtensors is None:  # never imported: no DTensor anywhere
+        return None
+    names = [name for name, value in (*module.named_parameters(), *module.named_buffers())
+             if isinstance(value, dtensors.DTensor)]
+    if not names:
+        return None
+    return (f"its parameters or buffers are DTensors ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): "
+            "tensor parallelism (parallelize_module, distribute_tensor) shards them in a way the export cannot "
+            "take. FSDP2 shards an ORTModule's own parameters: fully_shard(ORTModule(model))")
+
+
+def _export_obstacle(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot be exported as it is held now, found before an export tries (whose
+    error would name the tracer's internals, or leave FSDP's state broken), or None."""
+    return _fsdp_obstacle(module) or _packed_weights_obstacle(module) or _dtensor_obstacle(module)
+
+
 _QUANTIZED = "torch.ao.nn.quantized"  # the modules torch.ao.quantization.convert writes
 
 
@@ -479,7 +500,7 @@ class ORTModule(ModuleWrapper):
             # the traced forward is the module's own, part of the outer graph
             return module(*args, **kwargs)
         if not self.export_count:  # before the first export: FSDP's state must not be traced
-            obstacle = _fsdp_obstacle(module) or _packed_weights_obstacle(module)
+            obstacle = _export_obstacle(module)
             if obstacle is not None:
                 if not self._debug.fallback:
                     raise ExportError(f"{type(module).__name__} cannot run in ONNX Runtime: {obstacle}")

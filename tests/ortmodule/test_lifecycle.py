@@ -136,6 +136,50 @@ def test_parameter_replaced_with_another_shape():
     assert model.fallback_reason is None and model.export_count == 2
 
 
+class _TiedLanguageModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("shift", torch.zeros(4))
+        self.mix = torch.nn.Module()
+        self.mix.register_buffer("shift", self.shift)  # one buffer in two places
+
+    def forward(self, x):
+        ids = (x.abs() * 3).long().clamp(max=9)[:, :2]
+        return self.head(torch.tanh(self.emb(ids) + self.shift) * (1 + self.mix.shift)).mean(1) * 0.1
+
+
+@pytest.mark.parametrize("how", ["new parameter", "load_state_dict(assign=True)"])
+def test_untying_after_the_first_call_exports_again(how):
+    """Tied places are one graph input: untying them later (a head of its own, or
+    load_state_dict(assign=True), which gives every place its own tensor) kept running the tied
+    graph, whose keys (names, shapes, dtypes) had not changed: one tensor read in both places,
+    the other without gradient. Tying and untying are part of the call's key."""
+    torch.manual_seed(0)
+    net = _TiedLanguageModel()
+    ref = copy.deepcopy(net)
+    model = ORTModule(net, DebugOptions(fallback=False))
+    _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()), steps=1)
+    torch.manual_seed(1)
+    head, shift = torch.randn(10, 4), torch.rand(4)
+    for m in (net, ref):
+        if how == "new parameter":
+            m.head.weight = torch.nn.Parameter(head.clone())
+            m.mix.shift = shift.clone()
+        else:
+            m.load_state_dict({**{k: v.clone() for k, v in m.state_dict().items()}, "head.weight": head.clone(),
+                               "mix.shift": shift.clone()}, assign=True)
+    assert net.head.weight is not net.emb.weight
+    _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()), steps=2)
+    assert model.export_count == 2
+    net.head.weight = net.emb.weight  # the weights tied again, the buffers still apart: a third graph
+    ref.head.weight = ref.emb.weight
+    _assert_same_training(model, ref, list(net.parameters()), list(ref.parameters()), steps=1)
+    assert model.export_count == 3
+
+
 def test_torch_func_transforms_run_in_pytorch_for_their_calls_only():
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2))

@@ -109,6 +109,9 @@ class CallSchema:
     tensors: tuple             # (leaf position, dtype, rank, device) per tensor leaf
     training: bool
     parameters: tuple          # (name, dtype, device, shape) of every parameter and buffer
+    # (name, name of the first place holding the same tensor) for every tied parameter or buffer:
+    # tied places are one graph input, so tying or untying them (an LM head's weight) exports again
+    ties: tuple
     # the identity of every submodule: one replaced by another (an activation swapped, with no
     # parameter names to change) runs a graph exported for the new one
     modules: tuple
@@ -170,10 +173,19 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
         tensors=tuple((i, t.dtype, t.dim(), t.device) for i, t in zip(positions, tensors)),
         training=module.training,
         parameters=tuple((n, p.dtype, p.device, p.shape) for n, p in state.items()),
+        ties=_ties(state),
         modules=modules,
     )
     template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
     return FlatCall(tensors, template, positions, spec, schema, state)
+
+
+def _ties(state: dict[str, torch.Tensor]) -> tuple[tuple[str, str], ...]:
+    """``(name, first name of the same tensor)`` for every place that holds a tensor an earlier
+    place holds too."""
+    first: dict[int, str] = {}
+    return tuple((name, owner) for name, tensor in state.items()
+                 if (owner := first.setdefault(id(tensor), name)) != name)
 
 
 def constant_argument_names(call: FlatCall) -> list[str]:

@@ -370,3 +370,21 @@ def test_a_parents_strict_load_names_the_keys_as_state_dict_writes_them():
     assert "_original_module" not in str(error.value)
     result = model.load_state_dict(state, strict=False)
     assert result.missing_keys == ["2.0.weight"] and result.unexpected_keys == ["2.9.weight"]
+
+
+def test_torch_jit_trace_records_the_wrapped_forward_and_keeps_onnx_runtime():
+    """torch.jit.trace over an ORTModule made it export under the JIT tracer, which failed
+    ('Tensor' object has no attribute 'node'): the module then ran in PyTorch for good (or the
+    trace raised, with fallback=False). The trace records the module's own forward, as
+    torch.export's does."""
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    model = ORTModule(copy.deepcopy(ref), DebugOptions(fallback=False))
+    x = torch.randn(5, 4)
+    model(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(torch.nn.Sequential(model, torch.nn.ReLU()), (x,), check_trace=False)
+    torch.testing.assert_close(traced(x), torch.relu(ref(x)))
+    assert model.fallback_reason is None and model.export_count == 1
+    torch.testing.assert_close(model(x), ref(x))

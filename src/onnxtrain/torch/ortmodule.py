@@ -495,9 +495,9 @@ class ORTModule(ModuleWrapper):
             return module(*args, **kwargs)
         if torch._C._functorch.peek_interpreter_stack() is not None:
             return self._under_torch_func(module, args, kwargs)
-        if torch.compiler.is_exporting():
-            # an export is tracing a model that holds this ORTModule (an outer ORTModule's):
-            # the traced forward is the module's own, part of the outer graph
+        if torch.compiler.is_exporting() or torch.jit.is_tracing():
+            # an export (an outer ORTModule's) or torch.jit.trace is tracing a model that holds
+            # this ORTModule: the traced forward is the module's own, part of the outer graph
             return module(*args, **kwargs)
         if not self.export_count:  # before the first export: FSDP's state must not be traced
             obstacle = _export_obstacle(module)

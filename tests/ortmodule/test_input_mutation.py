@@ -96,6 +96,46 @@ def test_an_argument_that_requires_grad_changed_in_place_runs_in_pytorch():
     torch.testing.assert_close(h, eager_h)
 
 
+class _TwoInputs(torch.nn.Module):
+    def __init__(self, writes: bool):
+        super().__init__()
+        self.a, self.b, self.writes = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3), writes
+
+    def forward(self, first, rest):
+        if self.writes:
+            first.mul_(2.0)
+        return self.a(first).sum(0) * self.b(rest).sum(0)
+
+
+@pytest.mark.parametrize("arguments", ["a view and its base", "one tensor twice", "two views"])
+def test_arguments_that_share_memory(arguments):
+    """model(x[:1], x): the export could not take inputs that alias each other (a ConversionError
+    naming no argument, and the module ran in PyTorch for good). They run in ONNX Runtime, with
+    gradients to the shared tensor; a forward that writes into one of them in place (which would
+    show through the other in PyTorch) runs in PyTorch and says why."""
+    split = {"a view and its base": lambda x: (x[:1], x), "one tensor twice": lambda x: (x, x),
+             "two views": lambda x: (x[1:], x[:, :])}[arguments]
+    eager, wrapped = eager_and_wrapped(lambda: _TwoInputs(writes=False))
+    source = torch.randn(5, 4)
+    x, eager_x = source.clone().requires_grad_(), source.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        out = wrapped(*split(x))
+    eager_out = eager(*split(eager_x))
+    torch.testing.assert_close(out, eager_out)
+    out.square().sum().backward()
+    eager_out.square().sum().backward()
+    torch.testing.assert_close(x.grad, eager_x.grad)
+    torch.testing.assert_close(wrapped.module.a.weight.grad, eager.a.weight.grad)
+
+    eager, wrapped = eager_and_wrapped(lambda: _TwoInputs(writes=True))
+    x, eager_x = source.clone(), source.clone()
+    with pytest.warns(ORTModuleFallbackWarning, match="changes its tensor argument 0 in place, and it shares memory"):
+        out = wrapped(*split(x))
+    torch.testing.assert_close(out, eager(*split(eager_x)))
+    torch.testing.assert_close(x, eager_x)
+
+
 class _SliceCopy(torch.nn.Module):
     """Writes a broadcast source into a slice of a new tensor (as ``torch.vander`` does)."""
 

@@ -108,3 +108,44 @@ def test_a_failed_dynamic_export_leaves_the_callers_tensors_unmarked():
         assert not [key for key in vars(hidden) if "dynamo" in key]
         torch.testing.assert_close(out.last_hidden_state, encoder(hidden, attention_mask=mask).last_hidden_state,
                                    rtol=1e-4, atol=1e-5)
+
+
+def test_an_output_that_is_only_an_unflattened_object_runs_in_pytorch_and_says_how():
+    """A forward returning a plain dataclass: the graph had no outputs at all, and onnxruntime's
+    session failed with "OrtValue indexes should have been populated". Registered as a pytree
+    node, the dataclass trains in ONNX Runtime."""
+    import dataclasses
+
+    from onnxtrain.errors import ExportError
+    from onnxtrain.torch import DebugOptions
+
+    @dataclasses.dataclass
+    class Scores:
+        logits: torch.Tensor
+        penalty: torch.Tensor
+
+    class Scored(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            y = self.fc(x)
+            return Scores(y, y.square().mean())
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4)
+    with pytest.raises(ExportError, match="returns a Scores holding tensors .*register_dataclass"):
+        ORTModule(Scored(), DebugOptions(fallback=False))(x)
+    torch.utils._pytree.register_dataclass(Scores)
+    try:
+        eager = Scored()
+        model = ORTModule(copy.deepcopy(eager), DebugOptions(fallback=False))
+        out, ref = model(x), eager(x)
+        assert isinstance(out, Scores) and model.export_count == 1
+        torch.testing.assert_close(out.penalty, ref.penalty)
+        out.penalty.backward()
+        ref.penalty.backward()
+        torch.testing.assert_close(model.module.fc.weight.grad, eager.fc.weight.grad)
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Scores)

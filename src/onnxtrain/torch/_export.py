@@ -127,6 +127,10 @@ class FlatCall:
     spec: pytree.TreeSpec
     schema: CallSchema
     state: dict[str, torch.Tensor]  # the module's parameters and buffers by qualified name
+    # positions (in ``tensors``) of arguments that share memory with another argument (x[:1] and
+    # x): each but the first is a copy, which the export can take, but an in-place write to one
+    # would not show through the others as in PyTorch
+    aliased: frozenset[int] = frozenset()
 
     def rebuild(self, tensors: Sequence[torch.Tensor]):
         leaves = list(self.leaves)
@@ -165,6 +169,7 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
     state_ids = {id(t) for t in state.values()}
     tensors = [leaves[i].clone() if leaves[i]._base is not None and id(leaves[i]._base) in state_ids else leaves[i]
                for i in positions]
+    aliased = _copy_aliased_arguments(tensors) if len(tensors) > 1 else frozenset()
     tensor_positions = set(positions)
     constants = tuple(_freeze(leaf) for i, leaf in enumerate(leaves) if i not in tensor_positions)
     schema = CallSchema(
@@ -177,7 +182,26 @@ def flatten_call(module: torch.nn.Module, args: tuple, kwargs: dict) -> FlatCall
         modules=modules,
     )
     template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return FlatCall(tensors, template, positions, spec, schema, state)
+    return FlatCall(tensors, template, positions, spec, schema, state, aliased)
+
+
+def _copy_aliased_arguments(tensors: list[torch.Tensor]) -> frozenset[int]:
+    """Replace (in place) every argument that shares memory with an earlier one (``x[:1]`` and
+    ``x``, ``h`` and ``h[:, 0]``) by a copy: torch's export cannot take inputs that alias each
+    other. Returns the positions of every argument in such a group, the first ones too."""
+    first: dict[int, int] = {}
+    aliased = set()
+    for k, tensor in enumerate(tensors):
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            continue
+        address = tensor.untyped_storage().data_ptr()
+        if not address:  # no memory (an empty tensor)
+            continue
+        earlier = first.setdefault(address, k)
+        if earlier != k:
+            tensors[k] = tensor.clone()
+            aliased.update((earlier, k))
+    return frozenset(aliased)
 
 
 def _ties(state: dict[str, torch.Tensor]) -> tuple[tuple[str, str], ...]:
@@ -704,10 +728,15 @@ def _check_output_leaves(module: torch.nn.Module, output: TracedOutput) -> None:
         # the trace's object holds the exporter's placeholder tensors: returned as it is, it would
         # hand the caller FakeTensors (a Hugging Face model's DynamicCache with use_cache=True)
         kinds = ", ".join(sorted({type(output.leaves[i]).__name__ for i in hidden}))
+        how = ("register the type as a pytree node: torch.utils._pytree.register_dataclass for a dataclass, "
+               "register_pytree_node for another class")
+        if not output.positions:  # nothing else: a graph without outputs
+            raise ExportError(f"{type(module).__name__} returns a {kinds} holding tensors inside an object "
+                              f"torch.utils._pytree does not flatten, which an exported graph cannot return: {how}")
         warnings.warn(f"ORTModule returns None in place of the {kinds} in {type(module).__name__}'s output: it holds "
                       f"tensors inside objects torch.utils._pytree does not flatten, which an exported graph cannot "
-                      f"return (for a Hugging Face cache pass use_cache=False; or register the type as a pytree "
-                      f"node)", DroppedOutputWarning, stacklevel=5)
+                      f"return (for a Hugging Face cache pass use_cache=False; or {how})",
+                      DroppedOutputWarning, stacklevel=5)
         for i in hidden:
             output.leaves[i] = None
 

@@ -586,6 +586,12 @@ class ORTModule(ModuleWrapper):
             raise ExportError(f"{type(self._original_module).__name__} changes its tensor argument "
                               f"{', '.join(map(str, requiring))} in place, and it requires grad: ORTModule "
                               f"cannot give autograd that history")
+        shared = sorted(call.aliased.intersection(changed))
+        if shared:
+            raise ExportError(f"{type(self._original_module).__name__} changes its tensor argument "
+                              f"{', '.join(map(str, shared))} in place, and it shares memory with another argument "
+                              f"(a view of it, or the same tensor): the write would not show through the other as "
+                              f"in PyTorch; pass separate tensors")
         # arguments and buffers the call changes in place (written back after the run): the runs
         # read, and the backward keeps, the values from before, not tensors the write-back changes
         state_names = variant.graph.state_names

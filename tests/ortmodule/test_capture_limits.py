@@ -166,6 +166,35 @@ def test_a_second_backward_is_a_clear_error():
     assert grad.shape == x.shape and not grad.requires_grad
 
 
+class _TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.a(x), torch.tanh(self.b(x))
+
+
+def test_the_outputs_of_one_call_share_one_backward():
+    """Two outputs from independent layers: eager backpropagates each on its own; one ORTModule
+    call has one backward for all of them, and a second backward after the first freed its
+    tensors said only "Trying to backward through the graph a second time". It names the way:
+    backpropagate them together, or retain_graph=True."""
+    eager, wrapped = eager_and_wrapped(_TwoHeads)
+    x = torch.randn(4, 5)
+    first, second = wrapped(x)
+    first.sum().backward()
+    with pytest.raises(OnnxTrainError, match=r"outputs of one call share one backward .*\(loss_a \+ loss_b\)"):
+        second.square().sum().backward()
+    for model in (eager, wrapped):
+        model.zero_grad()
+        first, second = model(x)
+        first.sum().backward(retain_graph=True)
+        second.square().sum().backward()
+    for p, q in zip(wrapped.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
 def test_an_ortmodule_inside_an_eager_module():
     class Outer(torch.nn.Module):
         def __init__(self):

@@ -234,7 +234,14 @@ class ORTFunction(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_outputs):
         programs: TrainingPrograms = ctx.programs
-        kept = iter(ctx.saved_tensors)
+        try:
+            kept = iter(ctx.saved_tensors)
+        except RuntimeError as exc:  # freed by an earlier backward without retain_graph=True
+            raise OnnxTrainError(
+                "a backward through an ORTModule call whose saved tensors an earlier backward freed: the "
+                "outputs of one call share one backward (ONNX Runtime runs it for all of them at once), so "
+                "backpropagate them together ((loss_a + loss_b).backward()), or pass retain_graph=True to "
+                f"the first backward. PyTorch: {exc}") from exc
         feeds = []
         for source, index in programs.graphs.backward_inputs:
             if source != FROM_OUTPUT_GRAD:

@@ -392,3 +392,26 @@ def test_a_converted_quantized_model_falls_back_naming_its_quantized_modules(how
         assert torch.equal(ORTModule(converted)(x), expected)
     with pytest.raises(ExportError, match="quantized modules whose weights are packed"):
         ORTModule(converted, DebugOptions(fallback=False))(x)
+
+
+def test_forward_mode_ad_runs_in_pytorch_and_a_vmapped_backward_is_named():
+    """Forward-mode AD's dual tensors failed ("You must implement the jvp function"): such a call
+    now runs in PyTorch, that call only. A vmapped backward (is_grads_batched=True, jacobian with
+    vectorize=True) said "Batching rule not implemented for aten::detach"; it names ORTModule."""
+    import torch.autograd.forward_ad as forward_ad
+
+    eager, wrapped = eager_and_wrapped(GradModeBranch)
+    x, tangent = torch.randn(4, 5), torch.randn(4, 5)
+    wrapped(x)
+    with forward_ad.dual_level():
+        eager_tangent = forward_ad.unpack_dual(eager(forward_ad.make_dual(x, tangent))).tangent
+        with pytest.warns(ORTModuleFallbackWarning, match="forward-mode AD's dual tensors.*calls with plain tensors"):
+            ours = forward_ad.unpack_dual(wrapped(forward_ad.make_dual(x, tangent))).tangent
+        plain = wrapped(x)  # no tangents: ONNX Runtime
+    torch.testing.assert_close(ours, eager_tangent)
+    torch.testing.assert_close(plain, eager(x))
+    assert wrapped.fallback_reason is None
+    with pytest.raises(OnnxTrainError, match="cannot be vmapped .*vectorize=False"):
+        torch.autograd.functional.jacobian(wrapped, x, vectorize=True)
+    jacobian = torch.autograd.functional.jacobian(wrapped, x)
+    torch.testing.assert_close(jacobian, torch.autograd.functional.jacobian(eager, x))

@@ -229,6 +229,14 @@ class ORTFunction(torch.autograd.Function):
             raise OnnxTrainError(
                 "ORTModule's backward runs in ONNX Runtime and cannot be differentiated again "
                 "(torch.autograd.grad(..., create_graph=True), a gradient penalty): run that module in PyTorch")
+        # vmapped: torch.func's transforms, or the legacy vmap of is_grads_batched (its key has no
+        # name in torch._C.DispatchKey)
+        if torch._C._functorch.peek_interpreter_stack() is not None or any(
+                g is not None and "Batched" in str(torch._C._dispatch_keys(g)) for g in grad_outputs):
+            raise OnnxTrainError(
+                "ORTModule's backward runs in ONNX Runtime and cannot be vmapped (torch.autograd.grad(..., "
+                "is_grads_batched=True), torch.autograd.functional.jacobian(..., vectorize=True)): compute the "
+                "rows one at a time (vectorize=False), or run that module in PyTorch")
         return ORTFunction._backward(ctx, grad_outputs)
 
     @staticmethod

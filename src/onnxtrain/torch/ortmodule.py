@@ -259,6 +259,15 @@ def _dtensor_obstacle(module: torch.nn.Module) -> str | None:
             "take. FSDP2 shards an ORTModule's own parameters: fully_shard(ORTModule(model))")
 
 
+def _with_tangents(args: tuple, kwargs: dict) -> bool:
+    """Whether a call's tensors carry forward-mode AD tangents (inside ``forward_ad.dual_level()``)."""
+    forward_ad = torch.autograd.forward_ad
+    if forward_ad._current_level < 0:  # no dual level open: no tangents anywhere
+        return False
+    return any(isinstance(leaf, torch.Tensor) and forward_ad.unpack_dual(leaf).tangent is not None
+               for leaf in torch.utils._pytree.tree_leaves((args, kwargs)))
+
+
 def _export_obstacle(module: torch.nn.Module) -> str | None:
     """Why ``module`` cannot be exported as it is held now, found before an export tries (whose
     error would name the tracer's internals, or leave FSDP's state broken), or None."""
@@ -494,7 +503,11 @@ class ORTModule(ModuleWrapper):
             # a lazy module's first call, in PyTorch, gives its parameters their shapes; the next is exported
             return module(*args, **kwargs)
         if torch._C._functorch.peek_interpreter_stack() is not None:
-            return self._under_torch_func(module, args, kwargs)
+            return self._in_pytorch_this_time(module, args, kwargs, "inside a torch.func transform (grad, vmap, "
+                                              "jacrev, ...)", "outside the transform")
+        if _with_tangents(args, kwargs):
+            return self._in_pytorch_this_time(module, args, kwargs, "with forward-mode AD's dual tensors "
+                                              "(torch.autograd.forward_ad)", "with plain tensors")
         if torch.compiler.is_exporting() or torch.jit.is_tracing():
             # an export (an outer ORTModule's) or torch.jit.trace is tracing a model that holds
             # this ORTModule: the traced forward is the module's own, part of the outer graph
@@ -544,16 +557,16 @@ class ORTModule(ModuleWrapper):
                 call.tensors[position].copy_(value)
         return graph.rebuild_output(outputs[:graph.num_user_outputs])
 
-    def _under_torch_func(self, module, args, kwargs):
-        """A call inside a torch.func transform (grad, vmap, jacrev, ...): its tensors are the
-        transform's wrappers, which neither an export nor ONNX Runtime can take. It runs in
-        PyTorch; calls outside transforms still run in ONNX Runtime."""
-        reason = (f"{type(module).__name__} is called inside a torch.func transform (grad, vmap, jacrev, ...), whose "
-                  f"tensors cannot run in ONNX Runtime")
+    def _in_pytorch_this_time(self, module, args, kwargs, how: str, others: str):
+        """A call ``how`` (inside a torch.func transform, whose tensors are the transform's
+        wrappers; with forward-mode AD's dual tensors, whose tangents no graph carries), which
+        neither an export nor ONNX Runtime can take. It runs in PyTorch; calls ``others`` still
+        run in ONNX Runtime."""
+        reason = f"{type(module).__name__} is called {how}, whose tensors cannot run in ONNX Runtime"
         if not self._debug.fallback:
             raise ExportError(reason)
-        warnings.warn(f"ORTModule runs this call in PyTorch: {reason}; calls outside the transform still run "
-                      f"in ONNX Runtime", ORTModuleFallbackWarning, stacklevel=3)
+        warnings.warn(f"ORTModule runs this call in PyTorch: {reason}; calls {others} still run in ONNX Runtime",
+                      ORTModuleFallbackWarning, stacklevel=3)
         return module(*args, **kwargs)
 
     def _prepare(self, call) -> tuple[_Variant, list[torch.Tensor], bool, SessionRunner | TrainingPrograms]:

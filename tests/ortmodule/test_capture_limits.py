@@ -398,7 +398,7 @@ def test_forward_mode_ad_runs_in_pytorch_and_a_vmapped_backward_is_named():
     """Forward-mode AD's dual tensors failed ("You must implement the jvp function"): such a call
     now runs in PyTorch, that call only. A vmapped backward (is_grads_batched=True, jacobian with
     vectorize=True) said "Batching rule not implemented for aten::detach"; it names ORTModule."""
-    import torch.autograd.forward_ad as forward_ad
+    from torch.autograd import forward_ad
 
     eager, wrapped = eager_and_wrapped(GradModeBranch)
     x, tangent = torch.randn(4, 5), torch.randn(4, 5)

@@ -37,12 +37,18 @@ def _module(model, tmp_path, **kwargs):
     return Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
 
 
-def _scaled_resize(opset, op, mode, scales, scales_as_input=False, shape=(1, 2, 7, 9)):
-    """x * w (per channel) resized by an Upsample or Resize of ``opset``."""
+def _scaled_resize(opset, op, mode, scales, scales_as_input=False, shape=(1, 2, 7, 9), chained=False):
+    """x * w (per channel) resized by an Upsample or Resize of ``opset`` (``chained``: twice,
+    then negated, so that the resized values are not graph outputs)."""
+    resized = "r" if chained else "y"
     if opset < 9:
-        nodes = [helper.make_node(op, ["h"], ["y"], mode=mode, scales=scales)]
+        nodes = [helper.make_node(op, ["h"], [resized], mode=mode, scales=scales)]
     else:
-        nodes = [helper.make_node(op, ["h", "scales"], ["y"], mode=mode)]
+        nodes = [helper.make_node(op, ["h", "scales"], [resized], mode=mode)]
+    if chained:
+        nodes += [helper.make_node(op, ["r", "scales"], ["r2"], mode=mode) if opset >= 9 else
+                  helper.make_node(op, ["r"], ["r2"], mode=mode, scales=scales),
+                  helper.make_node("Neg", ["r2"], ["y"])]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))]
     initializers = [numpy_helper.from_array(np.array([[[1.5]], [[-0.5]]], np.float32), "w")]
     if scales_as_input:
@@ -72,6 +78,22 @@ def test_old_resampling_keeps_onnxruntimes_semantics(tmp_path, opset, op, mode, 
     _, got = module(x, np.zeros_like(expected))
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
     check_gradients(model, {"x": x}, wrt=["w"], seed=1)
+
+
+@pytest.mark.parametrize("opset, op, mode, scales", [
+    (9, "Upsample", "linear", [1, 1, 2, 1.5]), (9, "Upsample", "nearest", [1, 1, 1.7, 2.5]),
+    (7, "Upsample", "nearest", [1, 1, 3, 1.75]), (10, "Resize", "nearest", [1, 1, 1.75, 0.6])])
+def test_old_resampling_inside_the_graph_keeps_onnxruntimes_semantics(tmp_path, opset, op, mode, scales):
+    """The version converter renames the outputs of the nodes it replaces: the old resamplings
+    were found by their output names, so only one whose output was a graph output kept
+    onnxruntime's sampling (an Upsample followed by any node computed other numbers)."""
+    model = _scaled_resize(opset, op, mode, scales, chained=True)
+    x = np.random.default_rng(0).standard_normal((1, 2, 7, 9)).astype(np.float32)
+    expected = _run(model, {"x": x})
+    module = _module(model, tmp_path, additional_output_names=["y"])
+    module.eval()
+    _, got = module(x, np.zeros_like(expected))
+    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_old_nearest_resize_with_scales_given_at_run_time(tmp_path):

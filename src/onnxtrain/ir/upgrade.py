@@ -54,15 +54,14 @@ def upgrade(proto: onnx.ModelProto, default_opset: int, min_opset: int) -> onnx.
         raise ModelError(f"model uses opset {default_opset} and a Scan-8 (batched: sequence_lens and a batch "
                          f"axis first); onnxtrain needs >= {min_opset} and the ONNX version converter cannot "
                          f"upgrade that Scan. Export the model at opset {_UNBATCHED_SCAN} or later")
-    resized = _old_resize_outputs(proto) if default_opset < _RESIZE_WITH_COORDINATES else {}
     try:
         converted = onnx.version_converter.convert_version(proto, min_opset)
     except Exception as exc:
         raise ModelError(f"model uses opset {default_opset}; onnxtrain needs >= {min_opset} and the ONNX "
                          f"version converter could not upgrade it: {exc}") from exc
     for graph in _graphs(converted.graph):
-        if resized:
-            _keep_old_resize_semantics(graph, resized)
+        if default_opset < _RESIZE_WITH_COORDINATES:
+            _keep_old_resize_semantics(graph)
         for node in graph.node:
             if node.op_type == "Pad" and node.domain in _DEFAULT_DOMAINS:
                 _remove_attribute(node, "value")
@@ -118,26 +117,18 @@ def _initializers_not_inputs(proto: onnx.ModelProto) -> None:
     proto.ir_version = max(proto.ir_version, 4)
 
 
-def _old_resize_outputs(proto: onnx.ModelProto) -> dict[str, str]:
-    """First output name -> mode of every Upsample and Resize-10 node (the converter keeps the name)."""
-    found = {}
-    for graph in _graphs(proto.graph):
-        for node in graph.node:
-            if node.op_type in ("Upsample", "Resize") and node.domain in _DEFAULT_DOMAINS:
-                mode = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "mode"),
-                            b"nearest")
-                found[node.output[0]] = mode.decode() if isinstance(mode, bytes) else mode
-    return found
-
-
-def _keep_old_resize_semantics(graph: onnx.GraphProto, resized: dict[str, str]) -> None:
+def _keep_old_resize_semantics(graph: onnx.GraphProto) -> None:
+    """Give every Resize of a converted graph the sampling of the Upsample or Resize-10 it was
+    (below opset 11 there is no other Resize): the converter writes Resize-13's defaults, and
+    renames the outputs of the nodes it replaced, so the nodes are found by their kind."""
     nodes = []
     for node in graph.node:
-        if node.op_type != "Resize" or node.domain not in _DEFAULT_DOMAINS or node.output[0] not in resized:
+        if node.op_type != "Resize" or node.domain not in _DEFAULT_DOMAINS:
             nodes.append(node)
             continue
         _set_string(node, "coordinate_transformation_mode", "asymmetric")
-        if resized[node.output[0]] != "nearest":
+        mode = next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == "mode"), b"nearest")
+        if (mode.decode() if isinstance(mode, bytes) else mode) != "nearest":
             nodes.append(node)
             continue
         scales = _constant(graph, node.input[2]) if len(node.input) > 2 else None

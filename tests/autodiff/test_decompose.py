@@ -22,6 +22,9 @@ CASES = [
     # Cast ... were bumped at 23 for new element types only)
     ("GroupNormalization", {"num_groups": 2, "epsilon": 1e-5}, 23, [("N", 4, 3), (4,), (4,)]),
     ("MeanVarianceNormalization", {"axes": [0, 2, 3]}, 21, [(2, 3, 4, 5)]),
+    # context-dependent bodies that need the inputs' ranks (they were built without shapes: none)
+    ("RotaryEmbedding", {}, 23, [("N", 2, 3, 4), ("N", 3, 2), ("N", 3, 2)]),
+    ("RotaryEmbedding", {"num_heads": 2, "interleaved": 1}, 23, [(1, 3, 8), (1, 3, 2), (1, 3, 2)]),
 ]
 
 

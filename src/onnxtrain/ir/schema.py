@@ -45,8 +45,9 @@ def function_body(node: ir.Node, opset: int) -> ir.Function | None:
     elif schema.has_context_dependent_function:
         if any(i is not None and i.type is None for i in node.inputs):
             return None  # the body depends on the input types, which are unknown
+        # with their shapes: some bodies depend on the inputs' ranks (RotaryEmbedding's)
         input_types = [
-            (ir.serde.serialize_type(i.type) if i is not None else onnx.TypeProto()).SerializeToString()
+            (ir.serde.serialize_value(i).type if i is not None else onnx.TypeProto()).SerializeToString()
             for i in node.inputs
         ]
         try:

@@ -58,6 +58,48 @@ def test_affine_grid_with_and_without_its_default_attribute(attrs):
     check_gradients(model, {"theta": np.random.default_rng(0).standard_normal((2, 2, 3)).astype(np.float32)})
 
 
+def test_affine_grid_of_a_constant_size_trains_from_artifacts(tmp_path):
+    """onnx's AffineGrid body feeds Range the one-element vectors of a Split: with the size a
+    constant, onnxruntime refused the training and eval models ("Input to 'Range' op should be
+    scalars"). The decomposition gives Range scalars."""
+    from onnx import numpy_helper
+
+    from onnxtrain import artifacts
+    from onnxtrain.api import CheckpointState, Module
+
+    rng = np.random.default_rng(0)
+    theta = rng.standard_normal((2, 2, 3)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("AffineGrid", ["theta", "size"], ["grid"])], "affine", [],
+                              [helper.make_tensor_value_info("grid", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(theta, "theta"),
+                               numpy_helper.from_array(np.array([2, 1, 3, 4], np.int64), "size")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    artifacts.generate_artifacts(model, requires_grad=["theta"], loss=artifacts.LossType.MSELoss,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    target = rng.standard_normal((2, 3, 4, 2)).astype(np.float32)
+    module(target)
+    grid = _reference_grid(theta, (2, 1, 3, 4))
+    expected = 2 * np.einsum("nhwk,hwj->nkj", grid - target, np.concatenate(
+        [_base_grid(3, 4), np.ones((3, 4, 1), np.float32)], axis=-1)) / grid.size
+    np.testing.assert_allclose(state.parameters["theta"].grad, expected, rtol=1e-4, atol=1e-5)
+    module.eval()
+    np.testing.assert_allclose(float(module(target)), np.mean((grid - target) ** 2), rtol=1e-5)
+
+
+def _base_grid(height, width):
+    """The normalized (x, y) pixel centres of an [height, width] grid, align_corners=0."""
+    ys, xs = (np.arange(height) * 2 + 1) / height - 1, (np.arange(width) * 2 + 1) / width - 1
+    return np.stack(np.meshgrid(xs, ys), axis=-1).astype(np.float32)
+
+
+def _reference_grid(theta, size):
+    """AffineGrid's output for a 2-D ``size`` [N, C, H, W], align_corners=0."""
+    base = np.concatenate([_base_grid(size[2], size[3]), np.ones((size[2], size[3], 1), np.float32)], axis=-1)
+    return np.einsum("hwj,nkj->nhwk", base, theta)
+
+
 def test_group_norm_gradient_matches_torch():
     torch = pytest.importorskip("torch")
     from onnxtrain.ir.builder import GraphBuilder

@@ -20,6 +20,20 @@ from onnxtrain.ir.schema import function_body
 DECOMPOSED_DOMAIN = "pkg.onnxtrain.decomposed"
 
 
+def _ranges_read_scalars(function: ir.Function) -> None:
+    """Give every Range of ``function``'s body scalar inputs, as the op requires: AffineGrid's
+    body feeds it the one-element vectors of a Split, which onnxruntime refuses once their
+    values are known (a constant size: "Input to 'Range' op should be scalars")."""
+    for node in list(ir.traversal.RecursiveGraphIterator(function)):
+        if node.op_type != "Range" or node.domain not in ("", "ai.onnx"):
+            continue
+        scalar_shape = ir.node("Constant", [], attributes={"value_ints": ir.AttrInt64s("value_ints", [])})
+        made = [scalar_shape]
+        for position, value in enumerate(node.inputs):
+            reshape = ir.node("Reshape", [value, scalar_shape.outputs[0]])
+            node.replace_input_with(position, reshape.outputs[0])
+            made.append(reshape)
+        node.graph.insert_before(node, made)
 
 
 class DecomposePass(ir.passes.InPlacePass):
@@ -43,6 +57,7 @@ class DecomposePass(ir.passes.InPlacePass):
             function = function_body(node, opset)
             if function is None:
                 continue
+            _ranges_read_scalars(function)
             count += 1
             function.domain, function.name = DECOMPOSED_DOMAIN, f"{node.op_type}_{count}"
             model.functions[function.identifier()] = function

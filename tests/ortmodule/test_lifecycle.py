@@ -209,6 +209,31 @@ def test_torch_func_transforms_run_in_pytorch_for_their_calls_only():
         torch.func.vmap(ORTModule(copy.deepcopy(ref), DebugOptions(fallback=False)))(x.view(2, 3, 4))
 
 
+def test_functional_call_with_the_wrapped_modules_own_parameters():
+    """Fast weights for a module that holds its parameters itself (ORTModule(nn.Linear)):
+    functional_call finds no parameter of that name on the wrapper and sets the attribute, which
+    the wrapped module refused ("cannot assign 'torch.FloatTensor' as parameter 'weight'")."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(3, 2)
+    ref = copy.deepcopy(net)
+    model = ORTModule(net, DebugOptions(fallback=False))
+    x = torch.randn(4, 3)
+    model(x).sum().backward()
+    originals = dict(net.named_parameters())
+    fast = {k: (v.detach() * 0.5).requires_grad_() for k, v in ref.named_parameters()}
+    eager_fast = {k: v.detach().clone().requires_grad_() for k, v in fast.items()}
+    out = torch.func.functional_call(model, fast, (x,))
+    expected = torch.func.functional_call(ref, eager_fast, (x,))
+    torch.testing.assert_close(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    for name in fast:
+        torch.testing.assert_close(fast[name].grad, eager_fast[name].grad)
+    assert dict(net.named_parameters()) == originals  # put back
+    torch.testing.assert_close(model(x), ref(x))
+    assert model.export_count == 1
+
+
 class Parent(torch.nn.Module):
     def __init__(self):
         super().__init__()

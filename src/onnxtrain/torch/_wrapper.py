@@ -68,6 +68,11 @@ class ModuleWrapper(torch.nn.Module):
         # as upstream's ORTModule: attributes set through the wrapper are the wrapped module's
         if self._own_attribute(name):
             super().__setattr__(name, value)
+        elif isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                and name in self._original_module._parameters:
+            # torch.func.functional_call swaps a tensor into a parameter's place; for one the wrapped
+            # module holds itself it finds no such parameter on the wrapper and sets the attribute
+            self._original_module._parameters[name] = value
         else:
             setattr(self._original_module, name, value)
 

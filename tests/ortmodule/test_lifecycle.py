@@ -227,8 +227,8 @@ def test_functional_call_with_the_wrapped_modules_own_parameters():
     torch.testing.assert_close(out, expected)
     out.square().sum().backward()
     expected.square().sum().backward()
-    for name in fast:
-        torch.testing.assert_close(fast[name].grad, eager_fast[name].grad)
+    for name, tensor in fast.items():
+        torch.testing.assert_close(tensor.grad, eager_fast[name].grad)
     assert dict(net.named_parameters()) == originals  # put back
     torch.testing.assert_close(model(x), ref(x))
     assert model.export_count == 1

@@ -152,7 +152,8 @@ class _MultiLabelMargin(nn.Module):
 
 class _Spectral(nn.Module):
     """torch.fft: FNet's token mixing (the real part of a 2-D transform) and an rfft magnitude
-    spectrum with orthonormal scaling, as spectral losses use (the DFT rule)."""
+    spectrum with orthonormal scaling, as spectral losses use (the DFT rule); the imaginary part
+    of an inverse transform (a negated view, which had no translation)."""
 
     def __init__(self):
         super().__init__()
@@ -162,7 +163,8 @@ class _Spectral(nn.Module):
         h = self.proj(x)
         mixed = torch.fft.fft(torch.fft.fft(h.to(torch.complex64), dim=-1), dim=-2).real
         spectrum = torch.fft.rfft(h, dim=1, norm="ortho").abs()
-        return mixed.mean(1) * 0.2 + spectrum.mean(1)
+        inverse = torch.fft.ifft(h, dim=1).imag
+        return mixed.mean(1) * 0.2 + spectrum.mean(1) + inverse.mean(1)
 
 
 class _StftLoss(nn.Module):

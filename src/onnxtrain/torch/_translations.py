@@ -1408,6 +1408,12 @@ def fake_quantize_per_channel_affine_cachemask(x, scale, zero_point, axis: int, 
                            per_channel=True, float_zero_point=float_zero_point)
 
 
+def neg_view(x):
+    """``aten._neg_view``: ``-x`` (PyTorch's lazily negated view, as the imaginary part of a
+    conjugate: ``torch.fft.ifft(x).imag``), a new tensor in the graph."""
+    return op.Neg(x)
+
+
 def fake_quantize_per_tensor_affine(x, scale: float, zero_point: int, quant_min: int, quant_max: int):
     """``aten.fake_quantize_per_tensor_affine`` (translated before any decomposition): its values."""
     return fake_quantize_per_tensor_affine_cachemask(x, scale, zero_point, quant_min, quant_max)[0]
@@ -1538,6 +1544,7 @@ def translation_table() -> dict:
             fake_quantize_per_tensor_tensor_qparams,
         torch.ops.aten.fake_quantize_per_channel_affine_cachemask.default: fake_quantize_per_channel_affine_cachemask,
         torch.ops.aten.fake_quantize_per_tensor_affine.default: fake_quantize_per_tensor_affine,
+        torch.ops.aten._neg_view.default: neg_view,
         torch.ops.aten.fake_quantize_per_tensor_affine.tensor_qparams: fake_quantize_per_tensor_affine_tensor_qparams,
         torch.ops.aten.fake_quantize_per_channel_affine.default: fake_quantize_per_channel_affine,
         torch.ops.aten.logaddexp.default: _log_space.logaddexp,

@@ -262,7 +262,7 @@ def _dtensor_obstacle(module: torch.nn.Module) -> str | None:
 def _with_tangents(args: tuple, kwargs: dict) -> bool:
     """Whether a call's tensors carry forward-mode AD tangents (inside ``forward_ad.dual_level()``)."""
     forward_ad = torch.autograd.forward_ad
-    if forward_ad._current_level < 0:  # no dual level open: no tangents anywhere
+    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level open: no tangents anywhere
         return False
     return any(isinstance(leaf, torch.Tensor) and forward_ad.unpack_dual(leaf).tangent is not None
                for leaf in torch.utils._pytree.tree_leaves((args, kwargs)))

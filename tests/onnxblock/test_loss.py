@@ -117,6 +117,37 @@ def test_unknown_reduction_is_rejected():
         onnxblock.loss.MSELoss("average")
 
 
+@pytest.mark.parametrize(("loss", "message"), [
+    (lambda: onnxblock.loss.CrossEntropyLoss(weight=np.ones(OUT + 1)), r"weight has shape \[5\]: one weight per class, 4"),
+    (lambda: onnxblock.loss.CrossEntropyLoss(weight=np.ones(OUT - 1)), r"weight has shape \[3\]: one weight per class, 4"),
+    (lambda: onnxblock.loss.CrossEntropyLoss(weight=np.ones((2, OUT))), r"weight has shape \[2, 4\]"),
+    (lambda: onnxblock.loss.BCEWithLogitsLoss(pos_weight=np.ones(OUT + 1)), r"pos_weight has shape \[5\], which does not"),
+    (lambda: onnxblock.loss.BCEWithLogitsLoss(weight=np.ones((3, OUT))), r"weight has shape \[3, 4\], which does not"),
+    (lambda: onnxblock.loss.BCEWithLogitsLoss(weight=np.ones((1, 1, OUT))), r"weight has shape \[1, 1, 4\]"),
+])
+def test_weights_of_the_wrong_shape_are_refused_naming_them(loss, message):
+    """A class weight one entry too long trained (the extra ignored), one too short failed the
+    first step naming the labels; a BCE weight that does not broadcast failed when the model
+    was loaded, on a Mul. PyTorch refuses them."""
+    model, _, _ = _linear_model(np.random.default_rng(0))
+    block = _Train(loss())
+    block.requires_grad("w")
+    with pytest.raises(ArtifactError, match=message), onnxblock.base(model):
+        block("y")
+
+
+def test_weights_that_broadcast_are_taken():
+    rng = np.random.default_rng(0)
+    model, w, b = _linear_model(rng)
+    x, target = rng.standard_normal((N, IN)).astype(np.float32), rng.uniform(size=(N, OUT)).astype(np.float32)
+    ours = _run(onnxblock.loss.BCEWithLogitsLoss(weight=np.full((1, OUT), 0.5), pos_weight=np.array([2.0])),
+                target, w, b, x, model)
+    ref = _torch(lambda y: F.binary_cross_entropy_with_logits(y, torch.tensor(target), weight=torch.full((1, OUT), 0.5),
+                                                             pos_weight=torch.tensor([2.0])), w, b, x)
+    for got, want in zip(ours, ref):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def _tanh_model(declared_output_shape):
     graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Tanh", ["xw"], ["y"])],
                               "tanh", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "L", IN])],

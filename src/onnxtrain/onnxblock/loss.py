@@ -22,6 +22,22 @@ def _check_reduction(reduction: str) -> str:
     return reduction
 
 
+def _check_broadcasts(what: str, array: np.ndarray, output: ir.Value) -> None:
+    """``ArtifactError`` unless ``array`` broadcasts to ``output``'s shape without changing it (as
+    each element's weight; along a dim of varying size, such as the batch, only 1 does): else the
+    model would fail when loaded, or at another batch size, on a Mul naming neither."""
+    shape = output.shape
+    if shape is None:
+        return
+    fits = array.ndim <= len(shape) and all(
+        size == 1 or (isinstance(dim, int) and size == dim)
+        for size, dim in zip(reversed(array.shape), reversed(list(shape))))
+    if not fits:
+        raise ArtifactError(f"{what} has shape {list(array.shape)}, which does not broadcast to the shape {shape} "
+                            f"of the loss input {output.name!r} (each element's weight: its dims must be 1 or "
+                            f"the input's, from the last)")
+
+
 class _ElementwiseLoss(Block):
     """loss = reduce(weight * f(output, target))."""
 
@@ -94,6 +110,9 @@ class BCEWithLogitsLoss(_ElementwiseLoss):
         x = self._value(loss_input_name)
         t = self._target(x, target_name)
         np_dtype = x.dtype.numpy()
+        for what, array in (("BCEWithLogitsLoss pos_weight", self._pos_weight), ("BCEWithLogitsLoss weight", self._weight)):
+            if array is not None:
+                _check_broadcasts(what, array, x)
         one = b.like(x, 1.0)
         # log(1 + exp(-x)) as m + log(exp(-m) + exp(-x - m)), m = max(-x, 0): no exponent above 0,
         # and the derivative in m is 1 - 1 = 0, so the kink of max at x = 0 leaves the gradient
@@ -130,6 +149,13 @@ class CrossEntropyLoss(Block):
     def build(self, scores_input_name: str, labels_name: str = "labels") -> str:
         b = self.context.builder
         scores = self._value(scores_input_name)
+        if self._weight is not None:
+            shape = self.context.trusted_shape(scores)
+            classes = shape[1] if shape is not None and len(shape) >= 2 else None
+            if self._weight.ndim != 1 or (isinstance(classes, int) and self._weight.shape[0] != classes):
+                raise ArtifactError(f"CrossEntropyLoss weight has shape {list(self._weight.shape)}: one weight per "
+                                    f"class, {classes if isinstance(classes, int) else 'C'} for the scores "
+                                    f"{scores_input_name!r} of shape {shape}")
         labels = self.context.find(labels_name)
         if labels is None:
             shape = None

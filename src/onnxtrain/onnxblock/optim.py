@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain import names
 from onnxtrain.errors import ArtifactError
@@ -149,6 +150,7 @@ class _OptimizerBlock(Block):
                 value.shape = ir.Shape([])
                 outputs.append(value)
         graph.outputs.extend(outputs)
+        RemoveUnusedNodesPass()(self.context.ir_model)  # constants an update did not use
         self.context.ir_model.metadata_props[OPTIMIZER_METADATA_KEY] = json.dumps({
             "type": self.type_name,
             "params": [s.name for s in specs],
@@ -206,7 +208,7 @@ class AdamW(_OptimizerBlock):
 
     ``mode="transformers"`` (default, upstream's ``adam_mode=1``): the Hugging Face
     transformers AdamW update — ``p -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``,
-    then ``p -= lr * weight_decay * p``. ``mode="torch"`` (upstream's ``adam_mode=2``): exactly
+    then ``p -= lr * weight_decay * p``. ``mode="torch"`` (upstream's ``adam_mode=0``): exactly
     ``torch.optim.AdamW`` — ``p *= 1 - lr * weight_decay`` first, then
     ``p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)``.
     ``clip_grad`` (a :class:`ClipGradNorm`) clips the global gradient norm first.

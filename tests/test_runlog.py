@@ -42,7 +42,10 @@ def test_a_resumed_run_continues_and_a_fresh_one_starts_over(tmp_path):
     _log_run(tmp_path, [1.0])
     summary = runlog.summarize(tmp_path)
     assert summary.name == "first part" and summary.losses == [3.0, 2.0, 1.0] and summary.finished
-    assert [e["step"] for e in summary.evaluations] == [2, 1]  # each part counts its own steps
+    # the summary is one run whose steps continue: so are the step numbers (each part counted
+    # its own, and the second part's evaluation read "step 1" after three steps)
+    assert [e["step"] for e in summary.evaluations] == [2, 3]
+    assert [r["step"] for r in summary.step_records] == [1, 2, 3]
     _log_run(tmp_path, [9.0], fresh=True)
     assert runlog.summarize(tmp_path).losses == [9.0]
 

@@ -69,7 +69,7 @@ class RunLog:
 
     Args:
         directory: created if missing. An existing ``run.jsonl`` is appended to (a resumed run
-            continues its record); ``fresh=True`` starts it over.
+            continues its record, its steps numbered on); ``fresh=True`` starts it over.
         name: what ran, shown by :func:`summarize`.
         settings: numbers and strings describing the run (learning rate, batch size, ...).
     """
@@ -82,8 +82,10 @@ class RunLog:
         if fresh and self.path.exists():
             self.path.unlink()
         _drop_torn_record(self.path)
+        # a resumed run numbers its steps (and evaluations) on from the steps already logged
+        self._steps = sum(r["kind"] == "step" for r in _records(self.path)) \
+            if self.path.exists() and self.path.stat().st_size else 0
         self._file = self.path.open("a", encoding="utf-8")
-        self._steps = 0
         self._started = time.perf_counter()
         self._write({"kind": "run", "name": name, "settings": dict(settings or {}), "time": time.time()})
 

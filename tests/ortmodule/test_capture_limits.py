@@ -193,6 +193,11 @@ def test_the_outputs_of_one_call_share_one_backward():
         second.square().sum().backward()
     for p, q in zip(wrapped.parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
+    # an output the backward reads (tanh's), changed in place: autograd's own error, as eager's
+    _, second = wrapped(x)
+    second.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        second.sum().backward()
 
 
 def test_an_ortmodule_inside_an_eager_module():

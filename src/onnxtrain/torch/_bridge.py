@@ -244,7 +244,10 @@ class ORTFunction(torch.autograd.Function):
         programs: TrainingPrograms = ctx.programs
         try:
             kept = iter(ctx.saved_tensors)
-        except RuntimeError as exc:  # freed by an earlier backward without retain_graph=True
+        except RuntimeError as exc:
+            if "inplace" in str(exc) or "in-place" in str(exc):  # autograd's own words fit
+                raise
+            # freed by an earlier backward without retain_graph=True
             raise OnnxTrainError(
                 "a backward through an ORTModule call whose saved tensors an earlier backward freed: the "
                 "outputs of one call share one backward (ONNX Runtime runs it for all of them at once), so "

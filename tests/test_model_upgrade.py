@@ -59,18 +59,24 @@ def _scaled_resize(opset, op, mode, scales, scales_as_input=False, shape=(1, 2, 
                   helper.make_tensor_value_info("y", TensorProto.FLOAT, None), initializers, opset)
 
 
-@pytest.mark.parametrize("opset, op, mode, scales", [
-    (9, "Upsample", "linear", [1, 1, 2, 2]),
-    (7, "Upsample", "nearest", [1, 1, 3, 1.75]),
-    (9, "Upsample", "nearest", [1, 1, 2, 2.5]),
-    (10, "Resize", "linear", [1, 1, 0.6, 1.75]),
-    (10, "Resize", "nearest", [1, 1, 0.6, 0.75]),  # shrinking: onnxruntime rounds up
-    (10, "Resize", "nearest", [1, 1, 1.75, 0.6]),  # both ways: two Resize-13 nodes
+@pytest.mark.parametrize("opset, op, mode, scales, chained", [
+    (9, "Upsample", "linear", [1, 1, 2, 2], False),
+    (7, "Upsample", "nearest", [1, 1, 3, 1.75], False),
+    (9, "Upsample", "nearest", [1, 1, 2, 2.5], False),
+    (10, "Resize", "linear", [1, 1, 0.6, 1.75], False),
+    (10, "Resize", "nearest", [1, 1, 0.6, 0.75], False),  # shrinking: onnxruntime rounds up
+    (10, "Resize", "nearest", [1, 1, 1.75, 0.6], False),  # both ways: two Resize-13 nodes
+    # inside the graph: the version converter renames the outputs of the nodes it replaces, and
+    # the old resamplings were found by their output names (only graph outputs kept the sampling)
+    (9, "Upsample", "linear", [1, 1, 2, 1.5], True),
+    (9, "Upsample", "nearest", [1, 1, 1.7, 2.5], True),
+    (7, "Upsample", "nearest", [1, 1, 3, 1.75], True),
+    (10, "Resize", "nearest", [1, 1, 1.75, 0.6], True),
 ])
-def test_old_resampling_keeps_onnxruntimes_semantics(tmp_path, opset, op, mode, scales):
+def test_old_resampling_keeps_onnxruntimes_semantics(tmp_path, opset, op, mode, scales, chained):
     # the ONNX version converter leaves Resize-13's default half_pixel coordinates on these;
     # onnxruntime ran them with asymmetric ones (and per-axis rounding for nearest)
-    model = _scaled_resize(opset, op, mode, scales)
+    model = _scaled_resize(opset, op, mode, scales, chained=chained)
     x = np.random.default_rng(0).standard_normal((1, 2, 7, 9)).astype(np.float32)
     expected = _run(model, {"x": x})
     module = _module(model, tmp_path, additional_output_names=["y"])
@@ -78,22 +84,6 @@ def test_old_resampling_keeps_onnxruntimes_semantics(tmp_path, opset, op, mode, 
     _, got = module(x, np.zeros_like(expected))
     np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
     check_gradients(model, {"x": x}, wrt=["w"], seed=1)
-
-
-@pytest.mark.parametrize("opset, op, mode, scales", [
-    (9, "Upsample", "linear", [1, 1, 2, 1.5]), (9, "Upsample", "nearest", [1, 1, 1.7, 2.5]),
-    (7, "Upsample", "nearest", [1, 1, 3, 1.75]), (10, "Resize", "nearest", [1, 1, 1.75, 0.6])])
-def test_old_resampling_inside_the_graph_keeps_onnxruntimes_semantics(tmp_path, opset, op, mode, scales):
-    """The version converter renames the outputs of the nodes it replaces: the old resamplings
-    were found by their output names, so only one whose output was a graph output kept
-    onnxruntime's sampling (an Upsample followed by any node computed other numbers)."""
-    model = _scaled_resize(opset, op, mode, scales, chained=True)
-    x = np.random.default_rng(0).standard_normal((1, 2, 7, 9)).astype(np.float32)
-    expected = _run(model, {"x": x})
-    module = _module(model, tmp_path, additional_output_names=["y"])
-    module.eval()
-    _, got = module(x, np.zeros_like(expected))
-    np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_old_nearest_resize_with_scales_given_at_run_time(tmp_path):

@@ -250,6 +250,20 @@ def test_fp16_parameters_with_norms_beyond_fp16_range():
     torch.testing.assert_close(p.detach().float(), torch.full((100_000,), 1.98), rtol=1e-3, atol=0)
 
 
+@pytest.mark.parametrize(("scalar", "others"), [(torch.bfloat16, None), (torch.float16, torch.float32),
+                                                (torch.float32, torch.float64)])
+def test_a_clipped_scalar_parameter_keeps_its_type(scalar, others):
+    """A 0-dim gradient divided by the 0-dim clipping divisor took the divisor's type (fp32, or
+    fp64 beside fp64 gradients), and the moment update refused it ("expected dtype BFloat16")."""
+    params = [torch.nn.Parameter(torch.tensor(0.5, dtype=scalar))]
+    params[0].grad = torch.tensor(40.0, dtype=scalar)  # above max_grad_norm: clipped
+    if others is not None:
+        params.append(torch.nn.Parameter(torch.ones(3, dtype=others)))
+        params[1].grad = torch.full((3,), 30.0, dtype=others)
+    LAMB(params, lr=0.01, max_grad_norm=1.0).step()
+    assert params[0].dtype == scalar and torch.isfinite(params[0]).all() and params[0].item() != 0.5
+
+
 @pytest.mark.parametrize("max_grad_norm", [1.0, None])
 def test_float64_parameters_track_the_reference(max_grad_norm):
     params = _params(torch.float64)

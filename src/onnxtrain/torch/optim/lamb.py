@@ -129,7 +129,12 @@ class LAMB(GradNoneOnZero, RefusesUnimplementedOptions, torch.optim.Optimizer):
         exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
 
         grads = [p.grad for p in params]
-        grads = torch._foreach_div(grads, clip) if clip is not None else list(grads)
+        if clip is not None:
+            # a 0-dim gradient divided by the 0-dim divisor takes the divisor's type (fp32, or fp64
+            # beside fp64 gradients): back to its own, as the moments it updates
+            grads = [q if q.dtype == g.dtype else q.to(g.dtype) for q, g in zip(torch._foreach_div(grads, clip), grads)]
+        else:
+            grads = list(grads)
         if wd and not self.adam_w_mode:
             grads = torch._foreach_add(grads, params, alpha=wd)
         if beta3 == 1.0 - beta1:

@@ -265,7 +265,13 @@ def test_partition_is_balanced_by_bytes(world_size):
     assert partition_parameters(params, world_size) == partition  # every rank computes the same
 
 
-def test_one_rank_zero_optimizer_is_fused_adam_and_follows_lr_schedules():
+@pytest.mark.parametrize("schedule", [
+    lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step)),
+    # cycles beta1 too: it looks for "betas" in the optimizer's defaults (ZeroOptimizer's held
+    # only the arguments given, and the scheduler refused it)
+    lambda optimizer: torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=10 * worker.LR, total_steps=STEPS)],
+    ids=["lambda", "one-cycle"])
+def test_one_rank_zero_optimizer_is_fused_adam_and_follows_lr_schedules(schedule):
     torch.manual_seed(0)
     state = worker.ZeroMLP().state_dict()
     x, y = torch.randn(GLOBAL_BATCH, 12), torch.randint(0, 4, (GLOBAL_BATCH,))
@@ -273,10 +279,10 @@ def test_one_rank_zero_optimizer_is_fused_adam_and_follows_lr_schedules():
     for make in (lambda p: ZeroOptimizer(p, FusedAdam, lr=worker.LR), lambda p: FusedAdam(p, lr=worker.LR)):
         net = _net(state)
         optimizer = make(worker.param_groups(net))
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        scheduler = schedule(optimizer)
         for _ in range(STEPS):
             _eager_step(net, optimizer, x, y)
-            schedule.step()
+            scheduler.step()
         results.append(worker.snapshot(net))
     for name in results[1]:
         assert torch.equal(results[0][name], results[1][name]), name
@@ -339,3 +345,12 @@ def test_a_shard_of_fused_adam_with_an_adamw_mode_enum_consolidates(tmp_path):
     resumed.load_state_dict(full)
     assert torch.equal(resumed.state[resumed.param_groups[0]["params"][0]]["exp_avg"],
                        optimizer.state_dict()["state"][0]["exp_avg"])
+    # the state dict itself too (torch.save, then torch.load's default weights-only read)
+    torch.save(optimizer.state_dict(), tmp_path / "state.pt")
+    copy_of_p = torch.nn.Parameter(p.detach().clone())
+    again = ZeroOptimizer([copy_of_p], optimizer_class=FusedAdam, lr=1e-3, adam_w_mode=AdamWMode.ADAMW_TORCH)
+    again.load_state_dict(torch.load(tmp_path / "state.pt"))
+    p.grad = copy_of_p.grad = torch.randn(4)
+    optimizer.step()
+    again.step()
+    assert torch.equal(copy_of_p, p)

@@ -200,6 +200,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self.optim = self._optimizer_class(self._local_groups(self.param_groups, owned), **self._defaults)
         self.state = self.optim.state
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)  # its filled-in defaults
+        # and its defaults, which schedulers read (OneCycleLR and CyclicLR look for "betas" there)
+        self.defaults = {**self.optim.defaults, **self._defaults}
         self._buckets = _buckets(self._params, self.partition, self._sources, self._bucket_bytes)
 
     def parameters_replaced(self) -> None:
@@ -326,7 +328,8 @@ class ZeroOptimizer(torch.optim.Optimizer):
         groups, position = [], 0
         for group in self.param_groups:
             count = len(group["params"])
-            entry = {**_hyperparameters(group), "params": list(range(position, position + count))}
+            entry = {**zero_checkpoint.plain_values(_hyperparameters(group)),
+                     "params": list(range(position, position + count))}
             if "param_names" in group:
                 entry["param_names"] = list(group["param_names"])
             groups.append(entry)

@@ -34,12 +34,16 @@ def shard_path(folder: str | os.PathLike, rank: int, world_size: int) -> Path:
     return Path(folder) / _SHARD_NAME.format(rank=rank, world_size=world_size)
 
 
+def plain_values(group: dict) -> dict:
+    """``group`` with its enum hyperparameters (FusedAdam's ``adam_w_mode=AdamWMode...``) as their
+    integers: ``torch.load``'s default weights-only unpickler reads plain values only."""
+    return {key: int(value) if isinstance(value, enum.IntEnum) else value for key, value in group.items()}
+
+
 def save_shard(shard: dict, path: str | os.PathLike) -> None:
-    """Write one shard atomically (temporary file, fsync, rename). Enum hyperparameters (FusedAdam's
-    ``adam_w_mode=AdamWMode...``) are written as their integers: a weights-only load reads plain
-    values only."""
-    groups = [{key: int(value) if isinstance(value, enum.IntEnum) else value for key, value in group.items()}
-              for group in shard.get("param_groups", [])]
+    """Write one shard atomically (temporary file, fsync, rename), enum hyperparameters as
+    integers (:func:`plain_values`)."""
+    groups = [plain_values(group) for group in shard.get("param_groups", [])]
     shard = {**shard, "param_groups": groups} if "param_groups" in shard else shard
     _atomic_write(Path(path), lambda f: torch.save(shard, f))
 

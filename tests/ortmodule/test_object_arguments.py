@@ -149,3 +149,37 @@ def test_an_output_that_is_only_an_unflattened_object_runs_in_pytorch_and_says_h
         torch.testing.assert_close(model.module.fc.weight.grad, eager.fc.weight.grad)
     finally:
         torch.utils._pytree._deregister_pytree_node(Scores)
+
+
+class _Options:  # a plain options object, as training scripts pass around
+    def __init__(self, scale):
+        self.scale = scale
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, options):
+        return self.fc(x) * options.scale
+
+
+def test_an_argument_object_changed_between_calls_gets_a_graph_for_its_new_state():
+    """A plain object hashes by identity: keyed by itself, an options object whose attribute
+    the caller changed still matched the graph exported for the first value (baked in), which
+    kept running with wrong outputs and gradients."""
+    torch.manual_seed(0)
+    eager = _Scaled()
+    model = ORTModule(copy.deepcopy(eager))
+    options, x = _Options(1.0), torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for scale in (1.0, 2.0, 1.0):
+            options.scale = scale
+            out, ref = model(x, options), eager(x, options)
+            torch.testing.assert_close(out, ref)
+            out.sum().backward()
+            ref.sum().backward()
+            torch.testing.assert_close(model.module.fc.weight.grad, eager.fc.weight.grad)
+    assert model.export_count == 2  # the third call's state is the first's

@@ -91,13 +91,18 @@ def quiet_exporter():
             lg.setLevel(level)
 
 
-def _freeze(leaf) -> Hashable:
-    """A hashable stand-in for a non-tensor argument, for the cache key."""
+def _freeze(leaf, depth: int = 3) -> Hashable:
+    """A hashable stand-in for a non-tensor argument, for the cache key. An object that hashes by
+    identity (a plain options object) is keyed by its attributes too: the graph baked in what
+    the forward read from them, and the caller may change them between calls."""
     try:
         hash(leaf)
-        return (type(leaf).__name__, leaf)
     except TypeError:
         return (type(leaf).__name__, repr(leaf))
+    if type(leaf).__hash__ is object.__hash__ and depth and isinstance(getattr(leaf, "__dict__", None), dict):
+        state = tuple(sorted((str(name), _freeze(value, depth - 1)) for name, value in vars(leaf).items()))
+        return (type(leaf).__name__, leaf, state)
+    return (type(leaf).__name__, leaf)
 
 
 @dataclass(frozen=True)

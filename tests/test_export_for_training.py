@@ -77,6 +77,22 @@ def test_a_cumulative_average_batch_norm_is_refused_by_name():
     export_for_training(model.eval(), (torch.randn(5, 3),))  # evaluating with the statistics: fine
 
 
+def test_gradient_hooks_on_parameters_and_a_non_module_are_refused_by_name():
+    """A parameter's register_hook (a gradient scaled by half) was exported without it: the
+    artifacts trained with the unhooked gradient; a function for the model failed on
+    named_modules."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    handle = model[0].weight.register_hook(lambda g: g * 0.5)
+    with pytest.raises(ExportError, match=r"parameters \['0.weight'\] have gradient hooks"):
+        export_for_training(model, (torch.randn(5, 3),))
+    handle.remove()
+    model[2].bias.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(ExportError, match=r"parameters \['2.bias'\] have gradient hooks"):
+        export_for_training(model, (torch.randn(5, 3),))
+    with pytest.raises(TypeError, match="takes a torch.nn.Module, got function"):
+        export_for_training(lambda x: x, (torch.randn(5, 3),))
+
+
 def test_names_and_path(tmp_path):
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))  # train mode: batch statistics
     proto = export_for_training(model, (torch.randn(4, 3),), tmp_path / "sub" / "model.onnx", input_names=["features"],

@@ -128,6 +128,18 @@ def _set_metadata(proto: onnx.ModelProto, key: str, value: str) -> None:
     proto.metadata_props.add(key=key, value=value)
 
 
+def _check_parameter_hooks(model: torch.nn.Module) -> None:
+    """``ExportError`` naming the parameters with gradient hooks (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``): the exported graph's gradients never pass them."""
+    hooked = [name for name, p in model.named_parameters()
+              if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)]
+    if hooked:
+        raise ExportError(f"{type(model).__name__}'s parameters {hooked[:8]} have gradient hooks (Tensor.register_hook, "
+                          f"register_post_accumulate_grad_hook): the exported graph's gradients would not pass "
+                          f"through them. Remove them (or train with ORTModule, whose gradients reach the "
+                          f"parameters through autograd)")
+
+
 def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.PathLike | None = None, *,
                         input_names: Sequence[str] | None = None,
                         output_names: Sequence[str] | None = None, dynamic_shapes: Any = None,
@@ -155,8 +167,8 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
 
     Raises:
         ExportError: the model runs custom autograd Functions not declared exact, has backward
-            hooks, changes a parameter in place (no gradient path left), or does not export (the
-            reason is in the message).
+            hooks (on modules, or gradient hooks on parameters), changes a parameter in place (no
+            gradient path left), or does not export (the reason is in the message).
 
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU())
@@ -165,9 +177,12 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
         >>> [i.name for i in proto.graph.input][-1]
         'x'
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"export_for_training takes a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(args, tuple):
         raise ExportError(f"args must be a tuple of example inputs, not {type(args).__name__}")
     _check_module_hooks(model)
+    _check_parameter_hooks(model)
     _check_batch_norm_momenta(model)
     inline = True if inline_autograd_functions is True else frozenset(inline_autograd_functions or ())
     # the autograd graph of one run names the custom Functions it applied; the run must not

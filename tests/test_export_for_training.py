@@ -352,16 +352,33 @@ def test_the_ctc_loss_and_packed_sequences_export_with_pytorchs_gradients(case):
 
 
 
-def test_exporting_leaves_parameters_the_forward_updates_in_place_as_they_were():
-    """A momentum encoder updates its key encoder under torch.no_grad() in the forward: the
-    export's own run of the module (to find custom Functions) updated it once more."""
+class _MovingAverage(torch.nn.Module):
+    """Centres its input by an exponential moving average it keeps as a buffer."""
 
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+        self.register_buffer("average", torch.zeros(4))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(x.mean(0), alpha=0.1)
+        return self.layer(x - self.average)
+
+
+@pytest.mark.parametrize("factory", [lambda: MomentumEncoder(features=4), _MovingAverage],
+                         ids=["momentum-encoder", "moving-average"])
+def test_state_the_forward_updates_is_refused_by_name_and_left_as_it_was(factory):
+    """A momentum encoder (its key encoder's parameters) or a moving average (a buffer), updated
+    in the forward: the artifacts kept them as exported, and training lost every update after
+    the first step's. The export's own run of the module leaves them as they were."""
     torch.manual_seed(0)
-    model = MomentumEncoder(features=4)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    export_for_training(model, (torch.randn(3, 4),))
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param, before[name], rtol=0, atol=0, msg=name)
+    model = factory()
+    before = {n: t.detach().clone() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    with pytest.raises(ExportError, match=r"forward changes \['(k\.weight|average)'"):
+        export_for_training(model, (torch.randn(3, 4),))
+    for name, value in [*model.named_parameters(), *model.named_buffers()]:
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
 
 
 class _Temperature(torch.nn.Module):

@@ -751,13 +751,22 @@ def module_state_kept(module: torch.nn.Module):
     """A run of ``module`` inside leaves it as it found it: its buffers (BatchNorm's statistics,
     which batch_norm updates without bumping their version counters) and parameters (a momentum
     encoder's, updated under torch.no_grad()) are put back, and so are torch's random generators
-    (CPU, and the CUDA devices the module is on): a probing run does not count as a step."""
-    state = [*module.buffers(), *module.parameters()]
+    (CPU, and the CUDA devices the module is on): a probing run does not count as a step.
+    Yields a function that names the buffers and parameters the run has changed so far (in
+    place, or replaced by another tensor)."""
+    named = [*module.named_buffers(), *module.named_parameters()]
+    state = [t for _, t in named]
     saved = [t.detach().clone() for t in state]
     devices = sorted({t.device.index or 0 for t in state if t.is_cuda})
+
+    def changed() -> list[str]:
+        now = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+        return [name for (name, tensor), value in zip(named, saved)
+                if now.get(name) is not tensor or not torch.equal(tensor.detach(), value)]
+
     try:
         with torch.random.fork_rng(devices=devices):
-            yield
+            yield changed
     finally:
         with torch.no_grad():
             for tensor, value in zip(state, saved):

@@ -128,6 +128,22 @@ def _set_metadata(proto: onnx.ModelProto, key: str, value: str) -> None:
     proto.metadata_props.add(key=key, value=value)
 
 
+def _check_state_updates(model: torch.nn.Module, changed: list[str]) -> None:
+    """``ExportError`` naming the buffers and parameters a forward changes other than a training
+    BatchNorm's statistics (which the artifacts carry from step to step): an exponential moving
+    average, a momentum encoder. The artifacts keep them as exported: the updates would be lost."""
+    carried = {f"{prefix}.{name}".lstrip(".") for prefix, sub in model.named_modules()
+               if isinstance(sub, torch.nn.modules.batchnorm._NormBase) and sub.training and sub.track_running_stats
+               for name in ("running_mean", "running_var", "num_batches_tracked")}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}  # (their gradient path: below)
+    lost = [name for name in changed if name not in carried and name not in trainable]
+    if lost:
+        raise ExportError(f"{type(model).__name__}'s forward changes {lost[:8]} (in place or by replacing them): "
+                          f"the artifacts keep buffers and frozen parameters as exported (only a training "
+                          f"BatchNorm's running statistics are carried from step to step), so the updates "
+                          f"would be lost. Update them outside the model between steps, or train with ORTModule")
+
+
 def _check_parameter_hooks(model: torch.nn.Module) -> None:
     """``ExportError`` naming the parameters with gradient hooks (``Tensor.register_hook``,
     ``register_post_accumulate_grad_hook``): the exported graph's gradients never pass them."""
@@ -188,8 +204,9 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
     # the autograd graph of one run names the custom Functions it applied; the run must not
     # change the model (BatchNorm's running statistics, a momentum encoder's parameters) or the
     # random stream (Dropout)
-    with module_state_kept(model), torch.enable_grad():
+    with module_state_kept(model) as changed, torch.enable_grad():
         outputs = model(*args)
+        _check_state_updates(model, changed())
     traced = autograd_graph(torch.utils._pytree.tree_leaves(outputs))
     _check_functions(model, traced.functions, inline,
                      option="export_for_training(..., inline_autograd_functions=[...])")

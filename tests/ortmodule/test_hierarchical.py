@@ -91,6 +91,28 @@ def test_the_parts_that_build_run_in_onnx_runtime_and_training_is_eagers():
         torch.testing.assert_close(model.state_dict()[key], eager.state_dict()[key], msg=key)
 
 
+class _WideBatchesTakeAnotherPath(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return _Spectral.forward(self, x)[..., :16] if x.shape[0] > 8 else h  # (hfft: no gradient rule)
+
+
+def test_a_part_that_falls_back_later_leaves_wrapped_for_unsupported():
+    """A chosen part whose later build fails runs in PyTorch from then on: wrapped still listed
+    it, and unsupported did not say why."""
+    model = HierarchicalORTModule(torch.nn.Sequential(torch.nn.Linear(16, 16), _WideBatchesTakeAnotherPath()))
+    model(torch.randn(4, 16)).sum().backward()
+    assert model.wrapped == [""] and model.unsupported == {}
+    with pytest.warns(ORTModuleFallbackWarning):
+        model(torch.randn(12, 16)).sum().backward()
+    assert model.wrapped == []
+    assert list(model.unsupported) == [""] and model.unsupported[""].startswith("fell back on a later call: ")
+
+
 def test_a_whole_module_that_builds_becomes_one_ortmodule():
     model = HierarchicalORTModule(MLP())
     model(torch.randn(4, 12)).sum().backward()

@@ -62,9 +62,22 @@ class HierarchicalORTModule(ModuleWrapper):
         self._debug = debug_options or DebugOptions()
         self._ortmodule_options = ortmodule_options
         self._initialized = False
-        self.wrapped: list[str] = []
-        self.unsupported: dict[str, str] = {}
+        self._parts: dict[str, ORTModule] = {}  # the submodules wrapped, by qualified name
+        self._refused: dict[str, str] = {}  # the submodules that could not be, with the reason
         self._wrapper_ready()  # from here on, new attributes go to the wrapped model
+
+    @property
+    def wrapped(self) -> list[str]:
+        """The submodules that run in ONNX Runtime (a part that fell back since is not)."""
+        return [name for name, part in self._parts.items() if part.fallback_reason is None]
+
+    @property
+    def unsupported(self) -> dict[str, str]:
+        """The submodules that could not run in ONNX Runtime, with the reason: those refused
+        on the first call, then the parts that fell back on a later one."""
+        fallen = {name: f"fell back on a later call: {part.fallback_reason}" for name, part in self._parts.items()
+                  if part.fallback_reason is not None}
+        return {**self._refused, **fallen}
 
     def forward(self, *args, **kwargs):
         if not self._initialized:
@@ -117,9 +130,9 @@ class HierarchicalORTModule(ModuleWrapper):
             wrapper, reason = self._try_build(module, module_calls)
             if wrapper is not None:
                 built[id(module)] = wrapper
-                self.wrapped.append(name)
+                self._parts[name] = wrapper
                 return wrapper
-            self.unsupported[name] = reason
+            self._refused[name] = reason
         for child_name, child in list(module._modules.items()):
             if child is None:
                 continue

@@ -117,7 +117,8 @@ def test_a_parameter_the_forward_does_not_use_is_an_input_with_a_zero_gradient(t
     assert outputs["unused.weight_grad"].shape == (2, 4) and not outputs["unused.weight_grad"].any()
 
 
-@pytest.mark.parametrize("case", ["tuple output", "loss per sample", "loss is the output", "name clash"])
+@pytest.mark.parametrize("case", ["tuple output", "loss per sample", "loss is the output", "name clash",
+                                  "object output"])
 def test_what_the_graph_cannot_hold_is_named(tmp_path, case):
     class TwoOutputs(torch.nn.Module):
         def __init__(self):
@@ -126,6 +127,19 @@ def test_what_the_graph_cannot_hold_is_named(tmp_path, case):
 
         def forward(self, x):
             return self.a(x), self.b(x)
+
+    class Holder:  # a cache-like object, which pytree does not flatten
+        def __init__(self, tensor):
+            self.kept = [tensor]
+
+    class WithCache(torch.nn.Module):  # (a Hugging Face model with use_cache=True: the error named the wrapper)
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            out = self.a(x)
+            return out, Holder(out * 2)
 
     class Named(torch.nn.Module):
         def __init__(self):
@@ -143,6 +157,7 @@ def test_what_the_graph_cannot_hold_is_named(tmp_path, case):
         "loss is the output": (torch.nn.Sequential(torch.nn.Linear(4, 1), torch.nn.Flatten(0)),
                                lambda out, labels: out, r"returned .*'s output itself"),
         "name clash": (Named(), torch.nn.CrossEntropyLoss(), r"parameter name\(s\) \['loss'\] clash"),
+        "object output": (WithCache(), lambda out, labels: out[0].sum(), r"WithCache returned tensors inside Holder"),
     }[case]
     if case == "loss is the output":
         x = torch.randn(1, 4)

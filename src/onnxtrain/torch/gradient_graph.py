@@ -23,6 +23,7 @@ from onnxtrain.errors import ExportError
 from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.passes import pipeline
+from onnxtrain.torch._export import _holds_tensors
 from onnxtrain.torch.training_export import export_for_training
 
 INPUT, LABELS, OUTPUT, LOSS = "input", "labels", "output", "loss"
@@ -38,7 +39,14 @@ class _ModelWithLoss(torch.nn.Module):
     def forward(self, input, labels):  # noqa: A002 - the graph input's name, as upstream's
         output = self.model(input)
         name = type(self.model).__name__
-        tensors = [leaf for leaf in pytree.tree_leaves(output) if isinstance(leaf, torch.Tensor)]
+        leaves = pytree.tree_leaves(output)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        hiding = sorted({type(leaf).__name__ for leaf in leaves if not isinstance(leaf, torch.Tensor)
+                         and _holds_tensors(leaf)})
+        if hiding:
+            raise ExportError(f"export_gradient_graph: {name} returned tensors inside {', '.join(hiding)} "
+                              f"(a Hugging Face cache: pass use_cache=False in the model's config); the graph has one "
+                              f"'output': wrap the model to return the tensor the loss reads")
         if len(tensors) != 1:
             raise ExportError(f"export_gradient_graph: {name} returned {len(tensors)} tensors "
                               f"({type(output).__name__}); the graph has one 'output': wrap the model to return the "

@@ -102,6 +102,36 @@ def test_masters_track_an_fp32_run_of_the_same_optimizer(inner, dtype, atol):
         assert torch.equal(p.detach(), m.detach().to(p.dtype))  # the model holds the rounded masters
 
 
+def test_a_group_added_later_gets_masters_as_the_first():
+    """Fine-tuning that unfreezes a layer adds a parameter group: FP16_Optimizer had no
+    add_param_group (and one added to the wrapped optimizer updated the fp16 parameters
+    without masters). The added group's fp16 parameters train from fp32 masters."""
+    half = _model()
+    reference = copy.deepcopy(half).float()
+    optimizer = FP16_Optimizer(torch.optim.SGD(half[0].parameters(), lr=0.05))
+    ref_optimizer = torch.optim.SGD(reference[0].parameters(), lr=0.05)
+    optimizer.add_param_group({"params": half[2].parameters(), "lr": 0.02})
+    ref_optimizer.add_param_group({"params": reference[2].parameters(), "lr": 0.02})
+    for step in range(5):
+        ref_optimizer.zero_grad()
+        _loss(reference, step, torch.float32).backward()
+        ref_optimizer.step()
+        _train_step(half, optimizer, step, torch.float16)
+    masters = [p for g in optimizer.param_groups for p in g["params"]]
+    assert [m.dtype for m in masters] == [torch.float32] * 4 and optimizer.param_groups[1]["lr"] == 0.02
+    for m, r in zip(masters, [*reference[0].parameters(), *reference[2].parameters()]):
+        torch.testing.assert_close(m.detach(), r.detach(), rtol=0, atol=2e-3)
+    for p, m in zip([*half[0].parameters(), *half[2].parameters()], masters):
+        assert torch.equal(p.detach(), m.detach().to(p.dtype))
+    with pytest.raises(OptimizerConfigError, match="some parameters are in an earlier group already"):
+        optimizer.add_param_group({"params": [half[2].bias]})
+    fp32 = torch.nn.Parameter(torch.ones(2))
+    optimizer.add_param_group({"params": fp32})
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        optimizer.add_param_group({"params": [fp32]})  # the wrapped optimizer's own refusal
+    assert len(optimizer._masters) == 4
+
+
 def test_updates_below_fp16_resolution_accumulate_in_the_masters():
     w = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
     plain = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))

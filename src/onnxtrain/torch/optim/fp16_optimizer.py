@@ -92,25 +92,52 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
         self._masters: list[torch.Tensor] = []  # ... and their fp32 masters, in the same order
         devices = set()
         for group in optimizer.param_groups:
-            for i, p in enumerate(group["params"]):
-                devices.add(p.device.type)
-                if p.dtype in _LOW_PRECISION:
-                    master = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
-                    group["params"][i] = master
-                    self._model_params.append(p)
-                    self._masters.append(master)
+            devices.update(p.device.type for p in group["params"])
+            self._use_masters(group)
         if len(devices) > 1:
             raise OptimizerConfigError(f"FP16_Optimizer: parameters on several device types {sorted(devices)}; "
                                        "expected one")
+        self._device_type = next(iter(devices), "cpu")
         if self._masters:
             _tell_parameters_replaced(optimizer)
-        device = devices.pop() if devices else "cpu"
+        device = self._device_type
         from onnxtrain.torch.amp import GradScaler  # not at the top: amp imports this package's errors
         if self.dynamic_loss_scale:
             scaler_args = _scaler_args(dict(dynamic_loss_args or {}))
         else:
             scaler_args = {"init_scale": self.static_loss_scale}
         self.scaler = GradScaler(device, **scaler_args)
+
+    def _use_masters(self, group: dict) -> None:
+        """Put fp32 masters in ``group``'s places of its fp16/bf16 parameters (noted, in order)."""
+        for i, p in enumerate(group["params"]):
+            if p.dtype in _LOW_PRECISION:
+                master = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                group["params"][i] = master
+                self._model_params.append(p)
+                self._masters.append(master)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a parameter group (layers unfrozen during fine-tuning): its fp16/bf16 parameters
+        get fp32 masters, as the first groups' did, and the wrapped optimizer takes the group."""
+        group = dict(param_group)
+        params = group["params"]
+        group["params"] = [params] if isinstance(params, torch.Tensor) else list(params)
+        other = sorted({p.device.type for p in group["params"]} - {self._device_type})
+        if other:
+            raise OptimizerConfigError(f"FP16_Optimizer.add_param_group: parameters on {other}, the others are on "
+                                       f"{self._device_type!r}; expected one device type")
+        held = {id(p) for p in self._model_params}
+        if any(id(p) in held for p in group["params"]):  # (the wrapped optimizer sees its master only)
+            raise OptimizerConfigError("FP16_Optimizer.add_param_group: some parameters are in an earlier group "
+                                       "already")
+        masters_before = len(self._masters)
+        self._use_masters(group)
+        try:
+            self.optimizer.add_param_group(group)
+        except BaseException:  # refused (a parameter in two groups, ...): no masters for it
+            del self._model_params[masters_before:], self._masters[masters_before:]
+            raise
 
     # -- training loop -------------------------------------------------------------------------
     @property

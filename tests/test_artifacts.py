@@ -340,6 +340,16 @@ def test_class_labels_of_another_integer_type_are_converted_where_they_fit(tmp_p
         module(x, np.where(labels == 3, 2**32, labels))
     with pytest.raises(InputMismatchError, match="'labels' has dtype float32"):
         module(x, labels.astype(np.float32))
+    # as OrtValues too (upstream scripts feed them), and as Python lists, checked alike: float
+    # labels in a list were truncated, out-of-range ones raised numpy's OverflowError
+    assert float(module(x, ort.OrtValue.ortvalue_from_numpy(labels.astype(np.int64)))) == as_int32
+    assert float(module(x, labels.tolist())) == as_int32
+    with pytest.raises(InputMismatchError, match="'labels' holds float64 values, not integers"):
+        module(x, (labels + 0.5).tolist())
+    with pytest.raises(InputMismatchError, match=r"'labels' has dtype int64 with values in \[0, 4294967296\]"):
+        module(x, np.where(labels == 3, 2**32, labels).tolist())
+    with pytest.raises(InputMismatchError, match=r"'x' is an OrtValue of tensor\(double\)"):
+        module(ort.OrtValue.ortvalue_from_numpy(x.astype(np.float64)), labels)
 
 
 def test_parameters_keep_the_models_order_whatever_order_the_lists_name_them_in(tmp_path):

@@ -46,7 +46,12 @@ def to_ortvalues(specs: Sequence[IOSpec], values: Sequence) -> tuple[list[ort.Or
     for spec, value in zip(specs, values):
         if isinstance(value, ort.OrtValue):
             if spec.type_str != value.data_type():
-                _fail(spec, f"is an OrtValue of {value.data_type()}")
+                if value.device_name().lower() != "cpu" or not (_integer_type(value.data_type())
+                                                                  and _integer_type(spec.type_str)):
+                    _fail(spec, f"is an OrtValue of {value.data_type()}")
+                # integers of another integer type (int64 labels, as onnxruntime-training 1.19.2's
+                # artifacts took them): converted as arrays are, where every value fits
+                value = ort.OrtValue.ortvalue_from_numpy(_integers_converted(spec, value.numpy()))
             _check_shape(spec, tuple(value.shape()), symbols)
             result.append(value)
             continue
@@ -65,12 +70,23 @@ def as_input_array(spec: IOSpec, value) -> np.ndarray:
         if spec.dtype is not None and array.dtype != spec.dtype:
             return _integers_converted(spec, array)
         return array
-    # Python scalars and nested lists carry no dtype of their own: take the model's.
+    # Python scalars and nested lists carry no dtype of their own: the model's, where their
+    # values have it (floats for a float input; integers that fit for an integer one)
     try:
+        natural = np.asarray(value)
+        if spec.dtype is not None and np.dtype(spec.dtype).kind in "iu" and natural.dtype.kind in "iub":
+            return _integers_converted(spec, natural.astype(np.int64) if natural.dtype.kind == "b" else natural)
+        if spec.dtype is not None and np.dtype(spec.dtype).kind in "iu" and natural.size:
+            _fail(spec, f"holds {natural.dtype.name} values, not integers")
         return np.asarray(value, dtype=spec.dtype)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise InputMismatchError(f"input {spec.name!r} cannot be converted to the model's "
                                  f"{spec.describe()}: {exc}") from exc
+
+
+def _integer_type(type_str: str) -> bool:
+    """Whether an onnxruntime type name (``tensor(int64)``) is an integer tensor type."""
+    return type_str.startswith("tensor(int") or type_str.startswith("tensor(uint")
 
 
 def _integers_converted(spec: IOSpec, array: np.ndarray) -> np.ndarray:

@@ -86,7 +86,7 @@ def as_input_array(spec: IOSpec, value) -> np.ndarray:
 
 def _integer_type(type_str: str) -> bool:
     """Whether an onnxruntime type name (``tensor(int64)``) is an integer tensor type."""
-    return type_str.startswith("tensor(int") or type_str.startswith("tensor(uint")
+    return type_str.startswith(("tensor(int", "tensor(uint"))
 
 
 def _integers_converted(spec: IOSpec, array: np.ndarray) -> np.ndarray:

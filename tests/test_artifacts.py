@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxtrain import artifacts, onnxblock
 from onnxtrain.api import CheckpointState, Module, Optimizer
 from onnxtrain.errors import (ArtifactError, CheckpointError, InputMismatchError, ModelError, NoGradientWarning,
-                              UnsupportedOpError)
+                              RunError, UnsupportedOpError)
 
 
 def regression_model(seed=0, hidden=8):
@@ -350,6 +350,28 @@ def test_class_labels_of_another_integer_type_are_converted_where_they_fit(tmp_p
         module(x, np.where(labels == 3, 2**32, labels).tolist())
     with pytest.raises(InputMismatchError, match=r"'x' is an OrtValue of tensor\(double\)"):
         module(ort.OrtValue.ortvalue_from_numpy(x.astype(np.float64)), labels)
+
+
+def test_labels_of_another_batch_size_fail_where_the_scores_batch_has_no_name(tmp_path):
+    """Scores reshaped to [-1, C] (as a flatten before the classifier exports) have an unnamed
+    batch: labels of 5 rows for 6 images trained on the first 5, silently."""
+    weight = numpy_helper.from_array(np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32), "w")
+    shape = numpy_helper.from_array(np.array([-1, 6], np.int64), "rows")
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "rows"], ["flat"]),
+                               helper.make_node("MatMul", ["flat", "w"], ["scores"])], "classifier",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 3])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, None)], [weight, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    x, labels = np.random.default_rng(1).standard_normal((6, 2, 3)).astype(np.float32), np.array([0, 1, 2, 3, 0, 1])
+    loss = float(module(x, labels))
+    for step in (module, lambda *a: (module.eval(), module(*a))[1]):
+        with pytest.raises(RunError, match="labels_must_have_the_batch_of_scores"):
+            step(x, labels[:5])
+    module.train()
+    assert float(module(x, labels)) == loss
 
 
 def test_parameters_keep_the_models_order_whatever_order_the_lists_name_them_in(tmp_path):

@@ -146,6 +146,21 @@ class CrossEntropyLoss(Block):
         self._reduction = _check_reduction(reduction)
         self._ignore_index = ignore_index
 
+    def _labels_checked(self, scores: ir.Value, labels: ir.Value) -> ir.Value:
+        """``labels``, failing the run unless shaped as ``scores`` without its class axis: where a
+        dim of the scores has no name the runtime could tie (a batch after a flatten), labels of
+        another batch size ran (onnxruntime's loss reads as many rows as there are labels). A
+        Reshape to the scores' dims where the two agree and to a -2 (refused) where not, named for
+        the message."""
+        op, b = self.op, self.context.builder
+        scores_dims = op.Shape(scores)
+        expected = op.Concat(op.Slice(scores_dims, b.ints([0]), b.ints([1])),
+                             op.Slice(scores_dims, b.ints([2]), b.ints([len(scores.shape)])), axis=0)
+        agree = op.Equal(op.Shape(labels), expected)
+        checked = op.Reshape(labels, op.Where(agree, expected, b.ints([-2])))
+        checked.producer().name = f"onnxblock/{labels.name}_must_have_the_batch_of_{scores.name}"
+        return checked
+
     def build(self, scores_input_name: str, labels_name: str = "labels") -> str:
         b = self.context.builder
         scores = self._value(scores_input_name)
@@ -165,6 +180,8 @@ class CrossEntropyLoss(Block):
                 shape = ir.Shape(dims[:1] + dims[2:])
             labels = ir.Value(name=labels_name, type=ir.TensorType(ir.DataType.INT32), shape=shape)
             self.context.graph.inputs.append(labels)
+            if shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value is None for d in shape):
+                labels = self._labels_checked(scores, labels)
         inputs = [scores, labels]  # a negative label fails the run: passes/negative_labels.py
         if self._weight is not None:
             inputs.append(b.const(self._weight.astype(scores.dtype.numpy())))

@@ -275,6 +275,11 @@ def _export_obstacle(module: torch.nn.Module) -> str | None:
 
 
 _QUANTIZED = "torch.ao.nn.quantized"  # the modules torch.ao.quantization.convert writes
+# (dtypes, not Tensor.is_quantized: a call that waits for another thread's build reads the
+# module's tensors while that export may have put fake ones in their places, and metadata
+# needs no dispatch)
+_QUANTIZED_DTYPES = frozenset(getattr(torch, name) for name in ("qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+                              if hasattr(torch, name))
 
 
 def _packed_weights_obstacle(module: torch.nn.Module) -> str | None:
@@ -285,7 +290,7 @@ def _packed_weights_obstacle(module: torch.nn.Module) -> str | None:
     for name, sub in module.named_modules():
         tensors = (*sub._parameters.values(), *sub._buffers.values())
         if any(isinstance(v, torch.ScriptObject) for v in vars(sub).values()) \
-                or any(t is not None and t.is_quantized for t in tensors):
+                or any(t is not None and t.dtype in _QUANTIZED_DTYPES for t in tensors):
             # named by its outermost quantized module (a quantized Linear, not its _packed_params)
             parts = name.split(".") if name else []
             owner = next((".".join(parts[:k]) for k in range(len(parts) + 1)
@@ -512,14 +517,17 @@ class ORTModule(ModuleWrapper):
             # an export (an outer ORTModule's) or torch.jit.trace is tracing a model that holds
             # this ORTModule: the traced forward is the module's own, part of the outer graph
             return module(*args, **kwargs)
-        if not self.export_count:  # before the first export: FSDP's state must not be traced
-            obstacle = _export_obstacle(module)
-            if obstacle is not None:
-                if not self._debug.fallback:
-                    raise ExportError(f"{type(module).__name__} cannot run in ONNX Runtime: {obstacle}")
-                self._fall_back(ExportError(obstacle))
-                return module(*args, **kwargs)
-        call = flatten_call(module, args, kwargs)
+        # the module's state is read under the build lock: another thread's export may be tracing
+        # the module, with fake tensors in its parameters' places
+        with self._building:
+            # before the first export: FSDP's state must not be traced
+            obstacle = _export_obstacle(module) if not self.export_count else None
+            call = flatten_call(module, args, kwargs) if obstacle is None else None
+        if obstacle is not None:
+            if not self._debug.fallback:
+                raise ExportError(f"{type(module).__name__} cannot run in ONNX Runtime: {obstacle}")
+            self._fall_back(ExportError(obstacle))
+            return module(*args, **kwargs)
         state = call.state
         try:  # building: export, gradient graph, sessions; a failure here may fall back
             # the export's own tracing saves tensors for autograd: not under the caller's saved-tensor

@@ -1,7 +1,8 @@
 """ORTModule and PyTorch's sharded data parallelism: FSDP2 shards an ORTModule's own parameters
 (fully_shard(ORTModule(model))); an ORTModule around FSDP units, or inside FSDP1's flat
 parameters, must not be exported (the export ran FSDP's unsharding under fake tensors and
-left FSDP broken) and says why. torch.distributed.checkpoint's state dicts round-trip."""
+left FSDP broken) and says why; so do DDP and tensor parallelism inside one.
+torch.distributed.checkpoint's state dicts round-trip."""
 
 from __future__ import annotations
 
@@ -81,6 +82,12 @@ _WORKER = textwrap.dedent("""
         warnings.simplefilter("ignore")
         torch.testing.assert_close(parallel(x), model()(x))
     print("tensor parallel reason:", "are DTensors (0.weight, 0.bias, 2.weight, 2.bias)" in parallel.fallback_reason)
+    # DDP inside an ORTModule: refused when built (the export failed on DDP's compiler-disabled forward)
+    try:
+        ORTModule(torch.nn.parallel.DistributedDataParallel(model()))
+        print("ddp wrapped")
+    except OnnxTrainError as exc:
+        print("ddp refused:", "DistributedDataParallel(ORTModule(model))" in str(exc))
     dist.destroy_process_group()
 """)
 
@@ -98,4 +105,4 @@ def test_fsdp_around_or_inside_an_ortmodule(tmp_path):
                             env={**__import__("os").environ, "PORT": str(port), "OMP_NUM_THREADS": "1"}, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == ["refused: True", "refused: True", "fsdp1 reason: True 0",
-                                          "fsdp2 exports: 1 None", "tensor parallel reason: True"]
+                                          "fsdp2 exports: 1 None", "tensor parallel reason: True", "ddp refused: True"]

@@ -244,6 +244,17 @@ def _fsdp_obstacle(module: torch.nn.Module) -> str | None:
     return None
 
 
+def _ddp_obstacle(module: torch.nn.Module) -> str | None:
+    """Why DistributedDataParallel inside ``module`` keeps it from being exported, or None: DDP's
+    forward disables the compiler (the export fails) and its gradient hooks belong outside."""
+    units = [name or "the module itself" for name, sub in module.named_modules()
+             if isinstance(sub, torch.nn.parallel.DistributedDataParallel)]
+    if not units:
+        return None
+    return (f"it holds DistributedDataParallel ({', '.join(units[:4])}), whose forward an export cannot trace; "
+            f"wrap the other way: DistributedDataParallel(ORTModule(model))")
+
+
 def _dtensor_obstacle(module: torch.nn.Module) -> str | None:
     """Why ``module``'s DTensor parameters or buffers (tensor parallelism) keep it from being
     exported, or None. FSDP2 around an ORTModule gives its forward plain unsharded parameters."""
@@ -407,7 +418,7 @@ class ORTModule(ModuleWrapper):
                  dynamic: bool | None = None, inline_autograd_functions: bool | Iterable[type] = ()):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
-        obstacle = _fsdp_obstacle(module)
+        obstacle = _fsdp_obstacle(module) or _ddp_obstacle(module)
         if obstacle is not None:
             raise OnnxTrainError(f"ORTModule cannot wrap {type(module).__name__}: {obstacle}")
         inline_functions = _inline_functions(inline_autograd_functions)

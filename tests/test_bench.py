@@ -279,7 +279,8 @@ def test_capacity_search_finds_the_largest_fitting_batch():
     assert roomy["largest_batch"] == 2 * 2 ** capacity.MAX_DOUBLINGS and roomy["capped_by_search"]
 
 
-@pytest.mark.parametrize("model", ["tiny", "tiny-gpt"])
+# the language model's flattened loss: ~6 s more (pytest -m slow)
+@pytest.mark.parametrize("model", ["tiny", pytest.param("tiny-gpt", marks=pytest.mark.slow)])
 def test_loss_in_module_trains_the_same_model(model):
     """--loss-in-module (the memory-cap search's default) wraps the model and its loss in one
     module: eager's losses are those of the loss computed outside, ORTModule's match them."""

@@ -16,6 +16,7 @@ pytest.importorskip("accelerate")
 from bench import hf_trainer  # noqa: E402
 
 
+@pytest.mark.slow  # ~21 s, a benchmark's run; ORTTrainer against Trainer: tests/integrations/test_huggingface.py
 def test_smoke_run_on_the_tiny_bert_writes_json_and_a_table(tmp_path):
     out = tmp_path / "hf_trainer.json"
     threads = torch.get_num_threads()

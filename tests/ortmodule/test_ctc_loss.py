@@ -83,6 +83,7 @@ def test_lengths_given_as_tuples():
     _assert_training_matches(lambda: _Recognizer("sum"), (x, targets, (14, 12, 9, 5), (4, 3, 2, 1)))
 
 
+@pytest.mark.slow  # ~13 s; the other tests here cover the rule, a new length re-exports as any shape does
 def test_longer_sequences_and_a_new_length():
     _assert_training_matches(lambda: _Recognizer("mean", zero_infinity=True), _batch(60, 12, seed=1),
                              _batch(45, 12, seed=2))

@@ -268,6 +268,20 @@ def test_two_modules_exported_in_two_threads_at_once_both_run_in_onnxruntime():
         torch.testing.assert_close(output, _small_model(seed)(x), rtol=1e-5, atol=1e-6)
 
 
+def test_another_threads_export_does_not_send_a_call_to_pytorch(monkeypatch):
+    """torch.compiler.is_exporting() is process-wide: while one thread exported, a call in
+    another thread took it for an outer export tracing it and ran the module in PyTorch, whose
+    parameters that export had swapped for fake tensors (a hang, or "fake_mode.in_kernel_invocation
+    must be False"). Only an export tracing this thread's call counts."""
+    from onnxtrain.torch import DebugOptions, ORTModule
+
+    wrapped = ORTModule(_small_model(0), DebugOptions(fallback=False))
+    x = torch.randn(8, 16)
+    wrapped(x)
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)  # another thread is exporting
+    assert type(wrapped(x).grad_fn).__name__ == "ORTFunctionBackward"  # ONNX Runtime ran it
+
+
 def test_one_module_first_called_in_two_threads_at_once_builds_once():
     """The second thread waits for the first one's build and uses it (both exported, and one of
     them sometimes failed inside torch's fake tensor mode)."""

@@ -270,6 +270,17 @@ def _dtensor_obstacle(module: torch.nn.Module) -> str | None:
             "take. FSDP2 shards an ORTModule's own parameters: fully_shard(ORTModule(model))")
 
 
+def _traced_here() -> bool:
+    """Whether an export is tracing this thread's call (an outer ORTModule's, torch.export of a
+    model holding this one). ``torch.compiler.is_exporting()`` is process-wide: a call from another
+    thread while one exports saw it set and ran the module in PyTorch, whose parameters the
+    export had swapped for fake tensors. The trace's modes are this thread's own."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return torch.compiler.is_exporting() and (torch._C._len_torch_function_stack() > 0
+                                              or len(_get_current_dispatch_mode_stack()) > 0)
+
+
 def _with_tangents(args: tuple, kwargs: dict) -> bool:
     """Whether a call's tensors carry forward-mode AD tangents (inside ``forward_ad.dual_level()``)."""
     forward_ad = torch.autograd.forward_ad
@@ -524,7 +535,7 @@ class ORTModule(ModuleWrapper):
         if _with_tangents(args, kwargs):
             return self._in_pytorch_this_time(module, args, kwargs, "with forward-mode AD's dual tensors "
                                               "(torch.autograd.forward_ad)", "with plain tensors")
-        if torch.compiler.is_exporting() or torch.jit.is_tracing():
+        if _traced_here() or torch.jit.is_tracing():
             # an export (an outer ORTModule's) or torch.jit.trace is tracing a model that holds
             # this ORTModule: the traced forward is the module's own, part of the outer graph
             return module(*args, **kwargs)

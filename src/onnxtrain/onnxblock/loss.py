@@ -164,17 +164,18 @@ class CrossEntropyLoss(Block):
     def build(self, scores_input_name: str, labels_name: str = "labels") -> str:
         b = self.context.builder
         scores = self._value(scores_input_name)
+        labels = self.context.find(labels_name)
+        # (one shape inference over the model, for the weight's check and a new labels input)
+        trusted = self.context.trusted_shape(scores) if self._weight is not None or labels is None else None
         if self._weight is not None:
-            shape = self.context.trusted_shape(scores)
-            classes = shape[1] if shape is not None and len(shape) >= 2 else None
+            classes = trusted[1] if trusted is not None and len(trusted) >= 2 else None
             if self._weight.ndim != 1 or (isinstance(classes, int) and self._weight.shape[0] != classes):
                 raise ArtifactError(f"CrossEntropyLoss weight has shape {list(self._weight.shape)}: one weight per "
                                     f"class, {classes if isinstance(classes, int) else 'C'} for the scores "
-                                    f"{scores_input_name!r} of shape {shape}")
-        labels = self.context.find(labels_name)
+                                    f"{scores_input_name!r} of shape {trusted}")
         if labels is None:
             shape = None
-            scores_shape = scores.shape = self.context.trusted_shape(scores)
+            scores_shape = scores.shape = trusted
             if scores_shape is not None and len(scores_shape) >= 2:
                 dims = list(scores_shape)
                 shape = ir.Shape(dims[:1] + dims[2:])

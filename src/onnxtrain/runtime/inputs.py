@@ -78,7 +78,7 @@ def as_input_array(spec: IOSpec, value) -> np.ndarray:
             return _integers_converted(spec, natural.astype(np.int64) if natural.dtype.kind == "b" else natural)
         if spec.dtype is not None and np.dtype(spec.dtype).kind in "iu" and natural.size:
             _fail(spec, f"holds {natural.dtype.name} values, not integers")
-        return np.asarray(value, dtype=spec.dtype)
+        return natural if spec.dtype is None else natural.astype(spec.dtype, copy=False)
     except (TypeError, ValueError, OverflowError) as exc:
         raise InputMismatchError(f"input {spec.name!r} cannot be converted to the model's "
                                  f"{spec.describe()}: {exc}") from exc

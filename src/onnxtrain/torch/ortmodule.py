@@ -18,6 +18,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from onnxtrain.errors import ExportError, OnnxTrainError
 from onnxtrain.ir import io
@@ -275,8 +276,6 @@ def _traced_here() -> bool:
     model holding this one). ``torch.compiler.is_exporting()`` is process-wide: a call from another
     thread while one exports saw it set and ran the module in PyTorch, whose parameters the
     export had swapped for fake tensors. The trace's modes are this thread's own."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     return torch.compiler.is_exporting() and (torch._C._len_torch_function_stack() > 0
                                               or len(_get_current_dispatch_mode_stack()) > 0)
 
@@ -293,7 +292,8 @@ def _with_tangents(args: tuple, kwargs: dict) -> bool:
 def _export_obstacle(module: torch.nn.Module) -> str | None:
     """Why ``module`` cannot be exported as it is held now, found before an export tries (whose
     error would name the tracer's internals, or leave FSDP's state broken), or None."""
-    return _fsdp_obstacle(module) or _packed_weights_obstacle(module) or _dtensor_obstacle(module)
+    return (_fsdp_obstacle(module) or _ddp_obstacle(module) or _packed_weights_obstacle(module)
+            or _dtensor_obstacle(module))
 
 
 _QUANTIZED = "torch.ao.nn.quantized"  # the modules torch.ao.quantization.convert writes

@@ -41,10 +41,8 @@ def plain_values(group: dict) -> dict:
 
 
 def save_shard(shard: dict, path: str | os.PathLike) -> None:
-    """Write one shard atomically (temporary file, fsync, rename), enum hyperparameters as
-    integers (:func:`plain_values`)."""
-    groups = [plain_values(group) for group in shard.get("param_groups", [])]
-    shard = {**shard, "param_groups": groups} if "param_groups" in shard else shard
+    """Write one shard (``ZeroOptimizer.state_dict()``: plain values, see :func:`plain_values`)
+    atomically (temporary file, fsync, rename)."""
     _atomic_write(Path(path), lambda f: torch.save(shard, f))
 
 

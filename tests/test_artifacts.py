@@ -575,3 +575,29 @@ def test_the_eval_models_outputs_leave_the_training_model_as_it_was():
     assert [o.name for o in training.output] == [o.name for o in plain_training.output]
     assert [o.name for o in evaluation.output] == ["loss", "y"]
     assert [o.name for o in plain_evaluation.output] == ["loss"]
+
+
+def test_a_cnn_trains_on_an_empty_batch_with_zero_gradients(tmp_path):
+    """The last shard of a dataset may hold no rows: the training step takes it (as PyTorch's
+    backward does: zero weight gradients) and the next step trains as before. The Conv weight
+    gradient's reshapes could not infer a -1 beside the empty batch."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 2, 3, 3)).astype(np.float32), "conv_w"),
+             numpy_helper.from_array(rng.standard_normal((64, 3)).astype(np.float32) * 0.1, "fc_w"),
+             numpy_helper.from_array(np.array([0, 64], np.int64), "flat")]
+    nodes = [helper.make_node("Conv", ["x", "conv_w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("MaxPool", ["c"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("Reshape", ["p", "flat"], ["f"]),
+             helper.make_node("MatMul", ["f", "fc_w"], ["scores"])]
+    graph = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 2, 8, 8])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 3])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, optimizer=artifacts.OptimType.SGD,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    module(np.zeros((0, 2, 8, 8), np.float32), np.zeros((0,), np.int64))
+    assert all(not p.grad.any() for _, p in state.parameters if p.requires_grad)
+    module.lazy_reset_grad()
+    module(rng.standard_normal((5, 2, 8, 8)).astype(np.float32), np.array([0, 1, 2, 0, 1]))
+    assert all(p.grad.any() for _, p in state.parameters if p.requires_grad)

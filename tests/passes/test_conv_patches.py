@@ -140,3 +140,28 @@ def test_session_model_of_a_training_file(tmp_path):
     np.testing.assert_array_equal(run(onnx.load_from_string(rewritten), feeds)[0],
                                   run(io.to_proto(io.load_model(path)), feeds)[0])
     assert fusions.session_model(path, ["CUDAExecutionProvider"], gated_add=False) == str(path)
+
+
+@pytest.mark.parametrize("dims", [["N", 3, 9, 8], ["N", 3, "H", "W"]], ids=["static-plane", "symbolic-plane"])
+def test_patches_of_an_empty_batch(dims):
+    """The patch Conv's output is flattened with its sizes spelled out: ``[0, 0, -1]`` cannot be
+    inferred for a batch of 0 rows (the weight gradient is zeros, as PyTorch's)."""
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1]),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "conv", [helper.make_tensor_value_info("x", TensorProto.FLOAT, dims),
+                                              helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 3, 3, 3])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    inputs = {v.name: v for v in model.graph.inputs}
+    dw = build_gradients(model.graph, model.graph.outputs[0], [inputs["w"]])[inputs["w"]]
+    dw.name = "dw"
+    model.graph.outputs.clear()
+    model.graph.outputs.append(dw)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal([4, 3, 3, 3]).astype(np.float32)
+    x = rng.standard_normal([2, 3, 9, 8]).astype(np.float32)
+    standard = run(io.to_proto(model), {"x": x, "w": w})[0]
+    assert PatchConvPass()(model).modified
+    np.testing.assert_allclose(run(io.to_proto(model), {"x": x, "w": w})[0], standard, rtol=1e-5, atol=1e-5)
+    empty = run(io.to_proto(model), {"x": x[:0], "w": w})[0]
+    assert empty.shape == (4, 3, 3, 3) and not empty.any()

@@ -87,6 +87,26 @@ def _unpadded(data: ir.Value, rank: int) -> tuple[ir.Value, list[int]]:
     return pad.inputs[0], pads[2:full] + pads[full + 2:]
 
 
+def _flat_patch_shape(graph: ir.Graph, new_nodes: NewNodes, node: ir.Node, patches: ir.Value,
+                      out: ir.Value) -> ir.Value:
+    """The target ``[N, C*K, T]`` of the Reshape that flattens the patch Conv's output plane.
+    Spelled out, not ``[0, 0, -1]``: a -1 cannot be inferred when the batch is empty."""
+    name = base_name(node)
+    dims = list(out.shape) if out.shape is not None else []
+    if len(dims) == 3 and all(isinstance(d, int) for d in dims[1:]):
+        shape = ir.Value(name=f"{name}/patch_shape", const_value=ir.tensor(np.array([0, *dims[1:]], np.int64)))
+        graph.register_initializer(shape)
+        return shape
+    bounds = {}
+    for label, v in (("zero", 0), ("two", 2), ("end", np.iinfo(np.int64).max)):
+        bounds[label] = ir.Value(name=f"{name}/patch_{label}", const_value=ir.tensor(np.array([v], np.int64)))
+        graph.register_initializer(bounds[label])
+    sizes = new_nodes.add("Shape", [patches])
+    head = new_nodes.add("Slice", [sizes, bounds["zero"], bounds["two"]])
+    plane = new_nodes.add("ReduceProd", [new_nodes.add("Slice", [sizes, bounds["two"], bounds["end"]])], {"keepdims": 1})
+    return new_nodes.add("Concat", [head, plane], {"axis": 0})
+
+
 class PatchConvPass(ir.passes.InPlacePass):
     """Replace each marked patch gather (strided Slices and a Concat) with one grouped Conv."""
 
@@ -121,11 +141,9 @@ class PatchConvPass(ir.passes.InPlacePass):
         patches = new_nodes.add("Conv", [x, eye], {
             "group": channels, "kernel_shape": kernel, "strides": spec["strides"],
             "dilations": spec["dilations"], "pads": pads})
-        shape = ir.Value(name=f"{base_name(node)}/patch_shape", const_value=ir.tensor(np.array([0, 0, -1], np.int64)))
-        graph.register_initializer(shape)
         patches.name = f"{base_name(node)}/patch_conv"
-        flat = new_nodes.add("Reshape", [patches, shape])
         out = node.outputs[0]
+        flat = new_nodes.add("Reshape", [patches, _flat_patch_shape(graph, new_nodes, node, patches, out)])
         flat.type, flat.shape = out.type, out.shape
         replace_nodes_and_values(graph, node, [node], new_nodes.nodes, [out], [flat])
         return True

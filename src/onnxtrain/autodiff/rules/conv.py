@@ -20,6 +20,7 @@ import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import Broadcast, GradContext, grad
 from onnxtrain.autodiff.rules.index import SCATTER_ADD_OPSET
+from onnxtrain.autodiff.rules.shape import reshape_exactly
 from onnxtrain.ir.shapes import rank_of
 from onnxtrain.passes.conv_patches import mark_patches
 
@@ -29,6 +30,22 @@ _INT64_MAX = np.iinfo(np.int64).max
 def _tail(b, v: ir.Value, start: int = 2) -> ir.Value:
     """``Shape(v)[start:]`` (the spatial sizes of an NC... tensor)."""
     return b.op.Slice(b.op.Shape(v), b.ints([start]), b.ints([_INT64_MAX]))
+
+
+def _head(b, v: ir.Value, count: int) -> ir.Value:
+    """``Shape(v)[:count]``: leading sizes for a Reshape where the batch may be empty. Not the 0
+    ("copy the dim") of a Reshape target beside a size computed from the shape: onnxruntime's
+    ReshapeFusion turns such a target into a constant with a -1, which cannot be inferred when
+    a dim is 0. Constants where the sizes are static."""
+    dims = list(v.shape)[:count] if v.shape is not None and len(v.shape) >= count else []
+    if len(dims) == count and all(isinstance(d, int) for d in dims):
+        return b.ints(dims)
+    return b.op.Slice(b.op.Shape(v), b.ints([0]), b.ints([count]))
+
+
+def _group_width(b, v: ir.Value, group: int) -> ir.Value:
+    """``Shape(v)[1:2] / group`` (the channels of one group)."""
+    return b.op.Div(b.op.Slice(b.op.Shape(v), b.ints([1]), b.ints([2])), b.ints([group]))
 
 
 def _spatial_rank(ctx) -> int:
@@ -118,14 +135,17 @@ def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, d
         data_t = op.Transpose(data, perm=[1, 0, *spatial])
         kern_t = op.Transpose(kern, perm=[1, 0, *spatial])
     else:
+        # sizes spelled out where the batch may be empty (see _head)
         grouped = [2, 1, 0] + [a + 1 for a in spatial]  # (N, G, C, ...) -> (C, G, N, ...)
-        d = op.Reshape(data, op.Concat(b.ints([0, group, -1]), _tail(b, data), axis=0))
+        d = op.Reshape(data, op.Concat(_head(b, data, 1), b.ints([group]), _group_width(b, data, group),
+                                       _tail(b, data), axis=0))
         d = op.Transpose(d, perm=grouped)
         data_t = op.Reshape(d, op.Concat(b.ints([0, -1]), _tail(b, data), axis=0))  # (Cd, G*N, ...)
-        k = op.Reshape(kern, op.Concat(b.ints([0, group, -1]), _tail(b, kern), axis=0))
+        k = op.Reshape(kern, op.Concat(_head(b, kern, 1), b.ints([group]), _group_width(b, kern, group),
+                                       _tail(b, kern), axis=0))
         k = op.Transpose(k, perm=[1, 2, 0] + [a + 1 for a in spatial])  # (G, Ck, N, ...)
-        batch = op.Slice(op.Shape(kern), b.ints([0]), b.ints([1]))
-        kern_t = op.Reshape(k, op.Concat(b.ints([-1]), batch, _tail(b, kern), axis=0))  # (G*Ck, N, ...)
+        channels = op.Slice(op.Shape(kern), b.ints([1]), b.ints([2]))
+        kern_t = reshape_exactly(b, k, op.Concat(channels, _head(b, kern, 1), _tail(b, kern), axis=0))  # (G*Ck, N, ...)
     out = op.Conv(data_t, kern_t, group=group, strides=strides, dilations=dilations)
     return op.Transpose(out, perm=[1, 0, *spatial])
 
@@ -185,17 +205,21 @@ def _correlate_by_patches(b, data: ir.Value, kern: ir.Value, kernel: list[int], 
     out_size = _tail(b, kern)
     span = op.Add(op.Mul(op.Sub(out_size, b.ints([1] * r)), b.ints(strides)), b.ints([1] * r))
     plane = op.ReduceProd(out_size, keepdims=1)
-    tap_shape = op.Concat(b.ints([0, 0, 1]), plane, axis=0)
+    tap_shape = op.Concat(_head(b, data, 2), b.ints([1]), plane, axis=0)
     taps = []
     for offset in itertools.product(*(range(k) for k in kernel)):
         start = b.ints([o * d for o, d in zip(offset, dilations)])
         tap = op.Slice(data, start, op.Add(start, span), b.ints(spatial), b.ints(strides))
         taps.append(op.Reshape(tap, tap_shape))
     patches = op.Concat(*taps, axis=2) if len(taps) > 1 else taps[0]  # (N, C, K, T)
-    patches = op.Reshape(patches, op.Concat(b.ints([0, -1]), plane, axis=0))  # (N, C*K, T)
+    # sizes spelled out where the batch may be empty (see _head)
+    taps_per_channel = int(np.prod(kernel))
+    channel_taps = (b.ints([channels * taps_per_channel]) if channels is not None
+                    else op.Mul(op.Slice(op.Shape(data), b.ints([1]), b.ints([2])), b.ints([taps_per_channel])))
+    patches = op.Reshape(patches, op.Concat(_head(b, data, 1), channel_taps, plane, axis=0))  # (N, C*K, T)
     if channels is not None:
         mark_patches(patches.producer(), kernel, strides, dilations, channels)
-    flat_kern = op.Reshape(kern, b.ints([0, 0, -1]))  # (N, O, T)
+    flat_kern = op.Reshape(kern, op.Concat(_head(b, kern, 2), plane, axis=0))  # (N, O, T)
     if product == _ONE_PRODUCT:
         rows = op.Reshape(op.Transpose(flat_kern, perm=[1, 0, 2]), b.ints([0, -1]))  # (O, N*T)
         patch_rows = op.Reshape(op.Transpose(patches, perm=[1, 0, 2]), b.ints([0, -1]))  # (C*K, N*T)
@@ -399,10 +423,11 @@ def _max_pool_by_windows(ctx) -> ir.Value:
         counts = op.Div(covered, b.ints(kernel))
         window_counts = [op.Slice(counts, b.ints([i]), b.ints([i + 1])) for i in range(r)]
     # [N, C, O1 * k1, ...] -> [N, C, O1, k1, ...] -> [N, C, O1, ..., Or, k1, ..., kr] -> [N, C, O1, ..., Or, K]
-    split = op.Reshape(body, op.Concat(b.ints([0, 0]), *(d for o, k in zip(window_counts, kernel)
-                                                          for d in (o, b.ints([k]))), axis=0))
+    split = op.Reshape(body, op.Concat(_head(b, body, 2), *(d for o, k in zip(window_counts, kernel)
+                                                             for d in (o, b.ints([k]))), axis=0))
     perm = [0, 1, *range(2, 2 + 2 * r, 2), *range(3, 3 + 2 * r, 2)]
-    windows = split if r == 1 else op.Reshape(op.Transpose(split, perm=perm), b.ints([0] * (2 + r) + [-1]))
+    windows = split if r == 1 else op.Reshape(op.Transpose(split, perm=perm),
+                                              b.ints([0] * (2 + r) + [int(np.prod(kernel))]))
     winner = op.Cast(op.ArgMax(windows, axis=-1, keepdims=0, select_last_index=0), to=int(ir.DataType.FLOAT))
     covered_shape = op.Concat(op.Slice(op.Shape(x), b.ints([0]), b.ints([2])), covered, axis=0)
 
@@ -530,7 +555,7 @@ def _global_lp_pool(ctx):
 @grad("GlobalMaxPool", versions=(13, None))
 def _global_max_pool(ctx):
     op, b = ctx.op, ctx.b
-    flat = op.Reshape(ctx.x, b.ints([0, 0, -1]))
+    flat = op.Reshape(ctx.x, op.Concat(_head(b, ctx.x, 2), op.ReduceProd(_tail(b, ctx.x), keepdims=1), axis=0))
     first_max = op.ArgMax(flat, axis=2, keepdims=1)  # one winner per (n, c), like MaxPool's Indices
     dx = op.ScatterElements(b.zeros_like(flat), first_max, op.Reshape(ctx.dy, b.ints([0, 0, 1])), axis=2)
     return (op.Reshape(dx, op.Shape(ctx.x)),)

@@ -214,8 +214,9 @@ def _lrn(ctx):
     size = int(ctx.attr("size"))
     alpha, beta, bias = ctx.attr("alpha", 1e-4), ctx.attr("beta", 0.75), ctx.attr("bias", 1.0)
     shape = op.Shape(x)
+    rest = op.ReduceProd(op.Slice(shape, b.ints([2]), b.ints([np.iinfo(np.int64).max])), keepdims=1)  # N may be 0
     channels_view = op.Concat(op.Slice(shape, b.ints([0]), b.ints([1])), b.ints([1]),
-                              op.Slice(shape, b.ints([1]), b.ints([2])), b.ints([-1]), axis=0)  # [N, 1, C, rest]
+                              op.Slice(shape, b.ints([1]), b.ints([2])), rest, axis=0)  # [N, 1, C, rest]
     ones = b.const(np.ones([1, 1, size, 1], x.dtype.numpy()))
 
     def channel_window_sum(t, before, after):

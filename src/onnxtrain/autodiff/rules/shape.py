@@ -14,30 +14,31 @@ import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.errors import ModelError
+from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.shapes import rank_of, sum_to_shape
 
 
 def reshape_to(ctx: GradContext, dy: ir.Value, x: ir.Value) -> ir.Value:
     """``dy`` reshaped to the runtime shape of ``x`` (zero-sized dims included)."""
-    return reshape_exactly(ctx, dy, ctx.op.Shape(x))
+    return reshape_exactly(ctx.b, dy, ctx.op.Shape(x))
 
 
-def reshape_exactly(ctx: GradContext, dy: ir.Value, shape: ir.Value) -> ir.Value:
-    """``dy`` reshaped to ``shape``, a 0 in it meaning a zero-sized dim (not "copy the dim").
+def reshape_exactly(b: GraphBuilder, t: ir.Value, shape: ir.Value) -> ir.Value:
+    """``t`` reshaped to ``shape``, a 0 in it meaning a zero-sized dim (not "copy the dim").
 
-    Opset 14+ says so with allowzero. Opset 13 has none: where ``shape`` holds a 0, ``dy`` has
+    Opset 14+ says so with allowzero. Opset 13 has none: where ``shape`` holds a 0, ``t`` has
     no elements, so its first 0 becomes -1 (inferred as 0) and any other 1, and an Expand to
     ``shape`` brings those back to 0 (broadcasting takes 1 to 0). That costs a copy of each
-    reshaped gradient, at opset 13 only.
+    reshaped tensor, at opset 13 only.
     """
-    op = ctx.op
-    if ctx.opset >= 14:
-        return op.Reshape(dy, shape, allowzero=1)
-    zero = op.Equal(shape, ctx.b.ints([0]))
-    first_zero = op.And(zero, op.Equal(op.CumSum(op.Cast(zero, to=int(ir.DataType.INT64)), ctx.b.scalar_int(0)),
-                                       ctx.b.ints([1])))
-    no_zero = op.Where(zero, op.Where(first_zero, ctx.b.ints([-1]), ctx.b.ints([1])), shape)
-    return op.Expand(op.Reshape(dy, no_zero), shape)
+    op = b.op
+    if b.opset >= 14:
+        return op.Reshape(t, shape, allowzero=1)
+    zero = op.Equal(shape, b.ints([0]))
+    first_zero = op.And(zero, op.Equal(op.CumSum(op.Cast(zero, to=int(ir.DataType.INT64)), b.scalar_int(0)),
+                                       b.ints([1])))
+    no_zero = op.Where(zero, op.Where(first_zero, b.ints([-1]), b.ints([1])), shape)
+    return op.Expand(op.Reshape(t, no_zero), shape)
 
 
 def dim_of(ctx: GradContext, x: ir.Value, axis: int) -> ir.Value:
@@ -101,7 +102,7 @@ def _tile(ctx):
     x_shape = op.Shape(ctx.x)
     repeats = op.Cast(ctx.inputs[1], to=int(ir.DataType.INT64))
     pairs = op.Concat(op.Reshape(repeats, b.ints([-1, 1])), op.Reshape(x_shape, b.ints([-1, 1])), axis=1)
-    split = reshape_exactly(ctx, ctx.dy, op.Reshape(pairs, b.ints([-1])))  # a repeat may be 0
+    split = reshape_exactly(ctx.b, ctx.dy, op.Reshape(pairs, b.ints([-1])))  # a repeat may be 0
     copy_axes = op.Range(b.scalar_int(0), op.Mul(op.Size(x_shape), b.scalar_int(2)), b.scalar_int(2))
     return (op.ReduceSum(split, copy_axes, keepdims=0),)
 

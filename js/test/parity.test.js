@@ -109,7 +109,10 @@ test('the exported inference model computes the eval model\'s logits without the
 test('gradients accumulate until lazyResetGrad, as in the Python runtime', async () => {
   const data = await digits();
   const state = await node.CheckpointState.load(artifact('checkpoint'));
+  assert.equal(state.parameters.get('fc.bias').grad, null, 'no gradient before a Module adopts the state');
   const module = await node.Module.create(artifact('training_model.onnx'), state);
+  const zeros = state.parameters.get('fc.bias').grad;
+  assert.ok(zeros instanceof Float32Array && zeros.length > 0 && zeros.every((g) => g === 0), 'zeros until a step, as upstream');
   const [images, labels] = batch(node.ort, data.train, 0, 16);
   await module.trainStep(images, labels);
   const once = state.parameters.get('fc.bias').grad;

@@ -53,7 +53,7 @@ export class Parameter {
   readonly dims: number[];
   /** The value (zeros for a nominal parameter that was never set). */
   readonly data: TypedArray;
-  /** The accumulated gradient, or null before the first training step. */
+  /** The accumulated gradient: zeros from a Module's creation to its first training step, null for a frozen parameter or before any Module. */
   readonly grad: TypedArray | null;
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnxtrain.api import CheckpointState, Module
+from onnxtrain.api import CheckpointState, Module, Optimizer
 from onnxtrain.checkpoint import read_checkpoint, write_checkpoint
 from onnxtrain.errors import CheckpointError, InputMismatchError
 
@@ -23,6 +23,9 @@ def test_parameters_view(artifacts):
     w = params["W"]
     assert w.name == "W" and w.requires_grad and not params["scale"].requires_grad
     assert w.grad is None
+    Module(artifacts.training, state)  # as upstream: zero gradients from the Module on
+    np.testing.assert_array_equal(w.grad, np.zeros((3, 2), np.float32))
+    assert w.grad.dtype == np.float32 and params["scale"].grad is None
     np.testing.assert_array_equal(w.data, artifacts.params["W"])
     assert repr(w) == "Parameter(name=W, requires_grad=True)"
     with pytest.raises(KeyError):
@@ -123,6 +126,11 @@ def test_nominal_checkpoint(tmp_path):
     x, t = batch()
     with pytest.raises(CheckpointError, match="nominal"):
         module(x, t)
+    # an update of the placeholders would count a step (AdamW's bias correction then one off)
+    optimizer = Optimizer(arts.optimizer, module)
+    with pytest.raises(CheckpointError, match="nominal"):
+        optimizer.step()
+    assert optimizer.step_count == 0
     # Saving an untouched nominal state gives a nominal checkpoint again.
     CheckpointState.save_checkpoint(state, tmp_path / "again")
     assert read_checkpoint(tmp_path / "again").nominal

@@ -36,7 +36,6 @@ export const DEFAULT_LEARNING_RATE = 1e-3;
  * @property {ArrayBufferView} value
  * @property {ArrayBufferView | null} grad  the accumulated gradient (trainable parameters, once a Module adopts the state)
  * @property {boolean} hasValue  false for a parameter of a nominal checkpoint that was never set
- * @property {boolean} hasGrad  true once a training step wrote the gradient
  */
 
 /**
@@ -57,8 +56,11 @@ export class Parameter {
     /** @type {number[]} */ this.dims = [...slot.shape];
     /** The value (zeros for a nominal parameter that was never set). @type {ArrayBufferView} */
     this.data = copyOf(slot.dtype, /** @type {any} */ (slot.value));
-    /** The accumulated gradient, or null before the first training step. @type {ArrayBufferView | null} */
-    this.grad = slot.hasGrad && slot.grad ? copyOf(slot.dtype, /** @type {any} */ (slot.grad)) : null;
+    /**
+     * The accumulated gradient: zeros from a Module's creation to its first training step (as
+     * upstream), null for a frozen parameter or before any Module. @type {ArrayBufferView | null}
+     */
+    this.grad = slot.grad ? copyOf(slot.dtype, /** @type {any} */ (slot.grad)) : null;
   }
 }
 
@@ -240,7 +242,7 @@ export class CheckpointState {
       this._slots.set(name, {
         name, requiresGrad: record.requiresGrad, dtype: record.dtype, shape: [...record.shape],
         value: record.value ?? nominalValue(record), grad: null,
-        hasValue: record.value !== null, hasGrad: false,
+        hasValue: record.value !== null,
       });
     }
     /** @type {Record<string, number | string | bigint>} */

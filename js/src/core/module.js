@@ -245,7 +245,6 @@ export class Module {
       for (const p of sig.trainable) {
         const slot = state._slot(p);
         slot.grad = results[names.accumulationOutName(p)].data;
-        slot.hasGrad = true;
       }
       for (const [out, param] of sig.bufferUpdates) state._slot(param).value = results[out].data;
       this._resetGrad = false;

@@ -146,6 +146,7 @@ export class Optimizer {
     const opt = this._opt;
     // reading the state, running and writing back happen as one exclusive section
     await state._exclusive('an optimizer step', async () => {
+      this._module._checkValues(); // an update of a nominal state's placeholders would count a step
       /** @type {Record<string, any>} */
       const feeds = {
         [names.LEARNING_RATE]: new Tensor('float32', Float32Array.of(opt.learningRate), []),

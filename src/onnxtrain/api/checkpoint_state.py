@@ -88,8 +88,9 @@ class Parameter:
 
     Attributes: ``name``, ``data`` (a numpy copy; assign an array to update it in place;
     reading it raises ``CheckpointError`` for a parameter of a nominal checkpoint that was never
-    set, as upstream), ``requires_grad``, ``grad`` (a numpy copy of the accumulated gradient,
-    None before the first training step), ``shape`` and ``dtype`` (known without a value).
+    set, as upstream), ``requires_grad``, ``grad`` (a numpy copy of the accumulated gradient:
+    zeros from a Module's creation to its first training step, as upstream; None for a frozen
+    parameter or before any Module), ``shape`` and ``dtype`` (known without a value).
     """
 
     def __init__(self, state: CheckpointState, name: str):
@@ -116,7 +117,10 @@ class Parameter:
     @exclusive
     def grad(self) -> np.ndarray | None:
         slot = self._state._slots[self._name]
-        return to_numpy(self._state._grad(slot)) if slot.has_grad else None
+        if slot.has_grad:
+            return to_numpy(self._state._grad(slot))
+        # a Module over the state gave the parameter gradient buffers: zeros until a step, as upstream
+        return np.zeros(slot.shape, slot.dtype) if slot.grads else None
 
     @property
     def requires_grad(self) -> bool:
@@ -334,6 +338,13 @@ class CheckpointState:
 
     def _missing_values(self) -> list[str]:
         return [n for n, s in self._slots.items() if not s.has_value]
+
+    def _require_values(self) -> None:
+        """``CheckpointError`` naming the parameters a nominal checkpoint left without a value."""
+        missing = self._missing_values()
+        if missing:
+            raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint): set them with "
+                                  f"copy_buffer_to_parameters or state.parameters[name] = array first")
 
     def _to_device(self, device: Device) -> None:
         """Move every buffer to ``device`` (once, when a Module on another device adopts the state)."""

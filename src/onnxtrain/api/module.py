@@ -239,10 +239,7 @@ class Module:
         sig = self._signature(training)
         values = gather_inputs(sig.user_inputs, user_inputs, named_inputs)
         feeds, ortvalue_mode = to_ortvalues(sig.user_inputs, values)
-        missing = self._state._missing_values()
-        if missing:
-            raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint): set them with "
-                                  f"copy_buffer_to_parameters or state.parameters[name] = array first")
+        self._state._require_values()
         state = self._state
         fresh = training and self._reset_grad
         fused = self._fused_step if fresh and self._fused_step is not None and self._fused_step.worth_running() \

@@ -248,6 +248,7 @@ class Optimizer:
         ``state.properties["loss_scale"]`` is updated as ``torch.amp.GradScaler.update`` does.
         """
         state, opt = self._state, self._opt
+        state._require_values()  # an update of the placeholders would count a step
         fused = self._fused
         if fused is None or not fused.take_update():
             if fused is not None and self._module._runs_since_reset == 1:

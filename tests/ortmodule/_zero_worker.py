@@ -126,6 +126,36 @@ def run_reduce_gradients(ddp, net, x, y, setup) -> dict:
     return {"params": snapshot(net)}
 
 
+def run_loss_scaled_overflow(rank: int) -> dict:
+    """GradScaler around ZeroOptimizer(reduce_gradients=True) with an overflow in rank 1's loss
+    at step 1 only: every rank must skip that step (the inf check of local gradients combined
+    over the ranks); a rank stepping alone paired its collectives with the other's next step."""
+    import datetime
+
+    from onnxtrain.torch.amp import GradScaler
+    from onnxtrain.torch.optim import ZeroOptimizer
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=20))  # a desync fails, not hangs
+    torch.manual_seed(0)
+    layer = nn.Linear(4, 2)
+    optimizer = ZeroOptimizer(layer.parameters(), torch.optim.SGD, process_group=group, lr=0.1,
+                              reduce_gradients=True)
+    scaler = GradScaler("cpu", init_scale=2.0 ** 8)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(rank))
+    scales = []
+    try:
+        for step in range(4):
+            optimizer.zero_grad()
+            loss = layer(x).square().mean() * (float("inf") if (rank, step) == (1, 1) else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    except Exception:  # noqa: BLE001 -- reported by the test
+        return {"error": traceback.format_exc(limit=2)}
+    return {"scales": scales, "params": snapshot(layer)}
+
+
 def run_failures(rank: int) -> dict:
     """Mismatched parameters at construction, and a step refused on rank 1 only: every rank
     must raise (none may wait forever in a collective)."""
@@ -229,6 +259,7 @@ def main(rank: int, world_size: int, workdir: Path) -> None:
         results["torch_zero"] = run_torch_zero(ddp, net, x, y, setup)
         results["reduce_gradients"] = run_reduce_gradients(ddp, net, x, y, setup)
         results["failures"] = run_failures(rank)
+        results["loss_scaled_overflow"] = run_loss_scaled_overflow(rank)
         seconds["torch_zero+reduce_gradients"] = time.perf_counter() - start - seconds["zero"]
         results.update(export_count=model.export_count, fallback_reason=model.fallback_reason)
         del ddp  # its reducer's gradient hooks go with it

@@ -174,6 +174,14 @@ def test_zero_reduce_gradients_replaces_ddp_averaging(ranks, reference):
 
 
 @needs_gloo
+def test_zero_reduce_gradients_ranks_skip_an_overflow_together(ranks):
+    first, second = (result["loss_scaled_overflow"] for result in ranks)
+    assert "error" not in first and "error" not in second, (first, second)
+    assert first["scales"] == second["scales"] == [256.0, 128.0, 128.0, 128.0]  # step 1 skipped everywhere
+    _assert_params_close(first["params"], second["params"], "the ranks' parameters")
+
+
+@needs_gloo
 def test_zero_failures_are_reported_on_every_rank(ranks):
     for rank, result in enumerate(ranks):
         failures = result["failures"]

@@ -122,7 +122,9 @@ class GradScaler:
                                    "call update() first")
         # the reciprocal in float64: float32 division can be inexact under some compile options
         inv_scale = scale.double().reciprocal().float()
-        state.found_inf_per_device = _unscale_grads(optimizer, inv_scale)
+        found = _unscale_grads(optimizer, inv_scale)
+        agree = getattr(optimizer, "agree_on_found_inf", None)  # ZeroOptimizer: ranks check local gradients
+        state.found_inf_per_device = agree(found) if agree is not None else found
         state.stage = _Stage.UNSCALED
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> bool:

@@ -145,7 +145,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             rank's raw local gradients are averaged onto the owner of each parameter before
             the step (one reduce per bucket, i.e. a reduce-scatter), so it replaces DDP's
             all-reduce; other ranks' ``.grad`` keep their local values, and every rank must
-            produce gradients for the same parameters.
+            produce gradients for the same parameters. A loss scaler's inf check is combined
+            over the ranks (:meth:`agree_on_found_inf`), but gradient clipping before the step
+            sees each rank's own gradients, not their average (clip with DDP's averaged ones).
         **defaults: the arguments of ``optimizer_class`` (``lr``, ``weight_decay``, ...).
 
     ``param_groups`` lists every parameter (learning-rate schedulers work as usual);
@@ -266,6 +268,19 @@ class ZeroOptimizer(torch.optim.Optimizer):
         if self.world_size > 1:
             self._broadcast_parameters()
         return loss
+
+    def agree_on_found_inf(self, found: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+        """For :class:`~onnxtrain.torch.amp.GradScaler` (and ``FP16_Optimizer``): with
+        ``reduce_gradients`` each rank checks its own gradients before they are averaged, so a
+        rank that found an inf would skip a step the others take (and the ranks' collectives
+        would pair up across steps: a hang). The flags are combined over the ranks, as the
+        check of averaged gradients would find them (an inf or NaN stays one in a sum)."""
+        if not (self.reduce_gradients and self.world_size > 1) or not found:
+            return found
+        device, first = next(iter(found.items()))
+        combined = sum(flag.to(device) for flag in found.values())
+        dist.all_reduce(combined, group=self.process_group)
+        return {device: (combined > 0).to(first.dtype)}
 
     def _failed_ranks(self, failed_here: bool) -> list[int]:
         if self.world_size == 1:

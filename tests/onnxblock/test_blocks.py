@@ -227,3 +227,28 @@ def test_upstreams_argument_names_and_accessors_work_after_the_import_change():
             onnxblock.custom_op_library("libcustom.so"):
         pass
     assert artifacts.USE_PATH_THRESHOLD == 2**31
+
+
+def test_string_labels_are_refused_by_name_where_the_python_module_cannot_feed_them(tmp_path):
+    """A loss reading class names through LabelEncoder builds, but onnxruntime's Python API makes
+    no OrtValue of strings: the step says so by input name, not with a dtype mismatch."""
+    from onnxtrain import artifacts
+    from onnxtrain.errors import InputMismatchError
+
+    class ByName(onnxblock.Block):
+        def __init__(self):
+            super().__init__()
+            self.encoder = onnxblock.blocks.LabelEncoder(keys_strings=["cat", "dog", "bird"], values_int64s=[0, 1, 2])
+            self.loss = onnxblock.loss.CrossEntropyLoss()
+
+        def build(self, scores):
+            self.context.graph.inputs.append(
+                ir.Value(name="names", type=ir.TensorType(ir.DataType.STRING), shape=ir.Shape(["N"])))
+            return self.loss(scores, self.encoder("names"))
+
+    artifacts.generate_artifacts(_feature_extractor(), requires_grad=["F"], loss=ByName(), artifact_directory=tmp_path)
+    module = Module(tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint"))
+    x = np.ones((2, 8), np.float32)
+    for names in (np.array(["cat", "dog"]), np.array(["cat", "dog"], dtype=object), ["cat", "dog"]):
+        with pytest.raises(InputMismatchError, match="input 'names' is a string tensor.*map the strings to integers"):
+            module(x, names)

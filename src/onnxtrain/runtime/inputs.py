@@ -44,6 +44,11 @@ def to_ortvalues(specs: Sequence[IOSpec], values: Sequence) -> tuple[list[ort.Or
     result, all_ortvalues = [], True
     symbols: dict[str, tuple[int, str]] = {}
     for spec, value in zip(specs, values):
+        if spec.type_str == "tensor(string)":
+            raise InputMismatchError(
+                f"input {spec.name!r} is a string tensor, which onnxtrain's Python Module cannot feed yet: "
+                f"onnxruntime's Python API makes no OrtValue (nor IOBinding input) of strings; map the strings "
+                f"to integers before the step (a LabelEncoder's keys to its values)")
         if isinstance(value, ort.OrtValue):
             if spec.type_str != value.data_type():
                 if value.device_name().lower() != "cpu" or not (_integer_type(value.data_type())

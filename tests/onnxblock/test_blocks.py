@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxtrain import onnxblock
 from onnxtrain.api import CheckpointState, Module, Optimizer
+from onnxtrain.errors import InputMismatchError
 from onnxtrain.ir import io
 
 FEATURES, CLASSES = 16, 3
@@ -229,16 +230,17 @@ def test_upstreams_argument_names_and_accessors_work_after_the_import_change():
     assert artifacts.USE_PATH_THRESHOLD == 2**31
 
 
-def test_string_labels_are_refused_by_name_where_the_python_module_cannot_feed_them(tmp_path):
-    """A loss reading class names through LabelEncoder builds, but onnxruntime's Python API makes
-    no OrtValue of strings: the step says so by input name, not with a dtype mismatch."""
+def test_class_names_through_label_encoder_train_as_their_labels(tmp_path):
+    """A loss reading class names through LabelEncoder trains as the same loss on the labels:
+    onnxruntime's Python API makes no OrtValue of strings, so such steps run without IOBinding."""
     from onnxtrain import artifacts
-    from onnxtrain.errors import InputMismatchError
+
+    classes = ["cat", "dog", "bird"]
 
     class ByName(onnxblock.Block):
         def __init__(self):
             super().__init__()
-            self.encoder = onnxblock.blocks.LabelEncoder(keys_strings=["cat", "dog", "bird"], values_int64s=[0, 1, 2])
+            self.encoder = onnxblock.blocks.LabelEncoder(keys_strings=classes, values_int64s=[0, 1, 2])
             self.loss = onnxblock.loss.CrossEntropyLoss()
 
         def build(self, scores):
@@ -246,9 +248,42 @@ def test_string_labels_are_refused_by_name_where_the_python_module_cannot_feed_t
                 ir.Value(name="names", type=ir.TensorType(ir.DataType.STRING), shape=ir.Shape(["N"])))
             return self.loss(scores, self.encoder("names"))
 
-    artifacts.generate_artifacts(_feature_extractor(), requires_grad=["F"], loss=ByName(), artifact_directory=tmp_path)
-    module = Module(tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint"))
-    x = np.ones((2, 8), np.float32)
-    for names in (np.array(["cat", "dog"]), np.array(["cat", "dog"], dtype=object), ["cat", "dog"]):
-        with pytest.raises(InputMismatchError, match="input 'names' is a string tensor.*map the strings to integers"):
-            module(x, names)
+    runs = {}
+    for how, loss in (("names", ByName()), ("labels", artifacts.LossType.CrossEntropyLoss)):
+        folder = tmp_path / how
+        artifacts.generate_artifacts(_classifier(), loss=loss, optimizer=artifacts.OptimType.AdamW,
+                                     artifact_directory=folder)
+        state = CheckpointState.load_checkpoint(folder / "checkpoint")
+        module = Module(folder / "training_model.onnx", state, folder / "eval_model.onnx")
+        optimizer = Optimizer(folder / "optimizer_model.onnx", module)
+        rng = np.random.default_rng(0)
+        losses = []
+        for step in range(3):
+            x, labels = rng.standard_normal((4, 8)).astype(np.float32), rng.integers(0, 3, 4)
+            target = np.array([classes[k] for k in labels]) if how == "names" else labels
+            losses.append(float(module(x, target)))
+            losses.append(float(module(x, target.tolist() if how == "names" else target)))  # accumulates
+            optimizer.step()
+            module.lazy_reset_grad()
+        module.eval()
+        losses.append(float(module(x, target)))
+        runs[how] = losses, {name: p.data for name, p in state.parameters}
+    np.testing.assert_allclose(runs["names"][0], runs["labels"][0], rtol=1e-6)
+    for name, value in runs["labels"][1].items():
+        np.testing.assert_allclose(runs["names"][1][name], value, rtol=1e-6, atol=1e-7)
+    with pytest.raises(InputMismatchError, match="input 'names' holds float64 values, not strings"):
+        module_names = Module(tmp_path / "names" / "training_model.onnx",
+                              CheckpointState.load_checkpoint(tmp_path / "names" / "checkpoint"))
+        module_names(x, np.zeros(4))
+
+
+def _classifier():
+    """x [N, 8] -> x @ W + b [N, 3]: scores to train with labels or class names."""
+    rng = np.random.default_rng(1)
+    weight = numpy_helper.from_array(rng.standard_normal((8, 3)).astype(np.float32), "W")
+    bias = numpy_helper.from_array(np.zeros(3, np.float32), "b")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["scores"])], "classifier",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 3])], [weight, bias])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])

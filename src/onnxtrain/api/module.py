@@ -242,9 +242,12 @@ class Module:
         self._state._require_values()
         state = self._state
         fresh = training and self._reset_grad
-        fused = self._fused_step if fresh and self._fused_step is not None and self._fused_step.worth_running() \
-            else None
-        if fused is not None:
+        strings = any(isinstance(feed, np.ndarray) for feed in feeds)  # no IOBinding takes them
+        fused = self._fused_step if fresh and not strings and self._fused_step is not None \
+            and self._fused_step.worth_running() else None
+        if strings:
+            session, binding = (self._train_session if training else self._eval_session), None
+        elif fused is not None:
             session, binding = fused.session, fused.binding()
         elif training:
             session = self._train_session
@@ -256,18 +259,22 @@ class Module:
         else:
             session = self._eval_session
             binding = self._eval_bindings.get((state._layout, state._param_phase))
-        for spec, value in zip(sig.user_inputs, feeds):
-            binding.bind_ortvalue_input(spec.name, value)
-        for name in [*sig.user_outputs, *sig.buffer_updates]:  # ORT allocates these per run
-            binding.bind_output(name, self._device.type, self._device.id)
+        if binding is not None:
+            for spec, value in zip(sig.user_inputs, feeds):
+                binding.bind_ortvalue_input(spec.name, value)
+            for name in [*sig.user_outputs, *sig.buffer_updates]:  # ORT allocates these per run
+                binding.bind_output(name, self._device.type, self._device.id)
         try:
             with denormals_flushed(self._flush_denormals):
-                session.run_with_iobinding(binding)
+                if binding is not None:
+                    session.run_with_iobinding(binding)
+                    outputs = binding.get_outputs()
+                else:
+                    outputs = self._run_without_binding(session, sig, training, feeds)
         except Exception as exc:  # onnxruntime raises several pybind types
             what = "training step" if training else "eval step"
             raise run_failure(exc, what, [s.name for s in sig.user_inputs
                                           if s.dtype is not None and np.issubdtype(s.dtype, np.integer)]) from exc
-        outputs = binding.get_outputs()
         for value, param in zip(outputs[len(sig.user_outputs):], sig.buffer_updates.values()):
             # running statistics are small: copy into the parameter's buffer, which stays bound
             state._value(state._slots[param]).update_inplace(np.ascontiguousarray(value.numpy()))
@@ -300,6 +307,28 @@ class Module:
             binding.bind_output(name, self._device.type, self._device.id)
         for name in sig.params:
             binding.bind_ortvalue_input(name, state._value(state._slots[name]))
+
+    def _run_without_binding(self, session: ort.InferenceSession, sig: _Signature, training: bool,
+                             feeds: list) -> list[ort.OrtValue]:
+        """One run through ``session.run`` (string inputs, which no IOBinding takes), fed and
+        read as the binding of that run would be: the outputs (user outputs, then statistics
+        updates) as OrtValues; a training run's gradients written into the spare buffers."""
+        state = self._state
+        inputs = {spec.name: value for spec, value in zip(sig.user_inputs, feeds)}
+        inputs.update((name, state._value(state._slots[name])) for name in sig.params)
+        read = [*sig.user_outputs, *sig.buffer_updates]
+        if training:
+            inputs[names.LAZY_RESET_GRAD] = self._flags[self._reset_grad]
+            if sig.loss_scaled:
+                inputs[names.LOSS_SCALE] = np.array(loss_scale_of(state._properties)[0], dtype=np.float32)
+            inputs.update((names.accumulation_buffer_name(p), state._grad(state._slots[p])) for p in sig.trainable)
+            read += [names.accumulation_out_name(p) for p in sig.trainable]
+        results = session.run(read, inputs)
+        count = len(sig.user_outputs) + len(sig.buffer_updates)
+        for p, grad in zip(sig.trainable if training else (), results[count:]):
+            state._spare_grad(state._slots[p]).update_inplace(np.require(grad, requirements="C"))
+        # (np.require keeps a 0-d loss 0-d; np.ascontiguousarray makes it 1-d)
+        return [ort.OrtValue.ortvalue_from_numpy(np.require(r, requirements="C")) for r in results[:count]]
 
     def _setup_train_binding(self, binding: ort.IOBinding) -> None:
         state, sig = self._state, self._train

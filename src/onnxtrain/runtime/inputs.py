@@ -34,9 +34,10 @@ def gather_inputs(specs: Sequence[IOSpec], args: Sequence, kwargs: Mapping[str, 
     return [values[n] for n in names]
 
 
-def to_ortvalues(specs: Sequence[IOSpec], values: Sequence) -> tuple[list[ort.OrtValue], bool]:
+def to_ortvalues(specs: Sequence[IOSpec], values: Sequence) -> tuple[list[ort.OrtValue | np.ndarray], bool]:
     """Validate ``values`` against ``specs`` and wrap them as CPU OrtValues (numpy memory is
-    shared, not copied; ORT moves them to the session's device).
+    shared, not copied; ORT moves them to the session's device). String inputs stay object
+    arrays of str (onnxruntime's Python API makes no OrtValue of strings).
 
     Returns the OrtValues and whether every input already was an OrtValue (then the caller
     returns OrtValues, as upstream does).
@@ -45,10 +46,13 @@ def to_ortvalues(specs: Sequence[IOSpec], values: Sequence) -> tuple[list[ort.Or
     symbols: dict[str, tuple[int, str]] = {}
     for spec, value in zip(specs, values):
         if spec.type_str == "tensor(string)":
-            raise InputMismatchError(
-                f"input {spec.name!r} is a string tensor, which onnxtrain's Python Module cannot feed yet: "
-                f"onnxruntime's Python API makes no OrtValue (nor IOBinding input) of strings; map the strings "
-                f"to integers before the step (a LabelEncoder's keys to its values)")
+            # onnxruntime's Python API makes no OrtValue of strings: the array itself, which a
+            # session's run() takes (the caller runs without IOBinding)
+            all_ortvalues = False
+            array = _strings(spec, value)
+            _check_shape(spec, array.shape, symbols)
+            result.append(array)
+            continue
         if isinstance(value, ort.OrtValue):
             if spec.type_str != value.data_type():
                 if value.device_name().lower() != "cpu" or not (_integer_type(value.data_type())
@@ -87,6 +91,17 @@ def as_input_array(spec: IOSpec, value) -> np.ndarray:
     except (TypeError, ValueError, OverflowError) as exc:
         raise InputMismatchError(f"input {spec.name!r} cannot be converted to the model's "
                                  f"{spec.describe()}: {exc}") from exc
+
+
+def _strings(spec: IOSpec, value) -> np.ndarray:
+    """``value`` (an array of str, an object array of str, nested lists of str) as an object
+    array of str for the string input ``spec``; ``InputMismatchError`` naming it otherwise."""
+    if isinstance(value, ort.OrtValue):
+        _fail(spec, f"is an OrtValue of {value.data_type()}")
+    array = np.asarray(value, dtype=object) if not isinstance(value, np.ndarray) else value
+    if array.dtype.kind == "U" or (array.dtype == object and all(isinstance(v, str) for v in array.flat)):
+        return np.ascontiguousarray(array, dtype=object)
+    _fail(spec, f"holds {array.dtype.name} values, not strings")
 
 
 def _integer_type(type_str: str) -> bool:

@@ -242,3 +242,96 @@ def test_an_in_place_detach_stops_the_gradient():
     eager, wrapped = eager_and_wrapped(DetachesInPlace)
     grads = _assert_same_training(eager, wrapped, torch.randn(8, 6))
     assert grads[0] is None and grads[1] is None
+
+
+class Centered(torch.autograd.Function):
+    """x - mean(x), the mean taken under torch.no_grad() inside the forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch.no_grad():
+            mean = x.mean()
+        return x - mean
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad - grad.mean()
+
+
+class CenteredInputThenTwoPaths(torch.nn.Module):
+    """A grad-switching Function on the raw input (no autograd node records it), then a path
+    without grad mode changes and one under enable_grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        z = self.layer(Centered.apply(x))
+        w = self.layer(x) * 2.0
+        with torch.enable_grad():
+            return z + self.layer(x) + w
+
+
+def test_a_grad_switching_function_on_tensors_without_grad_cuts_nothing_after_it():
+    # the capture believed grad was off from the Function's no_grad on: its ops were cut as a
+    # no-grad region, and the layer's gradient lost two of its three paths, silently
+    eager, wrapped = eager_and_wrapped(CenteredInputThenTwoPaths)
+    _assert_same_training(eager, wrapped, torch.randn(3, 4))
+
+
+class CheckpointOfInputWithoutGrad(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = torch.nn.Linear(2, 2)
+        self.outer = torch.nn.Linear(2, 2)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        return self.outer(checkpoint(self.inner, x, use_reentrant=True))
+
+
+def test_a_reentrant_checkpoint_of_inputs_without_grad():
+    # its function's parameters get no gradient in eager (PyTorch warns), which a graph that
+    # cannot cut the checkpoint's region alone would give them: refused by name, not trained
+    _, wrapped = eager_and_wrapped(CheckpointOfInputWithoutGrad, debug_options=DebugOptions(fallback=False))
+    with pytest.raises(ExportError, match="reentrant torch.utils.checkpoint on tensors none of which requires grad"):
+        wrapped(torch.rand(2, 2))
+    eager, wrapped = eager_and_wrapped(CheckpointOfInputWithoutGrad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        grads = assert_steps_match(eager, wrapped, torch.rand(2, 2))
+    assert grads[0] is None and wrapped.fallback_reason is not None
+    _, wrapped = eager_and_wrapped(CheckpointOfInputWithoutGrad, debug_options=DebugOptions(fallback=False))
+    _assert_same_training(eager, wrapped, torch.rand(2, 2, requires_grad=True))
+
+
+class TeacherAndCenteredStudent(torch.nn.Module):
+    """A custom Function that does not switch grad mode, beside a teacher under torch.no_grad()."""
+
+    def __init__(self):
+        super().__init__()
+        self.teacher = torch.nn.Linear(4, 4)
+        self.student = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        return self.student(Shifted.apply(x)) * target
+
+
+class Shifted(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x + 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def test_a_function_that_keeps_grad_mode_leaves_the_no_grad_regions_cut():
+    # a forward with any custom Function kept its no_grad regions whole: the teacher trained
+    eager, wrapped = eager_and_wrapped(TeacherAndCenteredStudent, inline_autograd_functions=[Shifted])
+    grads = _assert_same_training(eager, wrapped, torch.randn(3, 4, requires_grad=True))
+    assert grads[0] is None and grads[1] is None

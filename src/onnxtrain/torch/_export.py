@@ -53,12 +53,13 @@ import onnx_ir as ir
 import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointFunction
 
 from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.passes import pipeline
-from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program, mark_gradient_cuts,
-                                       splits_with_sizes)
+from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program, has_checkpoint_region,
+                                       mark_gradient_cuts, splits_with_sizes)
 from onnxtrain.torch._translations import complex_translation_table, per_sample_losses_as_own_ops, translation_table
 
 # The wrapper's attribute holding the user's module: the exporter names its parameters
@@ -386,6 +387,30 @@ def _unregistered_tensor_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
+class _GradModeWatch(torch.overrides.TorchFunctionMode):
+    """Notes whether grad mode changes where the capture cannot see it. The capture follows
+    grad mode through Python's ``torch._C._set_grad_enabled`` calls; a custom Function's apply
+    switches it in C++ around its forward, so a ``torch.no_grad()`` inside that forward (a
+    reentrant checkpoint's) leaves the capture believing grad is off after the Function returns,
+    and the ops after it in a no-grad region of their own. ``hidden`` is set where the real mode
+    at such a call, or at the end, is not the one the calls so far set."""
+
+    def __init__(self):
+        super().__init__()
+        self.believed = torch.is_grad_enabled()
+        self.hidden = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch._C._set_grad_enabled:
+            self.hidden |= torch.is_grad_enabled() != self.believed
+            self.believed = bool(args[0] if args else kwargs["enabled"])
+        return func(*args, **(kwargs or {}))
+
+    def __exit__(self, *exc):
+        self.hidden |= torch.is_grad_enabled() != self.believed
+        return super().__exit__(*exc)
+
+
 class _FlatModule(torch.nn.Module):
     """Calls the user's module from flat tensors; returns flat output tensors, then all buffers,
     then the flat tensors themselves (as the forward left them)."""
@@ -397,6 +422,8 @@ class _FlatModule(torch.nn.Module):
         self._buffer_names = buffer_names
         self.traced_outputs = _Recorder()
         self.autograd_functions = _Recorder()  # the custom Functions the traced forward ran
+        # whether grad mode changed where the capture could not follow it (_GradModeWatch)
+        self.hidden_grad_switches = _Recorder()
         # the call's tensors (positions) and parameters (names) a gradient reaches in autograd's
         # own graph of the traced call: what the exported graph's gradients must reach too
         self.gradient_reaches = _Recorder()
@@ -410,7 +437,10 @@ class _FlatModule(torch.nn.Module):
         args, kwargs = self._call.rebuild(tensors)
         module = getattr(self, _MODULE_ATTR)
         before = _tensor_attributes(module)
-        out = module(*args, **kwargs)
+        with _GradModeWatch() as watch:
+            out = module(*args, **kwargs)
+        if watch.hidden:
+            self.hidden_grad_switches.append(True)
         self.stored_tensors.extend(key for key, value in _tensor_attributes(module).items()
                                    if before.get(key) is not value)
         leaves, spec = pytree.tree_flatten(out)
@@ -609,7 +639,7 @@ def export_failure(what: str, exc: Exception) -> ExportError:
     constraints = _constraint_details(text)
     if constraints:
         details.append(constraints)
-    where = _raising_call(text)
+    where = _raising_call(text, exc)
     if where is not None:
         details.append(where)
     summary = _exporter_summary(text)
@@ -622,7 +652,7 @@ def export_failure(what: str, exc: Exception) -> ExportError:
     return ExportError(f"{what}: {type(exc).__name__}: {first_line}{detail}")
 
 
-def _raising_call(text: str) -> str | None:
+def _raising_call(text: str, exc: BaseException) -> str | None:
     """Where in the user's code the capture failed, as torch reports it after "The following call
     raised this error:" (a Python branch on a tensor's value, ...): "at <file>:<line> (<code>)"."""
     lines = text.splitlines()
@@ -632,8 +662,29 @@ def _raising_call(text: str) -> str | None:
     frame = re.search(r'File "([^"]+)", line (\d+)', " ".join(lines[start + 1:start + 2]))
     if frame is None:
         return None
+    if frame.group(1) == __file__:
+        # the call torch names is _GradModeWatch's: the user's is the innermost frame of the
+        # raising traceback outside torch and onnxtrain
+        return _innermost_user_line(exc)
     code = lines[start + 2].strip() if start + 2 < len(lines) else ""
     return f"at {frame.group(1)}:{frame.group(2)}" + (f": {code}" if code else "")
+
+
+def _innermost_user_line(exc: BaseException) -> str | None:
+    """"at <file>:<line>: <code>" for the innermost frame of ``exc``'s traceback (or its causes')
+    that is neither torch's nor onnxtrain's."""
+    import os
+    import traceback
+
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["onnxtrain"]))
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        user = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(libraries)]
+        if user:
+            return f"at {user[-1].filename}:{user[-1].lineno}" + (f": {user[-1].line}" if user[-1].line else "")
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _constraint_details(text: str, most: int = 4) -> str | None:
@@ -900,8 +951,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
             captured = capture(wrapper, tuple(call.tensors), dynamic_shapes)
             # the forward's no-grad regions stop gradients; but a Function (a reentrant
             # checkpoint) that sets grad mode inside its forward leaves the capture believing grad
-            # is still off after it returns, so regions are only cut where none ran
-            cuts = mark_gradient_cuts(captured, regions=not wrapper.autograd_functions)
+            # is still off after it returns, so regions are only cut where none did so
+            cuts = mark_gradient_cuts(captured, regions=not wrapper.hidden_grad_switches)
+            # a reentrant checkpoint of tensors none of which requires grad gives its function's
+            # parameters no gradient in eager (it warns so); its region cannot be cut alone here
+            checkpoint_without_grad = (torch.is_grad_enabled() and has_checkpoint_region(captured)
+                                       and CheckpointFunction not in wrapper.autograd_functions)
             contiguous_as_clone(captured)
             splits_with_sizes(captured)
             per_sample_losses_as_own_ops(captured)
@@ -909,6 +964,10 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     except Exception as exc:  # the exporter raises many types; the reason is in the message
         raise export_failure(f"torch.onnx.export could not export {type(module).__name__}", exc) from exc
 
+    if checkpoint_without_grad:
+        raise ExportError(f"{type(module).__name__}'s forward runs a reentrant torch.utils.checkpoint on tensors none "
+                          f"of which requires grad, whose function's parameters PyTorch leaves without gradient "
+                          f"(use_reentrant=False, or inputs that require grad, train them)")
     if not wrapper.traced_outputs:
         # the exporter got its graph without running the forward as written (one of its fallback
         # capture strategies): its inputs and outputs cannot be matched to the call's

@@ -579,6 +579,28 @@ def _detached_scalar_reads(graph: torch.fx.Graph) -> int:
     return count
 
 
+def _no_grad_regions(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    """The ``wrap_with_set_grad_enabled(False, ...)`` nodes of ``graph`` (not nested ones)."""
+    region = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+    return [node for node in graph.nodes
+            if node.op == "call_function" and node.target is region and node.args[0] is False]
+
+
+def _is_checkpoint_region(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether the region ``node``'s ops were traced from inside ``torch/utils/checkpoint.py``
+    (a reentrant checkpoint's function)."""
+    from torch.utils import checkpoint as checkpoint_module
+    checkpoint_frame = f'{checkpoint_module.__file__}", line'
+    return any(checkpoint_frame in frame for frame in _region_frames(graph_module, node))
+
+
+def has_checkpoint_region(program: torch.export.ExportedProgram) -> bool:
+    """Whether a reentrant ``torch.utils.checkpoint`` ran in the captured forward (its function
+    runs in a no-grad region, see :func:`mark_gradient_cuts`)."""
+    graph_module = program.graph_module
+    return any(_is_checkpoint_region(graph_module, node) for node in _no_grad_regions(graph_module.graph))
+
+
 def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = True) -> int:
     """Put an ``aten.detach`` on every output of the forward's no-grad regions (``with
     torch.no_grad():`` is captured as a ``wrap_with_set_grad_enabled(False, ...)`` region, which
@@ -589,17 +611,12 @@ def mark_gradient_cuts(program: torch.export.ExportedProgram, regions: bool = Tr
     recomputes it with grad: a region whose ops were traced from inside
     ``torch/utils/checkpoint.py`` is left alone. ``regions=False`` leaves every region alone.
     Returns how many region outputs were cut."""
-    from torch.utils import checkpoint as checkpoint_module
-    checkpoint_frame = f'{checkpoint_module.__file__}", line'
-    no_grad_region = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
     graph_module = program.graph_module
     graph = graph_module.graph
     detached = _functional_detaches(graph) + _detached_scalar_reads(graph)
     cuts = 0
-    for node in list(graph.nodes) if regions else ():
-        if node.op != "call_function" or node.target is not no_grad_region or node.args[0] is not False:
-            continue
-        if any(checkpoint_frame in frame for frame in _region_frames(graph_module, node)):
+    for node in _no_grad_regions(graph) if regions else ():
+        if _is_checkpoint_region(graph_module, node):
             continue
         outputs = [u for u in node.users if u.op == "call_function" and u.target is operator.getitem] \
             if isinstance(node.meta.get("val"), (tuple, list)) else [node]

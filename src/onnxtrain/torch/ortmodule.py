@@ -400,8 +400,8 @@ class ORTModule(ModuleWrapper):
     like) cannot run in ONNX Runtime's backward either: such a module runs in PyTorch too.
 
     ``detach()`` and ``torch.no_grad()`` regions in the forward stop gradients, as in eager
-    (regions only in a forward that runs no custom Function: docs/ortmodule.md); parameters
-    that only such paths reach keep ``.grad`` None.
+    (regions only in a forward where no custom Function switches grad mode: docs/ortmodule.md);
+    parameters that only such paths reach keep ``.grad`` None.
 
     Dropout runs ONNX Runtime's random generator, not PyTorch's: masks differ from eager
     PyTorch for the same ``torch.manual_seed`` (the distribution is the same).

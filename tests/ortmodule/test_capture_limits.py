@@ -420,3 +420,30 @@ def test_forward_mode_ad_runs_in_pytorch_and_a_vmapped_backward_is_named():
         torch.autograd.functional.jacobian(wrapped, x, vectorize=True)
     jacobian = torch.autograd.functional.jacobian(wrapped, x)
     torch.testing.assert_close(jacobian, torch.autograd.functional.jacobian(eager, x))
+
+
+class _PointProduct(torch.nn.Module):
+    def forward(self, point):
+        return point.x * point.y
+
+
+class _BatchCount(torch.nn.Module):
+    def forward(self, t):
+        return t.shape[0] * 2
+
+
+def test_calls_without_tensors_in_or_out_say_so():
+    # upstream's test_ortmodule_fallback_forward: the reasons were the exporter's "Cannot detect
+    # fake_mode" and onnxruntime's "OrtValue indexes should have been populated"
+    import dataclasses
+
+    from onnxtrain.errors import ExportError
+    from onnxtrain.torch import DebugOptions
+
+    point = dataclasses.make_dataclass("Point", ["x", "y"])(2, 3)
+    with pytest.raises(ExportError, match="_PointProduct is called without tensors and holds no parameters"):
+        ORTModule(_PointProduct(), DebugOptions(fallback=False))(point)
+    with pytest.raises(ExportError, match=r"_BatchCount returns no tensor \(int\) and changes no buffer"):
+        ORTModule(_BatchCount(), DebugOptions(fallback=False))(torch.randn(4, 2))
+    with pytest.warns(ORTModuleFallbackWarning, match="returns no tensor"):
+        assert ORTModule(_BatchCount())(torch.randn(4, 2)) == 8

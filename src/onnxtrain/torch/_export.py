@@ -925,6 +925,9 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     that the forward runs on tensors requiring grad raises ``ExportError``."""
     _check_module_hooks(module)
     _warn_forward_hooks(module)
+    if not call.tensors and not call.state:
+        raise ExportError(f"{type(module).__name__} is called without tensors and holds no parameters or buffers: an "
+                          f"exported graph would take nothing")
     hidden = [type(leaf).__name__ for leaf in call.leaves if _holds_tensors(leaf)]
     if hidden:
         raise ExportError(f"{type(module).__name__} is called with tensors inside {', '.join(hidden)} objects, which "
@@ -1029,6 +1032,10 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
             continue
         kept.append(_new_output(graph, value, f"{graph.inputs[position].name}.updated", kept))
         input_updates.append(position)
+    if not kept:
+        leaves = ", ".join(type(leaf).__name__ for leaf in traced_output.leaves) or "nothing"
+        raise ExportError(f"{type(module).__name__} returns no tensor ({leaves}) and changes no buffer or argument "
+                          f"for this call: an exported graph would compute nothing")
     graph.outputs.clear()
     graph.outputs.extend(kept)
     pipeline.run(model, pipeline.before_autodiff())

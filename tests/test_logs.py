@@ -48,3 +48,12 @@ def test_module_docstring_example(restore_onnxtrain_logger):
 
     result = doctest.testmod(logs)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_upstreams_devinfo_is_info_and_levels_are_read_by_name_or_number():
+    assert logs.LogLevel.DEVINFO is logs.LogLevel.INFO  # upstream's name imports (onnxruntime's INFO)
+    assert logs.logging_level("devinfo") == logging.INFO
+    assert logs.as_log_level("Warning", "x") is logs.LogLevel.WARNING
+    for bad in ("some_string", 3, True, None):  # a number is ambiguous (upstream's 3 is WARNING)
+        with pytest.raises(TypeError, match=r"the level must be an onnxtrain LogLevel \(VERBOSE, INFO, DEVINFO"):
+            logs.as_log_level(bad, "the level")

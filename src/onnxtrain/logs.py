@@ -26,6 +26,7 @@ class LogLevel(enum.IntEnum):
 
     VERBOSE = 0
     INFO = 1
+    DEVINFO = 1  # upstream's level between VERBOSE and INFO: onnxruntime's INFO (an alias of INFO)
     WARNING = 2
     ERROR = 3
     FATAL = 4
@@ -36,8 +37,19 @@ class LogLevel(enum.IntEnum):
         return {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.CRITICAL}[self]
 
 
-_NAMES = {**{level.name: level.logging_level for level in LogLevel}, "DEBUG": logging.DEBUG,
+_NAMES = {**{name: level.logging_level for name, level in LogLevel.__members__.items()}, "DEBUG": logging.DEBUG,
           "CRITICAL": logging.CRITICAL}
+
+
+def as_log_level(level: LogLevel | int | str, what: str) -> LogLevel:
+    """``level`` as a :class:`LogLevel`: one, or its name (any case); else a ``TypeError``
+    naming ``what`` (not a number: upstream's LogLevel numbers its levels from 0 with DEVINFO
+    1 and INFO 2, onnxruntime's severities have INFO 1, so a number is ambiguous)."""
+    if isinstance(level, LogLevel):
+        return level
+    if isinstance(level, str) and level.upper() in LogLevel.__members__:
+        return LogLevel[level.upper()]
+    raise TypeError(f"{what} must be an onnxtrain LogLevel ({', '.join(LogLevel.__members__)}), got {level!r}")
 
 
 def logging_level(level: LogLevel | int | str) -> int:

@@ -447,3 +447,17 @@ def test_neftune_noise_runs_in_onnxruntime(tmp_path):
         noisy = ORTModule(embedding, DebugOptions(fallback=False))(ids) - embedding.weight[ids]
     bound = 50.0 / (8 * 16) ** 0.5
     assert noisy.abs().max() <= bound * (1 + 1e-6) and noisy.std() > bound / 3
+
+
+def test_plain_trainer_trains_an_ortmodule_like_the_model(runs, tokenizer, tmp_path):
+    """transformers.Trainer keeps only the dataset columns its model's forward names
+    (inspect.signature): ORTModule's forward reports the wrapped model's, so a plain Trainer
+    trains ORTModule(model) as it trains the model (it dropped every column before)."""
+    from onnxtrain.torch import ORTModule
+
+    trainer = transformers.Trainer(
+        model=ORTModule(_model(), DebugOptions(fallback=False)),
+        args=_args(transformers.TrainingArguments, tmp_path, optim="adamw_torch"),
+        train_dataset=_dataset(tokenizer, SENTENCES), data_collator=transformers.DataCollatorWithPadding(tokenizer))
+    trainer.train()
+    _assert_losses_close(_losses(trainer), _losses(runs["reference"]), "Trainer(ORTModule(model))")

@@ -106,3 +106,12 @@ def test_read_environment_values():
     assert settings.log_level == LogLevel.INFO
     assert list(settings.ignored) == ["ORTMODULE_USE_TRITON"]  # the two read elsewhere take effect
     assert read_environment({"ORTMODULE_FALLBACK_POLICY": "FALLBACK_UNSUPPORTED_DEVICE"}).force_torch is False
+
+
+def test_debug_options_check_the_log_level_when_made():
+    """As upstream's: a log level that is not one is refused by name when the options are made
+    (it failed at the first call, with int()'s message)."""
+    with pytest.raises(TypeError, match="DebugOptions log_level must be an onnxtrain LogLevel"):
+        DebugOptions(log_level="some_string")
+    assert DebugOptions(log_level=LogLevel.DEVINFO).log_level is LogLevel.INFO
+    assert DebugOptions(log_level="warning").resolved_session_options().log_severity_level == 2

@@ -866,3 +866,32 @@ def test_lazy_modules_take_their_shapes_from_the_first_call_then_train_in_onnxru
     assert wrapped.export_count == 1 and wrapped.fallback_reason is None
     for left, right in zip(reference.state_dict().values(), model.state_dict().values()):
         torch.testing.assert_close(right, left)
+
+
+class _NamedArguments(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def forward(self, input_ids, attention_mask=None, *, labels=None):
+        return self.layer(input_ids)
+
+
+@pytest.mark.parametrize("wrapper", ["ORTModule", "HierarchicalORTModule"])
+def test_forward_reports_the_wrapped_modules_signature(wrapper):
+    """As upstream's: inspect.signature(wrapped.forward) is the module's (tools read it to pick
+    arguments: transformers.Trainer drops dataset columns the forward does not name)."""
+    import inspect
+
+    import onnxtrain.torch
+
+    module = _NamedArguments()
+    wrapped = getattr(onnxtrain.torch, wrapper)(module)
+    assert inspect.signature(wrapped.forward) == inspect.signature(module.forward)
+    assert wrapped.forward == wrapped.forward and wrapped.forward.__self__ is wrapped
+    out = wrapped.forward(torch.randn(3, 4), labels=None)
+    out.sum().backward()
+    for again in (copy.deepcopy(wrapped), pickle.loads(pickle.dumps(wrapped))):
+        assert again.forward.__self__ is again
+        assert inspect.signature(again.forward) == inspect.signature(module.forward)
+        torch.testing.assert_close(again(torch.ones(1, 4)), wrapped(torch.ones(1, 4)))

@@ -37,8 +37,7 @@ _ALLOW_FALLBACK = frozenset({"FALLBACK_UNSUPPORTED_DEVICE", "FALLBACK_UNSUPPORTE
                              "FALLBACK_BAD_INITIALIZATION"})
 _POLICIES = frozenset({"FALLBACK_DISABLE"}) | _FORCE_TORCH | _ALLOW_FALLBACK
 # upstream's DEVINFO: onnxruntime's backend at INFO, upstream's own messages at INFO
-_LOG_LEVELS = {"VERBOSE": LogLevel.VERBOSE, "DEVINFO": LogLevel.INFO, "INFO": LogLevel.INFO,
-               "WARNING": LogLevel.WARNING, "ERROR": LogLevel.ERROR, "FATAL": LogLevel.FATAL}
+_LOG_LEVELS = dict(LogLevel.__members__)
 
 _WITHOUT_EFFECT = {
     "ORTMODULE_ONNX_OPSET_VERSION": "onnxtrain exports at the opset of torch.onnx's (dynamo) exporter",

@@ -5,6 +5,8 @@ difference."""
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 WRAPPED = "_original_module"
@@ -24,6 +26,46 @@ def _report_keys_as_written(module, incompatible_keys) -> None:
     (without the ``_original_module.`` the pre-hook routed them through), for the strict error."""
     for keys in (incompatible_keys.missing_keys, incompatible_keys.unexpected_keys):
         keys[:] = [key.replace(WRAPPED + ".", "") for key in keys]
+
+
+class BoundForward:
+    """A wrapper's ``forward`` bound to it, reporting the wrapped module's forward signature to
+    ``inspect.signature`` (a bound method can only report its function's ``*args, **kwargs``):
+    code that reads it sees what the wrapped module takes (``transformers.Trainer`` keeps only
+    the dataset columns the forward names, so it dropped every one)."""
+
+    __slots__ = ("__func__", "__self__")
+
+    def __init__(self, function, wrapper: ModuleWrapper):
+        self.__func__, self.__self__ = function, wrapper
+
+    def __call__(self, *args, **kwargs):
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.__self__.module.forward)
+
+    def __eq__(self, other) -> bool:  # as bound methods compare
+        return isinstance(other, BoundForward) and other.__func__ is self.__func__ and other.__self__ is self.__self__
+
+    def __hash__(self) -> int:
+        return hash((self.__func__, id(self.__self__)))
+
+    def __repr__(self) -> str:
+        return f"<bound method {type(self.__self__).__name__}.forward of {type(self.__self__.module).__name__}>"
+
+
+class wrapped_signature:  # noqa: N801 - used as a decorator, like staticmethod
+    """Decorates a wrapper's ``forward``: bound, it is a :class:`BoundForward` (on the class, the
+    function itself). Not a data descriptor: an instance attribute ``forward`` (set by a tool
+    that wraps it) still takes precedence, as with a plain method."""
+
+    def __init__(self, function):
+        self.function = function
+
+    def __get__(self, instance, owner=None):
+        return self.function if instance is None else BoundForward(self.function, instance)
 
 
 class ModuleWrapper(torch.nn.Module):

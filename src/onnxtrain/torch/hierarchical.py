@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.torch._export import flatten_call, module_state_kept
-from onnxtrain.torch._wrapper import WRAPPED, ModuleWrapper
+from onnxtrain.torch._wrapper import WRAPPED, ModuleWrapper, wrapped_signature
 from onnxtrain.torch.ortmodule import DebugOptions, ORTModule
 
 logger = logging.getLogger(__name__)
@@ -79,6 +79,7 @@ class HierarchicalORTModule(ModuleWrapper):
                   if part.fallback_reason is not None}
         return {**self._refused, **fallen}
 
+    @wrapped_signature
     def forward(self, *args, **kwargs):
         if not self._initialized:
             self._initialize(args, kwargs)

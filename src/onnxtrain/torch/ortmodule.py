@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from onnxtrain.errors import ExportError, OnnxTrainError
 from onnxtrain.ir import io
-from onnxtrain.logs import LogLevel
+from onnxtrain.logs import LogLevel, as_log_level
 from onnxtrain.passes import pipeline
 from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.passes.partition import MemoryOptions, MemoryReport, build_forward_backward
@@ -30,7 +30,7 @@ from onnxtrain.passes.precision import PrecisionConfig
 from onnxtrain.runtime.denormals import ask_for_flushing
 from onnxtrain.runtime.session import register_shared_cpu_arena
 from onnxtrain.torch._attributes import AttributeChange, AttributeRecord
-from onnxtrain.torch._wrapper import ModuleWrapper
+from onnxtrain.torch._wrapper import ModuleWrapper, wrapped_signature
 from onnxtrain.torch._environment import FALLBACK_POLICY_ENV, IgnoredSettingWarning, read_environment
 from onnxtrain.torch._bridge import ORTFunction, SessionRunner, TrainingPrograms, device_of
 from onnxtrain.torch._export import (CallSchema, ExportedGraph, constant_argument_names, export_call, flatten_call,
@@ -160,6 +160,9 @@ class DebugOptions:
     fallback: bool = True
     session_options: ort.SessionOptions | None = field(default=None, repr=False)
     flush_denormals: bool = True
+
+    def __post_init__(self):
+        self.log_level = as_log_level(self.log_level, "DebugOptions log_level")
 
     def __deepcopy__(self, memo):
         # a SessionOptions cannot be copied: copies share it (sessions only read it)
@@ -523,6 +526,7 @@ class ORTModule(ModuleWrapper):
     # -- calls -------------------------------------------------------------------
     # torch.compile over an ORTModule (or a model holding one) runs this call as it is, ONNX
     # Runtime's sessions and all, rather than tracing into the export machinery
+    @wrapped_signature
     @torch.compiler.disable
     def forward(self, *args, **kwargs):
         module = self._original_module

@@ -32,6 +32,13 @@ class LogLevel(enum.IntEnum):
     FATAL = 4
 
     @property
+    def onnxruntime_severity(self) -> int:
+        """onnxruntime's log severity for this level: INFO (and DEVINFO) is onnxruntime's
+        WARNING, as upstream's ORTModule mapped it (onnxruntime's INFO writes thousands of lines
+        per session); VERBOSE is onnxruntime's VERBOSE, where its INFO lines show too."""
+        return 2 if self is LogLevel.INFO else int(self)
+
+    @property
     def logging_level(self) -> int:
         """The :mod:`logging` level with the same meaning."""
         return {0: logging.DEBUG, 1: logging.INFO, 2: logging.WARNING, 3: logging.ERROR, 4: logging.CRITICAL}[self]

@@ -115,3 +115,6 @@ def test_debug_options_check_the_log_level_when_made():
         DebugOptions(log_level="some_string")
     assert DebugOptions(log_level=LogLevel.DEVINFO).log_level is LogLevel.INFO
     assert DebugOptions(log_level="warning").resolved_session_options().log_severity_level == 2
+    # as upstream's: INFO asks for ORTModule's messages, not onnxruntime's thousands of INFO lines
+    assert DebugOptions(log_level=LogLevel.INFO).resolved_session_options().log_severity_level == 2
+    assert DebugOptions(log_level=LogLevel.VERBOSE).resolved_session_options().log_severity_level == 0

@@ -131,7 +131,8 @@ class DebugOptions:
 
     Args:
         log_level: onnxruntime's log severity for our sessions (default: errors only,
-            since failures reach the caller as exceptions anyway).
+            since failures reach the caller as exceptions anyway; INFO is onnxruntime's
+            WARNING, as upstream's: ``LogLevel.onnxruntime_severity``).
         save_onnx: write the graphs of every export to ``save_path``: the exporter's graph
             (``<prefix>_<mode>_exported.onnx``, mode ``training`` or ``inference``), the
             graph after our passes (``_optimized``), and the ``_forward``/``_backward``
@@ -176,7 +177,7 @@ class DebugOptions:
         if self.session_options is not None:
             return self.session_options
         options = ort.SessionOptions()
-        options.log_severity_level = int(self.log_level)
+        options.log_severity_level = self.log_level.onnxruntime_severity
         # ORT's pool threads spin while a run lasts (fast hand-off between a run's parallel
         # ops) but stop as soon as it returns: between the forward and the backward, and during
         # the optimizer step, PyTorch's own threads need those cores. Measured (bench, 2 cores)

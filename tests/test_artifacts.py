@@ -601,3 +601,37 @@ def test_a_cnn_trains_on_an_empty_batch_with_zero_gradients(tmp_path):
     module.lazy_reset_grad()
     module(rng.standard_normal((5, 2, 8, 8)).astype(np.float32), np.array([0, 1, 2, 0, 1]))
     assert all(p.grad.any() for _, p in state.parameters if p.requires_grad)
+
+
+def test_a_dropout_no_gradient_passes_through_still_drops_in_training(tmp_path):
+    """A frozen feature extractor, a training-mode Dropout, a new head (the personalization
+    recipe): no gradient reads the Dropout's mask, and onnxruntime's EliminateDropout removed it
+    as if the session were inference, so the training step dropped nothing (in every runtime)."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32), "frozen_w"),
+             numpy_helper.from_array(rng.standard_normal((16, 4)).astype(np.float32), "head_w"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+             numpy_helper.from_array(np.array(True), "training")]
+    nodes = [helper.make_node("MatMul", ["x", "frozen_w"], ["h"]), helper.make_node("Relu", ["h"], ["features"]),
+             helper.make_node("Dropout", ["features", "ratio", "training"], ["dropped"]),
+             helper.make_node("MatMul", ["dropped", "head_w"], ["scores"])]
+    graph = helper.make_graph(nodes, "personalized", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    artifacts.generate_artifacts(model, requires_grad=["head_w"], loss=artifacts.LossType.CrossEntropyLoss,
+                                 artifact_directory=tmp_path)
+    state = CheckpointState.load_checkpoint(tmp_path / "checkpoint")
+    module = Module(tmp_path / "training_model.onnx", state, tmp_path / "eval_model.onnx")
+    x, labels = rng.standard_normal((8, 16)).astype(np.float32), np.arange(8) % 4
+    training = {round(float(module(x, labels)), 6) for _ in range(4)}
+    assert len(training) > 1  # a fresh mask per step
+    module.eval()
+    assert len({round(float(module(x, labels)), 6) for _ in range(2)}) == 1  # the eval model drops nothing
+    # the file itself keeps it: a plain session with every default optimization (another runtime's)
+    session = ort.InferenceSession(str(tmp_path / "training_model.onnx"))
+    feeds = {i.name: np.zeros([d if isinstance(d, int) else 8 for d in i.shape], np.float32) for i in session.get_inputs()
+             if i.type == "tensor(float)"}
+    feeds.update(x=x, labels=labels.astype(np.int32), head_w=state.parameters["head_w"].data,
+                 lazy_reset_grad=np.array(True))
+    first = session.run(None, feeds)[0]
+    assert any(not np.array_equal(session.run(None, feeds)[0], first) for _ in range(3))

@@ -20,6 +20,7 @@ from onnxtrain.passes.double_layer_norm import DoubleLayerNormPass
 from onnxtrain.passes.float_accumulation import FloatAccumulationPass
 from onnxtrain.passes.fold import FoldConstantsPass, InferMissingShapesPass
 from onnxtrain.passes.inference_mode import InferenceModePass
+from onnxtrain.passes.kept_dropout import KeptDropoutPass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
 from onnxtrain.passes.log_sigmoid import LogSigmoidPass
 from onnxtrain.passes.negative_labels import NegativeLabelsPass
@@ -81,14 +82,16 @@ def after_autodiff() -> list[ir.passes.PassBase]:
 
 def training_model() -> list[ir.passes.PassBase]:
     """The artifacts' training model after autodiff: ``after_autodiff`` plus a training-mode
-    BatchNormalization written as primitive ops (passes/batch_norm.py) and layout rewrites.
+    BatchNormalization written as primitive ops (passes/batch_norm.py) and layout rewrites, and
+    training-mode Dropouts whose mask nothing reads kept from onnxruntime's inference rewrite
+    (passes/kept_dropout.py).
 
     ORTModule's graphs (passes/partition.py) do not take TransposedProductPass: with it the
     half-budget recompute run of tests/ortmodule/test_memory.py (GPT, batch 64) peaked at
     ~620 MB against ~400, and still at ~650 MB with the pass on the backward graph alone
     (after the cut, the saved values unchanged): the order ONNX Runtime runs the rewritten
     backward in, not yet pinned down further."""
-    return [TrainingBatchNormPass(), TransposedProductPass(), *after_autodiff()]
+    return [TrainingBatchNormPass(), TransposedProductPass(), *after_autodiff(), KeptDropoutPass()]
 
 
 def cleanup() -> list[ir.passes.PassBase]:

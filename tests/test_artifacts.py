@@ -160,6 +160,25 @@ def test_parameter_lists_are_validated(tmp_path):
     with pytest.raises(ArtifactError, match="both"):
         artifacts.generate_artifacts(regression_model(), requires_grad=["w1"], frozen_params=["w1"],
                                      artifact_directory=tmp_path)
+    # as upstream's: frozen names the model does not hold (a list from PyTorch's named_buffers(),
+    # with BatchNorm's num_batches_tracked) leave nothing to freeze: left out, with a warning
+    with pytest.warns(UserWarning, match=r"frozen_params names \['bn.num_batches_tracked'\].*nothing to freeze"):
+        artifacts.generate_artifacts(regression_model(), requires_grad=["w1", "b1"], loss=artifacts.LossType.MSELoss,
+                                     frozen_params=["w2", "bn.num_batches_tracked"], artifact_directory=tmp_path)
+    assert CheckpointState.load_checkpoint(tmp_path / "checkpoint").parameters.keys() == ["w1", "b1", "w2"]
+
+
+def test_a_missing_trainable_name_says_the_exporter_folded_it():
+    """torch.onnx.export's default optimize=True writes a transposed weight as a new val_<n>
+    initializer: naming the PyTorch parameter then finds nothing, and the error says why."""
+    folded = numpy_helper.from_array(np.ones((3, 2), np.float32), "val_0")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "val_0"], ["y"])], "folded",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 2])], [folded])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ArtifactError, match=r"no initializer named \['fc.weight'\] in the model; the exporter folded "
+                                            r"weights into constants \['val_0'\].*optimize=False"):
+        artifacts.generate_artifacts(model, requires_grad=["fc.weight"], loss=artifacts.LossType.MSELoss)
 
 
 def test_nominal_checkpoint_is_written_besides_the_complete_one(tmp_path):

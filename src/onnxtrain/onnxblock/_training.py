@@ -145,11 +145,23 @@ def select_parameters(model: ir.Model, requires_grad: Sequence[str] | None,
     overlap = sorted(set(requires_grad) & set(frozen_params))
     if overlap:
         raise ArtifactError(f"parameters cannot both require gradients and be frozen: {overlap}")
-    missing = sorted(n for n in [*requires_grad, *frozen_params] if n not in inits)
+    absent_frozen = [n for n in frozen_params if n not in inits]
+    if absent_frozen:
+        # as upstream, which looks names up among the initializers: a list made from PyTorch's
+        # named_buffers() (BatchNorm's num_batches_tracked, a position_ids buffer the exporter
+        # folded) names tensors the model does not hold, and there is nothing to freeze
+        warnings.warn(f"frozen_params names {absent_frozen[:8]}{' ...' if len(absent_frozen) > 8 else ''}, which "
+                      f"are not initializers of the model (nothing to freeze): left out", UserWarning, stacklevel=4)
+        frozen_params = [n for n in frozen_params if n in inits]
+    missing = sorted(n for n in requires_grad if n not in inits)
     if missing:
         known = sorted(inits)
+        folded = folded_weights(model)
+        hint = (f"; the exporter folded weights into constants {folded[:8]}{' ...' if len(folded) > 8 else ''} "
+                f"(torch.onnx.export's default optimize=True): export with optimize=False, or with "
+                f"onnxtrain.torch.export_for_training, so that parameters keep their names") if folded else ""
         raise ArtifactError(
-            f"no initializer named {missing} in the model; its initializers are: "
+            f"no initializer named {missing} in the model{hint}; its initializers are: "
             f"{known[:20]}{' ...' if len(known) > 20 else ''}"
         )
     scales = sorted(set(requires_grad) & quantization_parameters(model.graph))

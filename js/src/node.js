@@ -4,6 +4,7 @@
  *
  * @example
  * import { CheckpointState, Module, Optimizer, ort } from 'onnxtrain-web/node';
+ * import { TrainingSession } from 'onnxtrain-web/node'; // upstream's onnxruntime-web/training API
  * @module
  */
 
@@ -79,4 +80,4 @@ async function writeBytes(target, bytes, what) {
 /** The Node.js platform: onnxruntime-node and the file system. */
 export const platform = { name: 'node', ort, readBytes, writeBytes };
 
-export const { CheckpointState, Module, Optimizer } = bindPlatform(platform);
+export const { CheckpointState, Module, Optimizer, TrainingSession } = bindPlatform(platform);

@@ -6,6 +6,7 @@
  *
  * @example
  * import { CheckpointState, Module, Optimizer, ort } from 'onnxtrain-web';
+ * import { TrainingSession } from 'onnxtrain-web'; // upstream's onnxruntime-web/training API
  * @module
  */
 
@@ -35,4 +36,4 @@ async function readBytes(source, what) {
 /** The web platform: onnxruntime-web and fetch; no file system (saves return bytes). */
 export const platform = { name: 'web', ort, readBytes, writeBytes: null };
 
-export const { CheckpointState, Module, Optimizer } = bindPlatform(platform);
+export const { CheckpointState, Module, Optimizer, TrainingSession } = bindPlatform(platform);

@@ -171,6 +171,67 @@ export class LinearLRScheduler {
   step(): void;
 }
 
+/** What `TrainingSession.create` loads (upstream's `TrainingSessionCreateOptions`): paths or URLs, or the files' bytes. */
+export interface TrainingSessionCreateOptions {
+  /** The checkpoint: onnxtrain's or onnxruntime-training's (`ODTC`). */
+  checkpointState: Source;
+  /** training_model.onnx (or .ort). */
+  trainModel: Source;
+  /** eval_model.onnx, for runEvalStep (absent, null or '' for none). */
+  evalModel?: Source | null;
+  /** optimizer_model.onnx, for runOptimizerStep (absent, null or '' for none). */
+  optimizerModel?: Source | null;
+}
+
+/** Feeds of a step: a Tensor for every input name. */
+export type TrainingFeeds = Record<string, TensorLike>;
+/** The outputs to return: names, or an object by output name with null or a CPU Tensor to write the output into. */
+export type TrainingFetches = readonly string[] | Record<string, TensorLike | null>;
+/** onnxruntime's run options (accepted as upstream's; the steps run with onnxruntime's defaults). */
+export type TrainingRunOptions = Record<string, unknown>;
+
+/**
+ * upstream's `onnxruntime-web/training` TrainingSession over onnxtrain's artifacts: a thin layer
+ * over CheckpointState, Module and Optimizer (docs/web.md, "Upstream's TrainingSession").
+ */
+export class TrainingSession {
+  static platform: Platform | null;
+  /** Load the checkpoint and the models; `sessionOptions` (e.g. executionProviders) apply to every model. */
+  static create(trainingOptions: TrainingSessionCreateOptions, sessionOptions?: Record<string, unknown> | null): Promise<TrainingSession>;
+  /** The training model's user inputs (model inputs, then loss inputs). */
+  readonly trainingInputNames: readonly string[];
+  /** The training model's user outputs: the loss, then the additional outputs. */
+  readonly trainingOutputNames: readonly string[];
+  /** The eval model's user inputs; throws a ModelError without an eval model (as upstream throws). */
+  readonly evalInputNames: readonly string[];
+  /** The eval model's user outputs; throws a ModelError without an eval model (as upstream throws). */
+  readonly evalOutputNames: readonly string[];
+  /** onnxtrain: the state trained (save it with `CheckpointState.save`). */
+  readonly state: CheckpointState;
+  /** onnxtrain: the underlying Module. */
+  readonly module: Module;
+  /** onnxtrain: the underlying Optimizer (`setLearningRate`, `stepCount`, ...), null without an optimizer model. */
+  readonly optimizer: Optimizer | null;
+  /** Make the next training step overwrite the gradients instead of adding to them. */
+  lazyResetGrad(): Promise<void>;
+  /** Forward, loss and gradients (accumulated until lazyResetGrad); the outputs by name. */
+  runTrainStep(feeds: TrainingFeeds, options?: TrainingRunOptions): Promise<Record<string, any>>;
+  runTrainStep(feeds: TrainingFeeds, fetches: TrainingFetches | undefined, options?: TrainingRunOptions): Promise<Record<string, any>>;
+  /** Update the trainable parameters from their gradients (needs the optimizer model). */
+  runOptimizerStep(options?: TrainingRunOptions): Promise<void>;
+  /** The eval model (needs it); the outputs by name. */
+  runEvalStep(feeds: TrainingFeeds, options?: TrainingRunOptions): Promise<Record<string, any>>;
+  runEvalStep(feeds: TrainingFeeds, fetches: TrainingFetches | undefined, options?: TrainingRunOptions): Promise<Record<string, any>>;
+  /** Elements of the trainable (default) or all parameters. */
+  getParametersSize(trainableOnly?: boolean): Promise<number>;
+  /** Set the trainable (default) or all parameters from the bytes of their float32 values (`4 * getParametersSize(trainableOnly)` bytes). */
+  loadParametersBuffer(buffer: Uint8Array, trainableOnly?: boolean): Promise<void>;
+  /** The trainable (default) or all parameters as one 1-D float32 Tensor, in the training model's order. */
+  getContiguousParameters(trainableOnly?: boolean): Promise<any>;
+  /** Release the sessions; later calls are refused (OnnxTrainError). */
+  release(): Promise<void>;
+}
+
 export const DEFAULT_LEARNING_RATE: number;
 
 export interface ParameterRecord {
@@ -202,4 +263,5 @@ export function bindPlatform(platform: Platform): {
   CheckpointState: typeof CheckpointState;
   Module: typeof Module;
   Optimizer: typeof Optimizer;
+  TrainingSession: typeof TrainingSession;
 };

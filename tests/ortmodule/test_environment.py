@@ -118,3 +118,21 @@ def test_debug_options_check_the_log_level_when_made():
     # as upstream's: INFO asks for ORTModule's messages, not onnxruntime's thousands of INFO lines
     assert DebugOptions(log_level=LogLevel.INFO).resolved_session_options().log_severity_level == 2
     assert DebugOptions(log_level=LogLevel.VERBOSE).resolved_session_options().log_severity_level == 0
+
+
+@pytest.mark.parametrize("name", ["ORTMODULE_USE_FLASH_ATTENTION", "ORTMODULE_TRITON_DEBUG", "ORTMODULE_CONV_ALGO_SEARCH",
+                                  "ORTMODULE_SKIPCHECK_POLICY", "ORTMODULE_MEMORY_OPT_PROBE_RECOMPUTE_LEVEL"])
+def test_the_other_upstream_variables_are_named_when_set(name):
+    # upstream's guide (and its code) read these too: set, they were ignored without a word
+    assert name in read_environment({name: "1"}).ignored
+
+
+def test_the_save_path_variable_is_read_when_made_and_wins_over_debug_options(monkeypatch, tmp_path):
+    """As upstream's: $ORTMODULE_SAVE_ONNX_PATH, read when the ORTModule is made, wins over
+    DebugOptions(save_path=...) (it lost to it, and was read at each export)."""
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path / "from_env"))
+    model = ORTModule(MLP(), DebugOptions(save_onnx=True, onnx_prefix="m", save_path=str(tmp_path / "given")))
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", str(tmp_path / "later"))
+    model(torch.randn(5, 12)).sum().backward()
+    assert sorted(p.name for p in (tmp_path / "from_env").iterdir())[0] == "m_training_backward.onnx"
+    assert not (tmp_path / "given").exists() and not (tmp_path / "later").exists()

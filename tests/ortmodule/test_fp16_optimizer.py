@@ -306,3 +306,16 @@ def test_a_failing_wrapped_step_leaves_the_model_alone_and_the_next_step_runs():
     _train_step(model, optimizer, 1, torch.float16)
     assert not optimizer.overflow and optimizer.loss_scale == 2.0 ** 16
     assert not all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+
+
+def test_optimizers_that_keep_their_own_masters_are_returned_as_they_are():
+    """Upstream's guide wraps what deepspeed.initialize returns: optimizer = FP16_Optimizer(optimizer).
+    DeepSpeed's, apex amp's and Megatron-LM's mixed-precision optimizers keep fp32 masters and
+    scale the loss themselves (upstream swapped fused kernels into them): returned unchanged."""
+    deepspeed_like = type("DeepSpeedZeroOptimizer", (), {"__module__": "deepspeed.runtime.zero.stage_1_and_2"})()
+    assert FP16_Optimizer(deepspeed_like) is deepspeed_like
+    amp_optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    amp_optimizer._amp_stash = object()  # what apex.amp.initialize marks its optimizers with
+    assert FP16_Optimizer(amp_optimizer, dynamic_loss_scale=True) is amp_optimizer
+    with pytest.raises(OptimizerConfigError, match="must be a torch.optim.Optimizer"):
+        FP16_Optimizer(type("Elsewhere", (), {})())

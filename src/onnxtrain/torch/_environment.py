@@ -47,7 +47,13 @@ _WITHOUT_EFFECT = {
     "ORTMODULE_ENABLE_EMBEDDING_SPARSE_OPTIMIZER": "a graph transformer of upstream's training build",
     "ORTMODULE_USE_EFFICIENT_ATTENTION": "an ATen fallback of upstream's training build",
     "ORTMODULE_ENABLE_MEM_EFFICIENT_GRAD_MGMT": "a PythonOp of upstream's training build",
+    "ORTMODULE_USE_FLASH_ATTENTION": "upstream's Triton flash attention (CUDA training build)",
     "ORTMODULE_USE_TRITON": "upstream's Triton code generation (CUDA training build)",
+    "ORTMODULE_TRITON_DEBUG": "upstream's Triton code generation (CUDA training build)",
+    "ORTMODULE_CONV_ALGO_SEARCH": "a cuDNN convolution search of upstream's CUDA provider",
+    "ORTMODULE_SKIPCHECK_POLICY": "every call checks what it must (no checks to skip)",
+    "ORTMODULE_MEMORY_OPT_PROBE_RECOMPUTE_LEVEL": "use ORTModule(..., memory_opt_level=...) or memory_budget=... "
+                                                  "(explain_memory() shows what is recomputed)",
     "ORTMODULE_TRITON_CONFIG_FILE": "upstream's Triton code generation (CUDA training build)",
     "ORTMODULE_ENABLE_TUNING": "upstream's kernel tuning (CUDA/ROCm training build)",
     "ORTMODULE_MAX_TUNING_DURATION_MS": "upstream's kernel tuning (CUDA/ROCm training build)",

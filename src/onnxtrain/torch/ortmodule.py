@@ -139,7 +139,8 @@ class DebugOptions:
             (gradient) or ``_inference`` (forward-only) graphs that run.
         onnx_prefix: file name prefix for ``save_onnx``.
         save_path: folder for ``save_onnx`` (created if missing); default
-            ``$ORTMODULE_SAVE_ONNX_PATH`` or the current directory, as upstream.
+            the current directory. ``$ORTMODULE_SAVE_ONNX_PATH``, read when an ORTModule is
+            made, wins over it, as upstream's did.
         fallback: if export or gradient building fails, warn once with the reason and run
             the original module in PyTorch from then on. ``False`` raises the error instead
             (e.g. an ``UnsupportedOpError`` listing the ops without a gradient rule).
@@ -196,7 +197,7 @@ class DebugOptions:
         return options
 
     def resolved_save_path(self) -> Path:
-        return Path(self.save_path if self.save_path is not None else os.environ.get(SAVE_PATH_ENV, "."))
+        return Path(self.save_path if self.save_path is not None else ".")
 
 
 @dataclass
@@ -455,6 +456,8 @@ class ORTModule(ModuleWrapper):
             debug_options = dataclasses.replace(debug_options, fallback=environment.fallback)
         if environment.log_level is not None:
             debug_options = dataclasses.replace(debug_options, log_level=environment.log_level)
+        if os.environ.get(SAVE_PATH_ENV, "").strip():  # read here, once, and winning too (as upstream)
+            debug_options = dataclasses.replace(debug_options, save_path=os.environ[SAVE_PATH_ENV].strip())
         super().__init__(module)
         self._debug = debug_options
         self._dynamic = dynamic

@@ -33,6 +33,15 @@ _SCALER_ARGS = frozenset({"init_scale", "growth_factor", "backoff_factor", "grow
 _APEX_SCALER_ARGS = frozenset({"scale_factor", "scale_window"})
 
 
+def _keeps_its_own_masters(optimizer) -> bool:
+    """Whether ``optimizer`` is a mixed-precision optimizer of DeepSpeed, apex amp or Megatron-LM,
+    which keep fp32 master weights and scale the loss themselves."""
+    if hasattr(optimizer, "_amp_stash"):  # apex amp's optimizers
+        return True
+    module = type(optimizer).__module__ or ""
+    return module.split(".")[0] in ("deepspeed", "megatron", "apex") and not isinstance(optimizer, torch.optim.Optimizer)
+
+
 class FP16_Optimizer:  # noqa: N801 (upstream's name)
     """fp32 master weights and loss scaling around any optimizer of fp16/bf16 parameters.
 
@@ -55,6 +64,12 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
     :attr:`overflow` to whether it skipped. ``optimizer.optimizer`` is the wrapped optimizer
     (for learning-rate schedulers).
 
+    An optimizer that keeps fp32 masters and scales the loss itself (DeepSpeed's ZeRO and FP16
+    optimizers, apex amp's, Megatron-LM's FP16_Optimizer: what upstream's ``FP16_Optimizer``
+    took, as in its guide's ``optimizer = FP16_Optimizer(optimizer)`` after
+    ``deepspeed.initialize``) is returned as it is: upstream swapped fused kernels into it, a
+    change of speed, not of numbers.
+
     Example:
         >>> model = model.half()
         >>> optimizer = FP16_Optimizer(FusedAdam(model.parameters(), lr=1e-3), dynamic_loss_scale=True)
@@ -63,6 +78,11 @@ class FP16_Optimizer:  # noqa: N801 (upstream's name)
         >>> optimizer.step()            # skipped, and the scale halved, if a gradient overflowed
         >>> optimizer.zero_grad()
     """
+
+    def __new__(cls, optimizer, *args, **kwargs):
+        if _keeps_its_own_masters(optimizer):
+            return optimizer  # __init__ does not run for what __new__ returns of another type
+        return super().__new__(cls)
 
     def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
                  dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None,

@@ -7,6 +7,7 @@ older opsets and IR versions up for ``load_model``, works on protobuf too).
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Union
@@ -115,16 +116,40 @@ def to_proto(model: ir.Model) -> onnx.ModelProto:
     return ir.to_proto(model)
 
 
+# tensors at least this large go to the data file of a model over EXTERNAL_DATA_THRESHOLD (onnx's own
+# default: smaller ones stay inline)
+_EXTERNAL_TENSOR_BYTES = 1024
+
+
 def save_model(model: ir.Model | onnx.ModelProto, path: str | os.PathLike) -> None:
-    """Write ``model`` to ``path`` (external data next to it when it is large)."""
+    """Write ``model`` to ``path`` (external data next to it, ``<name>.data``, when it is large).
+
+    Written in a scratch folder beside ``path`` and renamed into place, data file first: a model
+    written again to the same path replaces its data (onnx appends to an existing data file, so
+    every export grew it by the whole model), and a failed write leaves the old files whole."""
     proto = model if isinstance(model, onnx.ModelProto) else to_proto(model)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if proto.ByteSize() > EXTERNAL_DATA_THRESHOLD:
-        onnx.save_model(proto, str(path), save_as_external_data=True,
-                        location=path.name + ".data", all_tensors_to_one_file=True)
-    else:
-        onnx.save_model(proto, str(path))
+    data = path.with_name(path.name + ".data")
+    large = proto.ByteSize() > EXTERNAL_DATA_THRESHOLD
+    if large and proto is model:  # onnx moves the tensors out of the proto it saves: not the caller's
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    with tempfile.TemporaryDirectory(dir=path.parent, prefix=f".{path.name}.") as scratch:
+        written = Path(scratch) / path.name
+        if large:
+            # the tensors marked by hand, not save_as_external_data=True: onnx then refuses a data
+            # file of that name in the current directory (it checks the location against it)
+            for tensor in proto.graph.initializer:
+                if tensor.HasField("raw_data") and len(tensor.raw_data) >= _EXTERNAL_TENSOR_BYTES:
+                    onnx.external_data_helper.set_external_data(tensor, data.name)
+        onnx.save_model(proto, str(written))
+        written_data = written.with_name(data.name)
+        if written_data.exists():
+            os.replace(written_data, data)
+        elif data.exists():  # an earlier, larger model's data: nothing reads it now
+            data.unlink()
+        os.replace(written, path)
 
 
 def serialize(model: ir.Model) -> bytes:

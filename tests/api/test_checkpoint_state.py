@@ -89,6 +89,12 @@ def test_properties(artifacts, tmp_path):
     loaded = CheckpointState.load_checkpoint(path).properties
     assert dict(loaded.items()) == {"epoch": 3, "best": 0.91, "note": "text", "np": 0.5}
     assert type(loaded["epoch"]) is int and type(loaded["best"]) is float
+    # dict-like to the end: popitem and clear (MutableMapping's iterate for names; pairs come here)
+    assert loaded.popitem() == ("np", 0.5) and loaded.keys() == ["epoch", "best", "note"]
+    loaded.clear()
+    assert len(loaded) == 0
+    with pytest.raises(KeyError, match="no properties"):
+        loaded.popitem()
 
 
 def test_save_load_round_trip(artifacts, tmp_path):

@@ -226,6 +226,16 @@ class Properties(MutableMapping):
     def __len__(self) -> int:
         return len(self._state._properties)
 
+    # MutableMapping's own popitem/clear iterate expecting names: iteration yields pairs here
+    def popitem(self) -> tuple[str, int | float | str]:
+        """Remove and return the last ``(name, value)`` set, as a dict's; ``KeyError`` if none."""
+        if not self._state._properties:
+            raise KeyError("popitem(): no properties")
+        return self._state._properties.popitem()
+
+    def clear(self) -> None:
+        self._state._properties.clear()
+
     def __repr__(self) -> str:
         return f"Properties({self._state._properties!r})"
 

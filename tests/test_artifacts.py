@@ -654,3 +654,20 @@ def test_a_dropout_no_gradient_passes_through_still_drops_in_training(tmp_path):
                  lazy_reset_grad=np.array(True))
     first = session.run(None, feeds)[0]
     assert any(not np.array_equal(session.run(None, feeds)[0], first) for _ in range(3))
+
+
+def test_a_float_output_taken_as_class_labels_is_refused_by_name(tmp_path):
+    """generate_artifacts hands the model's outputs to the loss in order: a second float output
+    became CrossEntropyLoss's labels and the artifacts did not load (onnxruntime's shape error)."""
+    weight = numpy_helper.from_array(np.ones((3, 4), np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["scores"]), helper.make_node("Relu", ["scores"], ["features"])]
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["N", 4]),
+                               helper.make_tensor_value_info("features", TensorProto.FLOAT, ["N", 4])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ArtifactError, match="CrossEntropyLoss labels 'features' are FLOAT: class labels are integers.*"
+                                            "loss_input_names"):
+        artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, artifact_directory=tmp_path)
+    artifacts.generate_artifacts(model, loss=artifacts.LossType.CrossEntropyLoss, loss_input_names=["scores"],
+                                 artifact_directory=tmp_path)
+    Module(tmp_path / "training_model.onnx", CheckpointState.load_checkpoint(tmp_path / "checkpoint"))

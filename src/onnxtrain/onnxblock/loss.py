@@ -183,6 +183,12 @@ class CrossEntropyLoss(Block):
             self.context.graph.inputs.append(labels)
             if shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value is None for d in shape):
                 labels = self._labels_checked(scores, labels)
+        elif labels.dtype is not None and not labels.dtype.is_integer():
+            # (generate_artifacts hands a model's outputs to the loss in order: a second float
+            # output became the labels, and the models did not load)
+            raise ArtifactError(f"CrossEntropyLoss labels {labels_name!r} are {labels.dtype.name}: class labels are "
+                                f"integers; name the values the loss reads (generate_artifacts' loss_input_names, "
+                                f"or the block's arguments)")
         inputs = [scores, labels]  # a negative label fails the run: passes/negative_labels.py
         if self._weight is not None:
             inputs.append(b.const(self._weight.astype(scores.dtype.numpy())))

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from onnxtrain import artifacts as artifact_generation
-from onnxtrain.api import CheckpointState, Module
+from onnxtrain.api import CheckpointState, Module, Optimizer
 from onnxtrain.checkpoint import write_checkpoint
 from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
 
@@ -392,3 +392,17 @@ def test_a_view_of_the_contiguous_parameters_outlives_its_ortvalue(module, artif
     for view in views:
         np.testing.assert_array_equal(view, expected)
     assert clutter
+
+
+def test_model_bytes_are_refused_as_paths_by_name(artifacts):
+    """os.fspath takes bytes as a path: a model's bytes became a file name ("embedded null byte",
+    after the session had loaded them). Paths only, said so."""
+    state = CheckpointState.load_checkpoint(artifacts.checkpoint)
+    model_bytes = artifacts.training.read_bytes()
+    with pytest.raises(TypeError, match="Module train_model_uri must be the path of a file.*got bytes; write the"):
+        Module(model_bytes, state)
+    with pytest.raises(TypeError, match="Module eval_model_uri must be the path of a file.*got bytearray"):
+        Module(artifacts.training, state, bytearray(artifacts.eval.read_bytes()))
+    module = Module(str(artifacts.training), state)
+    with pytest.raises(TypeError, match="Optimizer optimizer_uri must be the path of a file.*got bytes"):
+        Optimizer(artifacts.optimizer.read_bytes(), module)

@@ -19,6 +19,7 @@ import onnxruntime as ort
 from onnxtrain import names
 from onnxtrain.api.checkpoint_state import CheckpointState, exclusive
 from onnxtrain.errors import CheckpointError, InputMismatchError, ModelError
+from onnxtrain.paths import file_path
 from onnxtrain.ir import io
 from onnxtrain.runtime import fusions
 from onnxtrain.runtime.binding import BindingCache
@@ -203,12 +204,12 @@ class Module:
             session_options.enable_mem_pattern = False
         self._session_options = session_options
         self._flush_denormals = runs_flush_denormals(session_options, self._device.type)
-        self._train_model_uri = os.fspath(train_model_uri)
+        self._train_model_uri = file_path(train_model_uri, "Module train_model_uri")
         self._train_session = create_session(fusions.session_model(train_model_uri, self._providers, gated_add=False),
                                              self._providers, session_options, "training model")
         self._train = _Signature(self._train_session, state, training=True, what="training model",
                                  path=self._train_model_uri)
-        self._eval_model_uri = None if eval_model_uri is None else os.fspath(eval_model_uri)
+        self._eval_model_uri = None if eval_model_uri is None else file_path(eval_model_uri, "Module eval_model_uri")
         self._eval_session = self._eval = None
         if eval_model_uri is not None:
             self._eval_session = create_session(fusions.session_model(eval_model_uri, self._providers, gated_add=False),

@@ -29,6 +29,7 @@ from onnxtrain.api._fused import FusedStep
 from onnxtrain.api.checkpoint_state import _OptimizerState, exclusive
 from onnxtrain.api.module import Module, loss_scale_of
 from onnxtrain.errors import CheckpointError, ModelError
+from onnxtrain.paths import file_path
 from onnxtrain.runtime import fusions
 from onnxtrain.runtime.binding import BindingCache
 from onnxtrain.runtime.denormals import denormals_flushed
@@ -68,6 +69,7 @@ class Optimizer:
     def __init__(self, optimizer_uri: str | os.PathLike, module: Module, fused_step: bool | None = None):
         if not isinstance(module, Module):
             raise TypeError(f"module must be an onnxtrain.api.Module, got {type(module).__name__}")
+        optimizer_uri = file_path(optimizer_uri, "Optimizer optimizer_uri")
         self._module = module
         self._state = state = module._state
         self._session = create_session(fusions.session_model(optimizer_uri, module._providers), module._providers,

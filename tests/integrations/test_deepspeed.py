@@ -174,3 +174,24 @@ def test_configs_are_read_as_deepspeed_reads_them(tmp_path):
         with pytest.raises(DeepSpeedConfigError, match=message):
             initialize(net, config=config)
     assert type(net) is torch.nn.Linear and not dist.is_initialized()
+
+
+@pytest.mark.slow
+def test_ort_trainer_builds_deepspeeds_engine_around_its_ortmodule(tmp_path):
+    """ORTTrainer(args.deepspeed=<ZeRO-1 config>) crashed in accelerator.backward ('NoneType' has
+    no attribute 'backward'): transformers builds DeepSpeed's engine only around the model it
+    holds, never around ORTTrainer's ORTModule. Now the same losses as without DeepSpeed."""
+    import subprocess
+    import sys
+
+    worker_path = Path(__file__).with_name("_ort_trainer_deepspeed_worker.py")
+    run = subprocess.run([sys.executable, str(worker_path), str(tmp_path), "29573"], capture_output=True, text=True,
+                         check=False, timeout=TIMEOUT_S, cwd=Path(__file__).parents[2])
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, run.stderr[-3000:]
+    result = json.loads(lines[0].removeprefix("RESULT "))
+    assert len(result["deepspeed"]) == len(result["plain"]) == 4
+    for ours, plain in zip(result["deepspeed"], result["plain"]):
+        assert abs(ours - plain) <= 1e-4 * abs(plain), (result["deepspeed"], result["plain"])
+    assert result["checkpoints"] == ["checkpoint-2", "checkpoint-4"] and result["reloaded"]
+    assert 0 < result["eval_loss"] < 10

@@ -231,6 +231,16 @@ class ORTTrainer(transformers.Trainer):
         # (model); ORTModule goes innermost, under DataParallel / DDP where those apply
         if model is self.model and not isinstance(model, ORTModule):
             model = self._ortmodule_for(model)
+        if training and self.is_deepspeed_enabled and isinstance(model, ORTModule) \
+                and not getattr(model, "_is_accelerate_prepared", False):
+            # Trainer builds DeepSpeed's engine only around the model it holds (self.model): around
+            # ours it never did (accelerator.backward then had no engine); prepared as Trainer would
+            if hasattr(self.lr_scheduler, "step"):
+                engine, self.optimizer = self.accelerator.prepare(model, self.optimizer)
+            else:  # DeepSpeed's own scheduler (config "scheduler"): prepared with the rest
+                engine, self.optimizer, self.lr_scheduler = self.accelerator.prepare(model, self.optimizer,
+                                                                                     self.lr_scheduler)
+            return engine
         wrapped = super()._wrap_model(model, training, dataloader)
         if wrapped is model and isinstance(model, ORTModule) and not getattr(model, "_is_accelerate_prepared", False):
             # Trainer hands accelerate only an unwrapped model; ours gets what it would have:

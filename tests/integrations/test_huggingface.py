@@ -461,3 +461,26 @@ def test_plain_trainer_trains_an_ortmodule_like_the_model(runs, tokenizer, tmp_p
         train_dataset=_dataset(tokenizer, SENTENCES), data_collator=transformers.DataCollatorWithPadding(tokenizer))
     trainer.train()
     _assert_losses_close(_losses(trainer), _losses(runs["reference"]), "Trainer(ORTModule(model))")
+
+
+def test_the_default_export_sample_of_an_encoder_decoder_has_its_decoder_inputs(tmp_path):
+    """Batches of input_ids and labels alone: the labels removed, BART exported without a decoder
+    input (its decoder read the shifted input_ids) and T5/Whisper failed with their own errors.
+    The sample now carries the decoder inputs the model derives from the labels."""
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0))
+    whisper = transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        vocab_size=60, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, d_model=16, max_source_positions=8,
+        max_target_positions=16, pad_token_id=1, bos_token_id=2, eos_token_id=3, decoder_start_token_id=2))
+    labels = torch.tensor([[5, 6, 7, -100], [8, 9, -100, -100]])
+    for model, features in ((t5, {"input_ids": torch.tensor([[4, 5, 6], [7, 8, 9]])}),
+                            (whisper, {"input_features": torch.zeros(2, 8, 16)})):
+        data = [{**{k: v[i] for k, v in features.items()}, "labels": labels[i]} for i in range(2)]
+        trainer = ORTTrainer(model=model, train_dataset=data, args=_args(
+            ORTTrainingArguments, tmp_path, per_device_train_batch_size=2, remove_unused_columns=False))
+        sample = trainer._export_sample()
+        assert sorted(sample) == sorted([*features, "decoder_input_ids"])
+        start, pad = model.config.decoder_start_token_id, model.config.pad_token_id
+        expected = torch.tensor([[start, 5, 6, 7], [start, 8, 9, pad]])
+        torch.testing.assert_close(sample["decoder_input_ids"], expected)

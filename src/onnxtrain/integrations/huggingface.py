@@ -268,7 +268,31 @@ class ORTTrainer(transformers.Trainer):
                                   "trainer a train_dataset or a single eval_dataset")
         batch = self._prepare_inputs(next(iter(loader)))
         label_names = set(self.label_names or ()) | {"labels", "label", "label_ids"}
-        return {k: v for k, v in batch.items() if k not in label_names and isinstance(v, torch.Tensor)}
+        sample = {k: v for k, v in batch.items() if k not in label_names and isinstance(v, torch.Tensor)}
+        labels = batch.get("labels")
+        if (isinstance(labels, torch.Tensor) and getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
+                and "decoder_input_ids" not in sample and "decoder_inputs_embeds" not in sample):
+            # an encoder-decoder trained from labels alone derives its decoder inputs from them:
+            # without the labels its export would have no decoder input (or fail)
+            sample["decoder_input_ids"] = self._decoder_inputs_from(labels)
+        return sample
+
+    def _decoder_inputs_from(self, labels: torch.Tensor) -> torch.Tensor:
+        """The decoder inputs an encoder-decoder derives from ``labels`` (teacher forcing): its
+        own ``prepare_decoder_input_ids_from_labels``, else the labels shifted right behind the
+        decoder start token, ignored positions (-100) as padding, as Whisper's forward does."""
+        prepare = getattr(self.model, "prepare_decoder_input_ids_from_labels", None)
+        if prepare is not None:
+            return prepare(labels=labels)
+        config = self.model.config
+        start, pad = getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None)
+        if start is None or pad is None:
+            raise ORTTrainerError(f"ORTTrainer.export_onnx: {type(self.model).__name__} takes its decoder inputs from "
+                                  f"the labels, which an inference model does not have: pass inputs= with "
+                                  f"decoder_input_ids")
+        shifted = labels.new_full(labels.shape, start)
+        shifted[..., 1:] = labels[..., :-1]
+        return shifted.masked_fill(shifted == -100, pad)
 
     def export_onnx(self, path: str | os.PathLike, inputs: Mapping[str, torch.Tensor] | None = None, *,
                     optimize: bool = True) -> list[str]:

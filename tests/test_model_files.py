@@ -40,3 +40,14 @@ def test_a_large_model_saved_again_replaces_its_data(tmp_path, monkeypatch):
     io.save_model(_model(5.0), path)  # small now: everything inline, the old data file goes
     assert not data.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx"]
     np.testing.assert_allclose(_output(path), np.full((1, 32), 320.0))
+
+
+def test_a_model_saved_through_a_symbolic_link_writes_the_file_it_names(tmp_path):
+    target = tmp_path / "real" / "model.onnx"
+    target.parent.mkdir()
+    io.save_model(_model(1.0), target)
+    link = tmp_path / "link.onnx"
+    link.symlink_to(target)
+    io.save_model(_model(2.0), link)
+    assert link.is_symlink()  # the link itself stays a link
+    np.testing.assert_allclose(_output(target), np.full((1, 32), 128.0))

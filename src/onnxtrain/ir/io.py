@@ -129,6 +129,8 @@ def save_model(model: ir.Model | onnx.ModelProto, path: str | os.PathLike) -> No
     every export grew it by the whole model), and a failed write leaves the old files whole."""
     proto = model if isinstance(model, onnx.ModelProto) else to_proto(model)
     path = Path(path)
+    if path.is_symlink():  # write the file it names (the rename would replace the link itself)
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     data = path.with_name(path.name + ".data")
     large = proto.ByteSize() > EXTERNAL_DATA_THRESHOLD

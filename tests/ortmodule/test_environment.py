@@ -118,6 +118,12 @@ def test_debug_options_check_the_log_level_when_made():
     # as upstream's: INFO asks for ORTModule's messages, not onnxruntime's thousands of INFO lines
     assert DebugOptions(log_level=LogLevel.INFO).resolved_session_options().log_severity_level == 2
     assert DebugOptions(log_level=LogLevel.VERBOSE).resolved_session_options().log_severity_level == 0
+    # the saved files' prefix, as upstream's: a str, not empty when files are saved
+    with pytest.raises(TypeError, match="onnx_prefix must be a str"):
+        DebugOptions(onnx_prefix=3)
+    with pytest.raises(ValueError, match="onnx_prefix must not be empty when save_onnx is set"):
+        DebugOptions(save_onnx=True, onnx_prefix="")
+    assert DebugOptions(onnx_prefix="").onnx_prefix == ""  # nothing is saved
 
 
 @pytest.mark.parametrize("name", ["ORTMODULE_USE_FLASH_ATTENTION", "ORTMODULE_TRITON_DEBUG", "ORTMODULE_CONV_ALGO_SEARCH",

@@ -165,6 +165,11 @@ class DebugOptions:
 
     def __post_init__(self):
         self.log_level = as_log_level(self.log_level, "DebugOptions log_level")
+        if not isinstance(self.onnx_prefix, str):
+            raise TypeError(f"DebugOptions onnx_prefix must be a str (the saved files' name prefix), got "
+                            f"{type(self.onnx_prefix).__name__}")
+        if self.save_onnx and not self.onnx_prefix.strip():  # as upstream's: the files need a name
+            raise ValueError("DebugOptions onnx_prefix must not be empty when save_onnx is set")
 
     def __deepcopy__(self, memo):
         # a SessionOptions cannot be copied: copies share it (sessions only read it)

@@ -895,3 +895,16 @@ def test_forward_reports_the_wrapped_modules_signature(wrapper):
         assert again.forward.__self__ is again
         assert inspect.signature(again.forward) == inspect.signature(module.forward)
         torch.testing.assert_close(again(torch.ones(1, 4)), wrapped(torch.ones(1, 4)))
+
+
+def test_names_the_wrapper_hides_are_named_when_made():
+    """As upstream's ORTModule: an attribute of the model that the wrapper defines too (its
+    ``module``, ``export_count``) reads as the wrapper's; it says so, and .module reaches it."""
+    net = MLP()
+    net.export_count = 5  # the model's own number
+    with pytest.warns(UserWarning, match=r"ORTModule has its own export_count, which hide\(s\) the wrapped MLP's"):
+        wrapped = ORTModule(net)
+    assert wrapped.export_count == 0 and wrapped.module.export_count == 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ORTModule(MLP())  # nothing hidden, nothing said

@@ -6,6 +6,7 @@ difference."""
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 
@@ -85,6 +86,21 @@ class ModuleWrapper(torch.nn.Module):
 
     def _wrapper_ready(self) -> None:
         self.__dict__["_wrapper_ready"] = True
+        shadowed = self._shadowed_names()
+        if shadowed:
+            warnings.warn(f"{type(self).__name__} has its own {', '.join(shadowed)}, which hide(s) the wrapped "
+                          f"{type(self.module).__name__}'s: reach them as .module.<name>", UserWarning, stacklevel=3)
+
+    def _shadowed_names(self) -> list[str]:
+        """Public names of the wrapped module (attributes, submodules, parameters, buffers, its
+        class's methods) that this wrapper defines too, so that reading them through it gives
+        the wrapper's (as upstream's ORTModule, it says so when made)."""
+        wrapped = self.module
+        base = {*dir(torch.nn.Module), *vars(torch.nn.Module())}  # every module's (training, ...)
+        own = {n for n in (*dir(type(self)), *self.__dict__) if not n.startswith("_") and n not in base}
+        theirs = {*wrapped.__dict__, *wrapped._modules, *wrapped._parameters, *wrapped._buffers,
+                  *(n for n in dir(type(wrapped)) if n not in base)}
+        return sorted(n for n in own & theirs if not n.startswith("_"))
 
     @property
     def module(self) -> torch.nn.Module:

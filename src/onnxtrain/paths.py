@@ -25,10 +25,10 @@ def unreadable_file(path: str | os.PathLike) -> str | None:
 def file_path(value, what: str) -> str:
     """``value`` as a path (``os.fspath``), or a ``TypeError`` naming ``what``: ``os.fspath`` takes
     bytes as a path too, so a model's bytes were read as a file name ("embedded null byte")."""
-    if isinstance(value, (bytes, bytearray, memoryview)) or not isinstance(value, (str, os.PathLike)):
+    raw = isinstance(value, (bytes, bytearray, memoryview))
+    if raw or not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{what} must be the path of a file (str or os.PathLike), got {type(value).__name__}"
-                        + ("; write the model's bytes to a file first" if isinstance(value, (bytes, bytearray,
-                                                                                              memoryview)) else ""))
+                        + ("; write the model's bytes to a file first" if raw else ""))
     path = os.fspath(value)
     if isinstance(path, bytes):  # an os.PathLike whose __fspath__ gives bytes
         raise TypeError(f"{what} must be a str path, got a bytes path {path!r}")

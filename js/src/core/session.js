@@ -191,8 +191,8 @@ function isPlainObject(value) {
     (Object.getPrototypeOf(value) === Object.prototype || Object.getPrototypeOf(value) === null);
 }
 
-/** @param {any} value */
-function isTensorLike(value) {
+/** Whether `value` is an onnxruntime Tensor (of any binding). @param {any} value */
+export function isTensorLike(value) {
   return value !== null && typeof value === 'object' && typeof value.type === 'string' && Array.isArray(value.dims);
 }
 

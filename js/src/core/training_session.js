@@ -13,6 +13,7 @@ import { formatShape } from './dtypes.js';
 import { Module } from './module.js';
 import { Optimizer } from './optimizer.js';
 import { platformOf } from './platform.js';
+import { isTensorLike } from './session.js';
 
 /**
  * What {@link TrainingSession.create} loads; each one a path or URL, or the file's bytes.
@@ -39,11 +40,6 @@ function describe(value) {
   if (Array.isArray(value)) return 'an array';
   if (isTensorLike(value)) return 'a Tensor';
   return typeof value === 'object' ? /** @type {object} */ (value).constructor?.name ?? 'object' : typeof value;
-}
-
-/** @param {any} value */
-function isTensorLike(value) {
-  return value !== null && typeof value === 'object' && typeof value.type === 'string' && Array.isArray(value.dims);
 }
 
 /** @param {unknown} value */

@@ -436,9 +436,7 @@ class Module:
             raise ModelError("exporting an inference model needs the eval model: pass eval_model_uri to Module")
         if isinstance(graph_output_names, str) or not graph_output_names:
             raise ValueError("graph_output_names must be a non-empty list of output names")
-        missing = self._state._missing_values()
-        if missing:
-            raise CheckpointError(f"parameters {missing[:8]} have no value (nominal checkpoint)")
+        self._state._require_values()
         values = {n: self._state._value(s).numpy() for n, s in self._state._slots.items()}
         export_inference_model(self._onnx_eval_model(), inference_model_uri, list(graph_output_names), values,
                                self._eval.loss_inputs)

@@ -18,19 +18,15 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.convenience import get_const_tensor
 
 from onnxtrain.ir.nodes import NewNodes, is_onnx_op
+from onnxtrain.passes.full_dropout import _constant_input
 from onnxtrain.passes.rewrite import NodeRewritePass, constant_maker, hand_over
 
 
 def _constant_scalar(node: ir.Node, index: int) -> float | None:
-    value = node.inputs[index] if len(node.inputs) > index else None
-    tensor = get_const_tensor(value) if value is not None else None
-    if tensor is None:
-        return None
-    array = np.asarray(tensor.numpy()).reshape(-1)
-    return float(array[0]) if array.size == 1 else None
+    array = _constant_input(node, index)
+    return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
 
 
 class KeptDropoutPass(NodeRewritePass):

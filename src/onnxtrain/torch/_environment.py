@@ -11,8 +11,8 @@ a meaning here take effect, as upstream's did (the variable wins over ``DebugOpt
   to build, without upstream's categories).
 - ``ORTMODULE_LOG_LEVEL``: ``VERBOSE``, ``DEVINFO``, ``INFO``, ``WARNING``, ``ERROR`` or ``FATAL``,
   onnxruntime's log severity for the module's sessions.
-- ``ORTMODULE_SAVE_ONNX_PATH`` and ``ORTMODULE_MEMORY_OPT_LEVEL`` are read where they apply
-  (``DebugOptions``, ``MemoryOptions``).
+- ``ORTMODULE_SAVE_ONNX_PATH``: the folder ``DebugOptions(save_onnx=True)`` writes to.
+- ``ORTMODULE_MEMORY_OPT_LEVEL`` is read where it applies (``MemoryOptions``).
 
 The others upstream documented configure parts of its training build that onnxtrain does not
 have; when one is set, :func:`read_environment` says so (an :class:`IgnoredSettingWarning`
@@ -30,13 +30,14 @@ from onnxtrain.logs import LogLevel
 
 FALLBACK_POLICY_ENV = "ORTMODULE_FALLBACK_POLICY"
 LOG_LEVEL_ENV = "ORTMODULE_LOG_LEVEL"
+SAVE_PATH_ENV = "ORTMODULE_SAVE_ONNX_PATH"
 
 _FORCE_TORCH = frozenset({"FALLBACK_FORCE_TORCH_FORWARD", "FALLBACK_FORCE_TORCH_BACKWARD"})
 _ALLOW_FALLBACK = frozenset({"FALLBACK_UNSUPPORTED_DEVICE", "FALLBACK_UNSUPPORTED_DATA",
                              "FALLBACK_UNSUPPORTED_TORCH_MODEL", "FALLBACK_UNSUPPORTED_ONNX_MODEL",
                              "FALLBACK_BAD_INITIALIZATION"})
 _POLICIES = frozenset({"FALLBACK_DISABLE"}) | _FORCE_TORCH | _ALLOW_FALLBACK
-# upstream's DEVINFO: onnxruntime's backend at INFO, upstream's own messages at INFO
+# upstream's names, DEVINFO among them (LogLevel's alias of INFO)
 _LOG_LEVELS = dict(LogLevel.__members__)
 
 _WITHOUT_EFFECT = {
@@ -86,13 +87,14 @@ class EnvironmentSettings:
 
     ``fallback``: None when the environment says nothing, else whether a failure to build
     falls back to PyTorch; ``force_torch``: run in PyTorch from the first call;
-    ``log_level``: onnxruntime's severity for the sessions, or None; ``ignored``: the variables
-    set that have no effect, each with why.
+    ``log_level``: onnxruntime's severity for the sessions, or None; ``save_path``: the folder
+    for saved graphs, or None; ``ignored``: the variables set that have no effect, each with why.
     """
 
     fallback: bool | None = None
     force_torch: bool = False
     log_level: LogLevel | None = None
+    save_path: str | None = None
     ignored: dict[str, str] = field(default_factory=dict)
 
 
@@ -108,8 +110,9 @@ def read_environment(environ: Mapping[str, str] | None = None) -> EnvironmentSet
             raise ORTModuleEnvironmentError(f"{LOG_LEVEL_ENV}={environ[LOG_LEVEL_ENV]!r}: expected one of "
                                             f"{', '.join(_LOG_LEVELS)}")
         log_level = _LOG_LEVELS[name]
+    save_path = environ.get(SAVE_PATH_ENV, "").strip() or None
     ignored = {name: why for name, why in _WITHOUT_EFFECT.items() if environ.get(name, "").strip()}
-    return EnvironmentSettings(fallback, force_torch, log_level, ignored)
+    return EnvironmentSettings(fallback, force_torch, log_level, save_path, ignored)
 
 
 def _fallback_policy(value: str | None) -> tuple[bool | None, bool]:

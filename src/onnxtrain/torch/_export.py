@@ -42,8 +42,10 @@ import copy
 import dataclasses
 import itertools
 import logging
+import os
 import re
 import sys
+import traceback
 import warnings
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -673,9 +675,6 @@ def _raising_call(text: str, exc: BaseException) -> str | None:
 def _innermost_user_line(exc: BaseException) -> str | None:
     """"at <file>:<line>: <code>" for the innermost frame of ``exc``'s traceback (or its causes')
     that is neither torch's nor onnxtrain's."""
-    import os
-    import traceback
-
     libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["onnxtrain"]))
     seen = set()
     while exc is not None and id(exc) not in seen:

@@ -100,7 +100,7 @@ class ModuleWrapper(torch.nn.Module):
         own = {n for n in (*dir(type(self)), *self.__dict__) if not n.startswith("_") and n not in base}
         theirs = {*wrapped.__dict__, *wrapped._modules, *wrapped._parameters, *wrapped._buffers,
                   *(n for n in dir(type(wrapped)) if n not in base)}
-        return sorted(n for n in own & theirs if not n.startswith("_"))
+        return sorted(own & theirs)
 
     @property
     def module(self) -> torch.nn.Module:

@@ -122,7 +122,6 @@ class MemoryOptionsError(OnnxTrainError, ValueError):
 
 
 # Where save_onnx writes when no save_path is given (upstream's variable; default: the cwd).
-SAVE_PATH_ENV = "ORTMODULE_SAVE_ONNX_PATH"
 
 
 @dataclass
@@ -461,8 +460,8 @@ class ORTModule(ModuleWrapper):
             debug_options = dataclasses.replace(debug_options, fallback=environment.fallback)
         if environment.log_level is not None:
             debug_options = dataclasses.replace(debug_options, log_level=environment.log_level)
-        if os.environ.get(SAVE_PATH_ENV, "").strip():  # read here, once, and winning too (as upstream)
-            debug_options = dataclasses.replace(debug_options, save_path=os.environ[SAVE_PATH_ENV].strip())
+        if environment.save_path is not None:
+            debug_options = dataclasses.replace(debug_options, save_path=environment.save_path)
         super().__init__(module)
         self._debug = debug_options
         self._dynamic = dynamic

@@ -27,10 +27,10 @@ def infer_output_dtypes(node: ir.Node) -> None:
         dtype = ir.DataType.BOOL
     elif op == "Cast":
         dtype = ir.DataType(attrs["to"].as_int())
-    elif op == "CastLike":
+    elif op in ("CastLike", "Where"):  # the type of input 1 (target_type; the X of Where)
         dtype = node.inputs[1].dtype
-    elif op == "Where":
-        dtype = node.inputs[1].dtype
+    elif op == "OneHot":  # the type of its values
+        dtype = node.inputs[2].dtype
     elif op == "ConstantOfShape":
         value = attrs.get("value")
         dtype = value.as_tensor().dtype if value is not None else ir.DataType.FLOAT

@@ -72,4 +72,18 @@ ROWS: list[Case] = [
          attrs={"axis": 0, "reduction": "min"}, opsets=(18, 23), id="ScatterElements-min"),
     Case("ScatterND", [I(4, 2), C([[1], [1], [3]], np.int64), I(3, 2)], attrs={"reduction": "max"},
          opsets=(18, 23), id="ScatterND-max-rows"),
+    # -- writes of values at indices ---------------------------------------------------------
+    Case("OneHot", [C([[0, 2], [-1, 5]], np.int64), C(np.array(3, np.int64)), I(2)], opsets=(13, 28), precision="float32",
+         id="OneHot-values"),
+    Case("OneHot", [C([1, 0, 1], np.int32), C(np.array([4], np.int32)), I(2)], attrs={"axis": 0}, precision="float32",
+         opsets=(13, 28), id="OneHot-values-axis0"),
+    Case("MaxUnpool", [I(2, 1, 2, 2), C([[[[0, 3], [9, 14]]], [[[16, 19], [26, 31]]]], np.int64)],
+         attrs={"kernel_shape": [2, 2], "strides": [2, 2]}, opsets=(13, 28), id="MaxUnpool"),
+    Case("MaxUnpool", [I(1, 2, 3), C([[[1, 2, 6], [8, 9, 11]]], np.int64), C([1, 2, 7], np.int64)],
+         attrs={"kernel_shape": [2], "strides": [2]}, opsets=(13, 28), id="MaxUnpool-output-shape"),
+    Case("TensorScatter", [I(2, 3, 6, 4), I(2, 3, 2, 4), C([1, 4], np.int64)], opsets=(24, 28),
+         id="TensorScatter-write-indices"),
+    Case("TensorScatter", [I(2, 3, 5), I(2, 3, 3), C([3, 0], np.int64)], attrs={"mode": "circular", "axis": -1},
+         opsets=(24, 28), id="TensorScatter-circular"),
+    Case("TensorScatter", [I(2, 4, 3), I(2, 2, 3)], attrs={"axis": 1}, opsets=(24, 28), id="TensorScatter-prefill"),
 ]

@@ -59,4 +59,10 @@ ROWS: list[Case] = [
     Case("CumSum", [I(2, 4), C(np.array(0, _AXIS))], attrs={"reverse": 1}, id="CumSum-reverse"),
     Case("CumSum", [I(2, 4), C(np.array(1, _AXIS))], attrs={"exclusive": 1, "reverse": 1},
          id="CumSum-exclusive-reverse"),
+    # -- cumulative products (opset 26); inputs with exact zeros: tests/autodiff/test_cumprod.py
+    Case("CumProd", [I(2, "N", 4), C(np.array(1, _AXIS))], opsets=(26, 28), id="CumProd"),
+    Case("CumProd", [I("N", 4), C(np.array(-1, np.int32))], attrs={"exclusive": 1}, opsets=(26, 28),
+         id="CumProd-exclusive"),
+    Case("CumProd", [I(4, 3), C(np.array(0, _AXIS))], attrs={"exclusive": 1, "reverse": 1}, opsets=(26, 28),
+         id="CumProd-exclusive-reverse"),
 ]

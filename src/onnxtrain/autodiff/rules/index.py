@@ -1,4 +1,5 @@
-"""Indexing: Slice, Gather, GatherElements, TopK, GatherND, ScatterND, ScatterElements, Compress.
+"""Indexing: Slice, Gather, GatherElements, TopK, GatherND, ScatterND, ScatterElements, Compress,
+OneHot, MaxUnpool, TensorScatter.
 
 The gradient of a gather is a scatter of ``dy`` into zeros that *adds* where an
 index repeats. Opset 16 gave ScatterND/ScatterElements ``reduction="add"``; for
@@ -277,3 +278,53 @@ def _scatter_elements(ctx):
     if ctx.needs(2):
         d_updates = op.GatherElements(ctx.dy, indices, axis=axis)
     return d_data, None, d_updates
+
+
+# -- writes of values at indices -----------------------------------------------------------
+
+
+@grad("OneHot", versions=(11, None))
+def _one_hot(ctx):
+    # values = [off, on]: "on" fills the hot positions, "off" all the others
+    op, b = ctx.op, ctx.b
+    indices, depth, _ = ctx.inputs
+    hot = op.OneHot(indices, depth, b.const([0, 1], dtype=ctx.dy.dtype), axis=ctx.attr("axis", -1))
+    d_on = b.reduce_sum(op.Mul(ctx.dy, hot), None, keepdims=False)
+    d_off = op.Sub(b.reduce_sum(ctx.dy, None, keepdims=False), d_on)
+    return None, None, op.Concat(b.unsqueeze(d_off, [0]), b.unsqueeze(d_on, [0]), axis=0)
+
+
+@grad("MaxUnpool", versions=(11, None))
+def _max_unpool(ctx):
+    # Y is zeros with X written at flat positions I (over the whole tensor, as MaxPool's
+    # Indices): X reads dY back at them
+    op, b = ctx.op, ctx.b
+    flat_dy = op.Reshape(ctx.dy, b.ints([-1]))
+    return (op.Gather(flat_dy, ctx.inputs[1], axis=0),) + (None,) * (len(ctx.inputs) - 1)
+
+
+@grad("TensorScatter", versions=(24, None))
+def _tensor_scatter(ctx):
+    # present = past with update's rows written along ``axis`` from each batch's write index
+    # (modulo the cache length when circular); the written positions never repeat
+    op, b = ctx.op, ctx.b
+    past, update = ctx.inputs[0], ctx.inputs[1]
+    write_indices = ctx.inputs[2] if len(ctx.inputs) > 2 else None
+    rank = rank_of(past)
+    if rank is None:
+        raise ModelError(f"TensorScatter gradient needs the rank of {past.name!r}")
+    axis = normalize_axis(ctx.attr("axis", -2), rank)
+    axis_index = b.ints([axis])
+    along_axis = [1] * rank
+    along_axis[axis] = -1
+    written = op.Reshape(op.Range(b.scalar_int(0), op.Reshape(op.Gather(op.Shape(update), axis_index, axis=0),
+                                                                b.ints([])), b.scalar_int(1)), b.ints(along_axis))
+    if write_indices is not None:
+        written = op.Add(op.Reshape(op.Cast(write_indices, to=_INT64), b.ints([-1] + [1] * (rank - 1))), written)
+    mode = ctx.attr("mode", "linear")
+    if (mode.decode() if isinstance(mode, bytes) else mode) == "circular":
+        written = op.Mod(written, op.Gather(op.Shape(past), axis_index, axis=0))
+    written = op.Expand(written, op.Shape(update))
+    d_past = op.ScatterElements(ctx.dy, written, b.zeros_like(update), axis=axis) if ctx.needs(0) else None
+    d_update = op.GatherElements(ctx.dy, written, axis=axis) if ctx.needs(1) else None
+    return (d_past, d_update, None)[:len(ctx.inputs)]

@@ -1,4 +1,4 @@
-"""Reductions (Reduce*) and CumSum.
+"""Reductions (Reduce*), CumSum and CumProd.
 
 The reduced axes are an attribute up to opset 17 (12 for ReduceSum) and an optional input
 from opset 18 (13 for ReduceSum). The helpers below read either form, accept axes computed
@@ -145,3 +145,27 @@ def _cumsum(ctx):
     # each input element feeds the outputs after it: the adjoint is the cumsum in the other direction
     reverse = 1 - int(ctx.attr("reverse", 0))
     return (ctx.op.CumSum(ctx.dy, ctx.inputs[1], exclusive=int(ctx.attr("exclusive", 0)), reverse=reverse), None)
+
+
+@grad("CumProd", versions=(26, None))
+def _cumprod(ctx):
+    # Each output is a product over a prefix (in the direction of ``reverse``), so where x has
+    # no zero, dx = adjoint-cumsum(dy * y) / x. Past the first zero every prefix holding x_i
+    # also holds that zero: dx is 0 there. At the first zero itself, dx is the adjoint cumsum
+    # of dy times the products taken with that zero read as 1 (torch.cumprod's gradient too).
+    op, b = ctx.op, ctx.b
+    x, axis = ctx.inputs
+    exclusive, reverse = int(ctx.attr("exclusive", 0)), int(ctx.attr("reverse", 0))
+
+    def adjoint(t):
+        return op.CumSum(t, axis, exclusive=exclusive, reverse=1 - reverse)
+
+    is_zero = op.Equal(x, ctx.like(x, 0.0))
+    zeros_so_far = op.CumSum(op.Cast(is_zero, to=int(ir.DataType.INT32)), axis, reverse=reverse)
+    before = op.Equal(zeros_so_far, b.const(np.array(0, np.int32)))
+    first = op.And(is_zero, op.Equal(zeros_so_far, b.const(np.array(1, np.int32))))
+    one = ctx.like(x, 1.0)
+    d_before = op.Div(adjoint(op.Mul(ctx.dy, ctx.y)), op.Where(before, x, one))
+    skipping_first = op.CumProd(op.Where(first, one, x), axis, exclusive=exclusive, reverse=reverse)
+    d_first = adjoint(op.Mul(ctx.dy, skipping_first))
+    return op.Where(before, d_before, op.Where(first, d_first, ctx.like(x, 0.0))), None

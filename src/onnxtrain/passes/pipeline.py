@@ -26,6 +26,7 @@ from onnxtrain.passes.log_sigmoid import LogSigmoidPass
 from onnxtrain.passes.negative_labels import NegativeLabelsPass
 from onnxtrain.passes.pool_first import PoolBeforeReluPass
 from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
+from onnxtrain.passes.scatter_nd import ReducingScatterNDPass
 from onnxtrain.passes.softmax_guard import SoftmaxNaNGuardPass
 from onnxtrain.passes.split_cross_entropy import SplitCrossEntropyPass
 from onnxtrain.passes.sum_of_squares import SumOfSquaresPass
@@ -51,10 +52,13 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     a shape once folding has evaluated the arithmetic on constants get ONNX shape inference (the
     TorchScript exporter computes shapes that way: passes/fold.py). A ceil-mode pool is written in
     floor mode where the windows stay the same (ONNX's shape inference counts a last window the
-    kernels drop: passes/ceil_pool.py).
+    kernels drop: passes/ceil_pool.py). A reducing ScatterND (index_put with accumulate, an
+    EmbeddingBag's bags) becomes a ScatterElements, which onnxruntime computes exactly with several
+    threads (passes/scatter_nd.py).
     """
     return [InlinePass(), DoubleLayerNormPass(), DoubleTanhGeluPass(), DecomposePass(), NegativeLabelsPass(),
-            CeilModePoolPass(), FoldConstantsPass(), InferMissingShapesPass(), LogSigmoidPass(), SoftmaxNaNGuardPass(),
+            CeilModePoolPass(), FoldConstantsPass(), InferMissingShapesPass(), ReducingScatterNDPass(),
+            LogSigmoidPass(), SoftmaxNaNGuardPass(),
             PoolBeforeReluPass(), ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
 
 
@@ -64,9 +68,11 @@ def after_autodiff() -> list[ir.passes.PassBase]:
     are the better ones; a sum of squares as a sum of products; a sum over leading axes as a
     product with ones; a transposed matrix times a vector as a product with a column, which
     onnxruntime's fused kernel gets right); float16/bfloat16 gradients accumulated by scatters add
-    in float32 (onnxruntime's CPU kernels have no low-precision reduction)."""
+    in float32 (onnxruntime's CPU kernels have no low-precision reduction); a reducing ScatterND
+    some rule or pass made becomes an exact ScatterElements (passes/scatter_nd.py)."""
     return [
         SplitCrossEntropyPass(),
+        ReducingScatterNDPass(),
         FloatAccumulationPass(),
         ColumnVectorProductPass(),
         SumOfSquaresPass(),

@@ -2,8 +2,9 @@
 OneHot, MaxUnpool, TensorScatter.
 
 The gradient of a gather is a scatter of ``dy`` into zeros that *adds* where an
-index repeats. Opset 16 gave ScatterND/ScatterElements ``reduction="add"``; for
-opsets 13-15 the rules sum with a one-hot matrix instead (Equal against a Range,
+index repeats. Opset 16 gave ScatterND/ScatterElements ``reduction="add"`` (the rules add with
+ScatterElements: onnxruntime's reducing ScatterND is not exact with several threads, see
+:mod:`onnxtrain.ir.scatter`); for opsets 13-15 the rules sum with a one-hot matrix instead (Equal against a Range,
 then MatMul or ReduceSum), which is exact but costs memory proportional to
 (number of indices) x (size of the gathered axis). Rules start at opset 13,
 onnxtrain's minimum (``ir.io.MIN_OPSET``).
@@ -17,6 +18,7 @@ import onnx_ir as ir
 from onnxtrain import names
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.errors import ModelError
+from onnxtrain.ir.scatter import scatter_nd_by_elements
 from onnxtrain.ir.shapes import normalize_axis, rank_of
 
 _INT64 = int(ir.DataType.INT64)
@@ -43,31 +45,31 @@ def _prod(ctx: GradContext, dims: ir.Value) -> ir.Value:
 def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.Value, axis: int) -> ir.Value:
     """Adjoint of ``Gather(x, indices, axis)`` for x of runtime shape ``x_shape``.
 
-    x is viewed as [P, D, Q] and dy as [P, K, Q] (K = number of indices); repeated
-    indices accumulate.
+    x is viewed as [P, D, Q] and dy as [P, K, Q] (K = number of indices); repeated indices
+    accumulate, with ``ScatterElements`` (onnxruntime's reducing ScatterND loses repeated
+    updates when its session has several threads: :mod:`onnxtrain.ir.scatter`).
     """
     op, b = ctx.op, ctx.b
     axes = b.ints([axis])
     size = op.Gather(x_shape, axes, axis=0)  # D, as [1]
-    if axis == 0 and ctx.opset >= SCATTER_ADD_OPSET:
-        # an embedding lookup: scatter rows of dy straight into a tensor of x's shape
-        # (no [P, D, Q] view, no Reshape copy of the whole table at the end)
-        index = op.Reshape(_wrap_negative(ctx, indices, size), b.ints([-1, 1]))  # [K, 1]
+    index = _wrap_negative(ctx, indices, size)
+    rank, index_rank = rank_of(dy), rank_of(indices)
+    if axis == 0 and rank is not None and index_rank is not None and ctx.opset >= SCATTER_ADD_OPSET:
+        # an embedding lookup: rows of dy added straight into a tensor of x's shape (no
+        # [P, D, Q] view, no Reshape copy of the whole table at the end)
         rows = op.Concat(b.ints([-1]), op.Slice(x_shape, b.ints([1]), b.ints([_INT64_MAX])), axis=0)
-        return op.ScatterND(_zeros(ctx, x_shape, dy), index, op.Reshape(dy, rows), reduction="add")
+        dy_rows = op.Reshape(dy, rows)  # [K, *x.shape[1:]]
+        row_index = op.Expand(op.Reshape(index, b.ints([-1] + [1] * (rank - index_rank))), op.Shape(dy_rows))
+        return op.ScatterElements(_zeros(ctx, x_shape, dy), row_index, dy_rows, axis=0, reduction="add")
     outer = _prod(ctx, op.Slice(x_shape, b.ints([0]), axes))  # P
     inner = _prod(ctx, op.Slice(op.Slice(x_shape, axes, b.ints([_INT64_MAX])), b.ints([1]), b.ints([_INT64_MAX])))
-    index = op.Reshape(_wrap_negative(ctx, indices, size), b.ints([-1]))  # [K]
+    index = op.Reshape(index, b.ints([-1]))  # [K]
     count = op.Reshape(op.Size(index), b.ints([1]))
     dy3 = op.Reshape(dy, op.Concat(outer, count, inner, axis=0))
     if ctx.opset >= SCATTER_ADD_OPSET:
-        # ScatterND into [P, D, Q] with index pairs (p, index[k]) for every p, k
-        grid = op.Concat(outer, count, b.ints([1]), axis=0)
-        rows = op.Expand(op.Reshape(op.Range(b.scalar_int(0), op.Reshape(outer, b.ints([])), b.scalar_int(1)),
-                                    b.ints([-1, 1, 1])), grid)
-        cols = op.Expand(op.Reshape(index, b.ints([1, -1, 1])), grid)
-        zeros = _zeros(ctx, op.Concat(outer, size, inner, axis=0), dy)
-        dx3 = op.ScatterND(zeros, op.Concat(rows, cols, axis=2), dy3, reduction="add")
+        spread = op.Expand(op.Reshape(index, b.ints([1, -1, 1])), op.Shape(dy3))  # index[k] at [p, k, q]
+        dx3 = op.ScatterElements(_zeros(ctx, op.Concat(outer, size, inner, axis=0), dy), spread, dy3, axis=1,
+                                 reduction="add")
     else:
         classes = op.Range(b.scalar_int(0), op.Reshape(size, b.ints([])), b.scalar_int(1))
         onehot = op.Cast(op.Equal(op.Reshape(index, b.ints([1, -1])), op.Reshape(classes, b.ints([-1, 1]))),
@@ -252,8 +254,11 @@ def _scatter_nd(ctx):
     _, indices, updates = ctx.inputs
     reduction = _scatter_reduction(ctx)
     if reduction in ("max", "min"):
+        depth = indices.shape[-1] if indices.shape is not None and len(indices.shape) else None
+        if not isinstance(depth, int):
+            raise NotImplementedError(f"reduction={reduction!r} with indices of unknown last dim")
         return _extremum_grads(ctx, lambda t: op.GatherND(t, indices),
-                               lambda base, u: op.ScatterND(base, indices, u, reduction="add"))
+                               lambda base, u: scatter_nd_by_elements(ctx.b.add_node, base, indices, u, "add", depth))
     d_data = d_updates = None
     if ctx.needs(0):
         d_data = ctx.dy if reduction == "add" else op.ScatterND(ctx.dy, indices, ctx.b.zeros_like(updates))

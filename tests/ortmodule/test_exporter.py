@@ -1,6 +1,7 @@
 """The export registry ORTModule builds once per process matches torch.onnx's own."""
 
 import copy
+import threading
 
 import pytest
 
@@ -296,3 +297,37 @@ def test_one_module_first_called_in_two_threads_at_once_builds_once():
         torch.testing.assert_close(output, eager(x), rtol=1e-5, atol=1e-6)
     twin = copy.deepcopy(wrapped)  # each copy builds under its own lock
     torch.testing.assert_close(twin(inputs[0]), eager(inputs[0]), rtol=1e-5, atol=1e-6)
+
+
+def test_a_built_module_waits_while_an_export_has_swapped_shared_parameters():
+    """Two models sharing a submodule (tied layers): while one exports, torch's export has fake
+    tensors in the shared parameters' places, and the other, already built, read them ("Cannot
+    access data pointer of Tensor") and exported itself again on their account. It now waits
+    for the export before reading its parameters."""
+    from onnxtrain.torch import DebugOptions, ORTModule
+    from onnxtrain.torch._exporter import EXPORT_LOCK
+
+    shared = _small_model(0)
+    wrapped = ORTModule(torch.nn.Sequential(shared, torch.nn.Linear(4, 2)), DebugOptions(fallback=False))
+    x = torch.randn(8, 16)
+    with torch.no_grad():
+        expected = wrapped(x)
+    linear = shared[0]
+    real_weight = linear.weight
+    done = threading.Event()
+    results = []
+
+    def call():
+        with torch.no_grad():
+            results.append(wrapped(x))
+        done.set()
+
+    with EXPORT_LOCK:  # another thread's export, with the shared weight swapped out
+        linear.weight = torch.nn.Parameter(torch.empty_like(real_weight, device="meta"))
+        thread = threading.Thread(target=call)
+        thread.start()
+        assert not done.wait(0.3)
+        linear.weight = real_weight
+    thread.join(timeout=60)
+    assert wrapped.export_count == 1
+    torch.testing.assert_close(results[0], expected)

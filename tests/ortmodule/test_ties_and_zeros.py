@@ -4,7 +4,9 @@ over every axis exports, ``x ** 0`` has a zero gradient at 0 (0 * 0^-1 was NaN),
 elements and p-norms of a zero vector have a zero gradient (the root's infinite derivative made
 NaN), ``atan2`` keeps PyTorch's signed zeros and a finite gradient on the axes, and attention
 rows masked by -inf everywhere give zeros (they were NaN); a stable sort keeps the order of ties;
-``fmax``/``fmin`` skip NaNs and give ties to their first argument."""
+``fmax``/``fmin`` skip NaNs and give ties to their first argument; ``median()`` shares its
+gradient among tied elements; binary cross entropy on probabilities of exactly 0 and 1 has
+PyTorch's finite gradient (it was NaN)."""
 
 from __future__ import annotations
 
@@ -48,7 +50,10 @@ def _assert_input_gradient_matches(function, x, rtol=None, atol=None):
     lambda x: x.amax(),
     lambda x: x.amin(),
     lambda x: x.amax(dim=(0, 1), keepdim=True),
-], ids=["max dim", "max dim keepdim", "min dim", "max indices", "amax all", "amin all", "amax dims"])
+    lambda x: x.median(),
+    lambda x: (x * 2).median(dim=1).values,
+], ids=["max dim", "max dim keepdim", "min dim", "max indices", "amax all", "amin all", "amax dims", "median all",
+        "median dim"])
 def test_ties(function):
     _assert_input_gradient_matches(function, TIES)
 
@@ -62,7 +67,10 @@ def test_ties(function):
     lambda x: torch.linalg.vector_norm(x, ord=3, dim=1),
     lambda x: torch.linalg.vector_norm(x, ord=0.5),
     lambda x: x.norm(p=4),
-], ids=["pow 0", "pow tensor", "std dim", "std all", "std correction 0", "norm 3", "norm 0.5", "norm 4"])
+    lambda x: torch.std_mean(x, dim=1)[0],
+    lambda x: torch.stack(torch.std_mean(x, dim=0, correction=0, keepdim=True)),
+], ids=["pow 0", "pow tensor", "std dim", "std all", "std correction 0", "norm 3", "norm 0.5", "norm 4", "std_mean dim",
+        "std_mean dim correction 0"])
 def test_zeros(function):
     _assert_input_gradient_matches(function, torch.cat([ZEROS, TIES[:1] - 2.0]))
 
@@ -138,3 +146,24 @@ def test_maxima_of_integers_and_booleans(function):
     x = torch.tensor([[1.5, -2.0, 0.5], [-3.0, 1.0, 0.25], [0.0, -1.0, -0.5]])
     wrapped = ORTModule(_Function(lambda x: function(x) * x.sum()), DebugOptions(fallback=False))
     torch.testing.assert_close(wrapped(x), function(x) * x.sum())
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_binary_cross_entropy_at_probabilities_of_zero_and_one(reduction):
+    """Probabilities clamped to exactly 0 and 1, and given as 0 and 1: the logarithms are clamped
+    at -100 and the gradient is PyTorch's ``(p - t) / max(p (1 - p), 1e-12)``."""
+    target = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.3], [1.0, 0.0, 0.5]])
+    weight = torch.tensor([0.5, 2.0, 1.0])
+    F = torch.nn.functional
+    _assert_input_gradient_matches(lambda x: F.binary_cross_entropy(x.clamp(0.0, 1.0), target, reduction=reduction),
+                                   torch.tensor([[1.5, -0.5, 0.2], [0.0, 1.0, 0.6], [0.9, 0.1, 2.0]]))
+    _assert_input_gradient_matches(lambda x: F.binary_cross_entropy(x, target, weight=weight, reduction=reduction),
+                                   torch.tensor([[1.0, 0.0, 0.25], [0.0, 1.0, 0.6], [0.999, 1e-30, 0.5]]),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_binary_cross_entropy_target_gradient():
+    # (PyTorch's is -logit(p): infinite at p = 0 and 1, where ours is the clamped logarithms' ±100)
+    probabilities = torch.tensor([[0.2, 0.9], [1e-6, 0.999]])
+    F = torch.nn.functional
+    _assert_input_gradient_matches(lambda t: F.binary_cross_entropy(probabilities, t.sigmoid()), torch.randn(2, 2))

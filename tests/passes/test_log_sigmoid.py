@@ -61,3 +61,26 @@ def test_log1p_of_minus_sigmoid_as_binary_cross_entropy_writes_it():
     rewritten, modified = _rewritten(proto)
     assert modified
     np.testing.assert_allclose(run(rewritten, {"x": X})[0], _exact_log_sigmoid(-X), rtol=1e-6, atol=1e-7)
+
+
+def test_low_precision_logarithms_are_computed_in_float32():
+    """A model converted to bfloat16/float16 (``.to(torch.bfloat16)``): the rounded sigmoid is 0
+    from x ~ -9 in bfloat16 and its logarithm -inf (binary cross entropy with logits infinite,
+    its gradient NaN); the softplus forms run in float32 and are rounded once."""
+    import onnx
+
+    for elem, numpy_type in ((TensorProto.BFLOAT16, None), (TensorProto.FLOAT16, np.float16)):
+        proto = _graph(elem=elem)
+        rewritten, modified = _rewritten(proto)
+        assert modified
+        softplus = [n for n in rewritten.graph.node if n.op_type == "Softplus"]
+        assert len(softplus) == 2
+        if numpy_type is None:  # numpy has no bfloat16: check the types the pass wrote
+            casts = [n for n in rewritten.graph.node if n.op_type == "Cast"]
+            assert sorted(onnx.helper.get_attribute_value(c.attribute[0]) for c in casts) == sorted(
+                [TensorProto.FLOAT] * 2 + [TensorProto.BFLOAT16] * 2)
+            continue
+        x = np.array([-30.0, -12.0, -9.0, -5.0, -1.0, -0.1, 0.0, 0.5, 3.0, 9.0, 12.0, 30.0], numpy_type)
+        log_s, log_rest, _ = run(rewritten, {"x": x})
+        np.testing.assert_allclose(log_s.astype(np.float64), _exact_log_sigmoid(x), rtol=2e-3, atol=1e-7)
+        np.testing.assert_allclose(log_rest.astype(np.float64), _exact_log_sigmoid(-x), rtol=2e-3, atol=1e-7)

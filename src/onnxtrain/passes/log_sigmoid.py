@@ -11,9 +11,11 @@ and a NaN gradient for every parameter.
 This pass writes ``Log(Sigmoid(x))`` as ``-Softplus(-x)`` and ``Log(1 - Sigmoid(x))`` (also as
 ``log1p(-sigmoid)``, how ``F.binary_cross_entropy``'s decomposition reads it) as ``-Softplus(x)``,
 which onnxruntime computes without overflow or underflow over the whole range
-(and whose gradients, sigmoids again, are within that absolute accuracy). Float32 only: that is
-where the Sigmoid kernel falls short (its double one is exact), and onnxruntime's CPU provider
-has a float32 Softplus only. Where eager float32 rounds the sigmoid itself to 0 or 1 (|x| above
+(and whose gradients, sigmoids again, are within that absolute accuracy). Float32, and float16
+and bfloat16 computed in float32 (a model converted with ``.to(torch.bfloat16)``: the rounded
+sigmoid is 0 from x ~ -9 in bfloat16, its logarithm -inf, where PyTorch's fused loss stays
+finite; onnxruntime's CPU provider has a float32 Softplus only). Not double: its Sigmoid kernel
+is exact. Where eager float32 rounds the sigmoid itself to 0 or 1 (|x| above
 ~17 or ~88), its logarithm is -inf (``binary_cross_entropy`` clamps it to -100, with a zero
 gradient); the rewritten graph keeps the exact value and gradient there instead. Standard ops,
 so artifacts keep running on any onnxruntime.
@@ -61,25 +63,33 @@ def _complement_input(value: ir.Value | None) -> ir.Value | None:
     return x if x is not None and _is_broadcast_one(one, x) else None
 
 
+_LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
 class LogSigmoidPass(NodeRewritePass):
     """Rewrite float32 ``Log(Sigmoid(x))`` as ``Neg(Softplus(Neg(x)))`` and ``Log(1 - Sigmoid(x))``
-    as ``Neg(Softplus(x))``."""
+    as ``Neg(Softplus(x))`` (float16/bfloat16 ones computed in float32)."""
 
-    def match(self, node: ir.Node, opset: int) -> tuple[ir.Value, bool] | None:
-        if not is_onnx_op(node, "Log") or node.outputs[0].dtype != ir.DataType.FLOAT:
+    def match(self, node: ir.Node, opset: int) -> tuple[ir.Value, bool, ir.DataType] | None:
+        if not is_onnx_op(node, "Log"):
             return None
         argument = node.inputs[0]
-        x = _sigmoid_input(argument)
-        if x is not None:
-            return x, True
-        x = _complement_input(argument)
-        return (x, False) if x is not None else None
+        x, of_sigmoid = _sigmoid_input(argument), True
+        if x is None:
+            x, of_sigmoid = _complement_input(argument), False
+        # the sigmoid's input's type: values a translation made may have none yet
+        dtype = x.dtype if x is not None else None
+        return (x, of_sigmoid, dtype) if dtype in (ir.DataType.FLOAT, *_LOW) else None
 
-    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: tuple[ir.Value, bool]) -> None:
-        x, of_sigmoid = plan
+    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: tuple[ir.Value, bool, ir.DataType]) -> None:
+        x, of_sigmoid, dtype = plan
         new = NewNodes(node, "softplus")
+        old = node.outputs[0]
+        if dtype in _LOW:
+            x = new.add("Cast", [x], {"to": int(ir.DataType.FLOAT)})
         softplus = new.add("Softplus", [new.add("Neg", [x]) if of_sigmoid else x])
         out = new.add("Neg", [softplus])
-        old = node.outputs[0]
-        out.dtype, out.shape = old.dtype, old.shape
+        if dtype in _LOW:
+            out = new.add("Cast", [out], {"to": int(dtype)})
+        out.shape = old.shape  # its type follows from x's (the Log's own may be unknown)
         replace_nodes_and_values(graph, node, [node], new.nodes, [old], [out])

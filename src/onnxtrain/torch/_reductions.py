@@ -11,7 +11,7 @@ the ``ArgMax`` indices, so the gradient goes where PyTorch's goes.
 dim, return NaN where a NaN is among the reduced elements (and its index), as PyTorch: onnxruntime's
 reductions and ArgMax keep a NaN only where it comes first.
 
-``aten.std.correction`` and ``aten.linalg_vector_norm`` of orders other than 0, 1, 2 and ±inf
+``aten.std.correction`` (and ``std_mean``) and ``aten.linalg_vector_norm`` of orders other than 0, 1, 2 and ±inf
 end in a root, whose infinite derivative at 0 times the zero gradient inside made NaN where
 every element is equal (std) or zero (the norm); PyTorch defines the gradient there as 0, and so
 do ours (the root taken of 1 where the value is 0, and 0 chosen).
@@ -130,6 +130,12 @@ def std_correction(x, dim=None, correction=None, keepdim: bool = False):
     count = op.CastLike(op.ReduceProd(sizes, keepdims=0), x)
     variance = op.Div(total, op.Sub(count, op.CastLike(op.Constant(value_float=correction), x)))
     return _root_zero_at_zero(variance, op.Sqrt)
+
+
+def std_mean_correction(x, dim=None, correction=None, keepdim: bool = False):
+    """``aten.std_mean.correction`` (``torch.std_mean``): :func:`std_correction` and the mean (the
+    exporter's plain root gave NaN gradients where every element is equal)."""
+    return std_correction(x, dim, correction, keepdim), _reduce(op.ReduceMean, x, _axes(dim), keepdim)
 
 
 def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):  # noqa: A002 (aten's name)

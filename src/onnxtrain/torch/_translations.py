@@ -501,9 +501,18 @@ def kthvalue(x, k: int, dim: int = -1, keepdim: bool = False):
 
 
 def median(x):
-    """``aten.median.default``: the median of all elements (:func:`median_dim` of the flat tensor)."""
-    value, _ = median_dim(op.Reshape(x, op.Constant(value_ints=[-1])), 0)
-    return value
+    """``aten.median.default``: the median of all elements (:func:`median_dim` of the flat tensor),
+    whose gradient is shared evenly by the elements equal to it (NaNs where it is NaN), as
+    PyTorch's (the median over a dim sends it to the returned index alone)."""
+    flat = op.Reshape(x, op.Constant(value_ints=[-1]))
+    value, _ = median_dim(flat, 0)
+    if not _reductions._may_hold_nan(x):  # integers: no gradient, no NaN
+        return value
+    ties = op.Or(op.Equal(flat, value), op.And(op.IsNaN(flat), op.IsNaN(value)))
+    ties = op.CastLike(ties, x)
+    share = op.Div(ties, op.ReduceSum(ties, keepdims=0))
+    carried = op.ReduceSum(op.Mul(op.Sub(flat, detach(flat)), detach(share)), keepdims=0)  # 0, with the shares
+    return op.Add(detach(value), carried)
 
 
 def cdist(x1, x2, p: float = 2.0, compute_mode=None):
@@ -648,6 +657,43 @@ def _batch_of_one(x):
     out = op.Unsqueeze(x, op.Constant(value_ints=[0]))
     out.type, out.shape = x.type, ir.Shape([1, *x.shape])
     return out
+
+
+def binary_cross_entropy(self, target, weight=None, reduction: int = 1):
+    """``aten.binary_cross_entropy`` (``F.binary_cross_entropy``, ``nn.BCELoss``) on
+    probabilities: ``-(t log p + (1 - t) log(1 - p))`` with each logarithm clamped at -100, as
+    PyTorch's, and PyTorch's gradient ``(p - t) / max(p (1 - p), 1e-12)``: the exporter's
+    decomposition differentiated its clamped logarithms, whose derivative ``1 / p`` is 0 / 0 at a
+    probability of exactly 0 or 1 (a saturated softmax, a clamp), so every parameter's gradient
+    was NaN. The target's gradient is the clamped logarithms' difference: PyTorch's ``-logit(p)``
+    but at probabilities of exactly 0 and 1, where PyTorch's is infinite and ours ±100."""
+    one = _number_like(1.0, self)
+    lowest = _number_like(-100.0, self)
+    producer = self.producer() if isinstance(self, ir.Value) else None
+    if producer is not None and producer.op_type == "Sigmoid" and producer.domain in ("", "ai.onnx"):
+        # of a sigmoid: the logarithms as they are, which passes/log_sigmoid.py writes as softplus
+        # forms, exact where float32's sigmoid saturates (and PyTorch's clamp never binds)
+        loss = op.Neg(op.Add(op.Mul(target, op.Max(op.Log(self), lowest)),
+                             op.Mul(op.Sub(one, target), op.Max(op.Log(op.Sub(one, self)), lowest))))
+        return _reduced_loss(loss, weight, reduction)
+    probability = detach(self)
+    log_p = op.Max(op.Log(probability), lowest)
+    log_q = op.Max(op.Log(op.Sub(one, probability)), lowest)
+    loss = op.Neg(op.Add(op.Mul(target, log_p), op.Mul(op.Sub(one, target), log_q)))
+    slope = op.Div(op.Sub(probability, detach(target)),
+                   op.Max(op.Mul(probability, op.Sub(one, probability)), _number_like(1e-12, self)))
+    loss = op.Add(loss, op.Mul(op.Sub(self, probability), detach(slope)))  # + 0, with the slope as p's gradient
+    return _reduced_loss(loss, weight, reduction)
+
+
+def _reduced_loss(loss, weight, reduction: int):
+    """An elementwise loss times ``weight`` (if any), reduced as aten's ``reduction`` says (0 none,
+    1 mean, 2 sum)."""
+    if weight is not None:
+        loss = op.Mul(loss, weight)
+    if reduction == 0:
+        return loss
+    return op.ReduceSum(loss, keepdims=0) if reduction == 2 else op.ReduceMean(loss, keepdims=0)
 
 
 def cross_entropy_loss(input, target, weight=None, reduction: int = 1, ignore_index: int = -100,
@@ -1499,6 +1545,7 @@ def translation_table() -> dict:
         torch.ops.aten.hardtanh.default: hardtanh,
         torch.ops.aten.relu6.default: relu6,
         torch.ops.aten.cross_entropy_loss.default: cross_entropy_loss,
+        torch.ops.aten.binary_cross_entropy.default: binary_cross_entropy,
         torch.ops.aten.instance_norm.default: instance_norm,
         torch.ops.aten.scatter_reduce.two: scatter_reduce,
         torch.ops.aten.scatter.src: scatter_src,
@@ -1561,6 +1608,7 @@ def translation_table() -> dict:
         torch.ops.aten.amax.default: _reductions.amax,
         torch.ops.aten.amin.default: _reductions.amin,
         torch.ops.aten.std.correction: _reductions.std_correction,
+        torch.ops.aten.std_mean.correction: _reductions.std_mean_correction,
         torch.ops.aten.linalg_vector_norm.default: _reductions.linalg_vector_norm,
         torch.ops.aten._grouped_mm.default: grouped_mm,
         **_nearest.translations(),

@@ -6,9 +6,17 @@ without running anything.
 
 from __future__ import annotations
 
+import math
 import statistics
 
 LOSS_RTOL = 1e-3  # first-step loss of every system vs eager's, relative
+# The first-step loss says nothing of the gradients. A system that applies the same update as
+# another (the same optimizer formula from the same weights and data) must also follow that
+# system's losses over the first steps: a wrong gradient shows there (onnxruntime's racy
+# ScatterND had BERT-mini's ORTModule losses 1.7e-3 off eager's by step 2).
+SAME_UPDATE = {"eager_fused": "eager", "compile": "eager", "ortmodule": "eager", "ortmodule_recompute": "eager",
+               "ondevice": "upstream"}
+TRAJECTORY_RTOL = 1e-3
 
 # status of an aggregated (model, system) entry
 OK, FAILED, ERROR, NO_REF, REFERENCE = "OK", "FAILED", "ERROR", "NO REF", "reference"
@@ -62,6 +70,18 @@ def unsteady_models(cells: list[dict], wanted: int) -> list[str]:
     return list(dict.fromkeys(model for (model, _), (ok, steady) in counts.items() if ok and steady < wanted))
 
 
+def trajectory_agreement(losses: list | None, reference: list | None,
+                         rtol: float = TRAJECTORY_RTOL) -> tuple[bool, float] | None:
+    """(agrees, largest relative difference) of the losses of the first steps both recorded
+    against the reference system's; None when either has no losses after step 0."""
+    pairs = list(zip(losses or [], reference or []))[1:]
+    if not pairs:
+        return None
+    rels = [loss_agreement(loss, ref, rtol)[1] for loss, ref in pairs]
+    worst = float("nan") if any(math.isnan(r) for r in rels) else max(rels)
+    return worst <= rtol, worst
+
+
 def aggregate(cells: list[dict], rtol: float = LOSS_RTOL) -> dict:
     """``{model: {system: entry}}`` over all rounds.
 
@@ -73,8 +93,10 @@ def aggregate(cells: list[dict], rtol: float = LOSS_RTOL) -> dict:
     ratios, the first-step loss check against eager's cell *of the same round*
     (``max_loss_rel``), the first ``losses`` of its first successful round, and ``status``:
     ``reference`` (eager), ``OK``, ``FAILED`` (a first-step loss differs from eager's by
-    more than ``rtol``), ``ERROR`` (no cell succeeded; ``error`` says why) or ``NO REF``
-    (no eager cell to compare with).
+    more than ``rtol``, or the losses of the first steps from those of the system with the same
+    update, ``SAME_UPDATE``, in the same round by more than ``TRAJECTORY_RTOL``:
+    ``max_trajectory_rel`` and ``trajectory_reference``), ``ERROR`` (no cell succeeded;
+    ``error`` says why) or ``NO REF`` (no eager cell to compare with).
     """
     by_key: dict[tuple, list[dict]] = {}
     for cell in cells:
@@ -123,6 +145,7 @@ def aggregate(cells: list[dict], rtol: float = LOSS_RTOL) -> dict:
                     finite = [r for r in rels if r == r]
                     entry.update(status=OK if agree else FAILED,
                                  max_loss_rel=max(finite) if len(finite) == len(rels) else float("nan"))
+                _check_trajectory(entry, good, SAME_UPDATE.get(system), by_key.get((model, SAME_UPDATE.get(system)), []))
             out[model][system] = entry
         eager = out[model].get("eager")
         for system, entry in out[model].items():
@@ -133,6 +156,22 @@ def aggregate(cells: list[dict], rtol: float = LOSS_RTOL) -> dict:
                 entry["ratio_by_round"] = [e / s if e and s else None
                                            for e, s in zip(eager["step_ms_by_round"], entry["step_ms_by_round"])]
     return out
+
+
+def _check_trajectory(entry: dict, good: list[dict], reference: str | None, reference_cells: list[dict]) -> None:
+    """Compare ``good`` cells' first losses with ``reference``'s cell of the same round (see
+    ``SAME_UPDATE``); a mismatch makes the entry ``FAILED``."""
+    by_round = {c.get("round"): c for c in reference_cells if c["status"] == "ok"}
+    checks = [trajectory_agreement(c.get("losses"), by_round[c.get("round")].get("losses"))
+              for c in good if c.get("round") in by_round]
+    checks = [c for c in checks if c is not None]
+    if not checks:
+        return
+    rels = [rel for _, rel in checks]
+    entry["trajectory_reference"] = reference
+    entry["max_trajectory_rel"] = float("nan") if any(math.isnan(r) for r in rels) else max(rels)
+    if not all(ok for ok, _ in checks) and entry["status"] == OK:
+        entry["status"] = FAILED
 
 
 def add_matmul_bound(summary: dict, flops: dict, peak_gflops: float | None) -> None:

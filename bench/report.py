@@ -98,6 +98,8 @@ def _status(entry: dict) -> str:
         return f"ERROR: {error[:160]}"
     rel = entry.get("max_loss_rel")
     rel_text = "" if rel is None else f" (rel. diff {rel:.1e})"
+    if entry.get("trajectory_reference"):
+        rel_text += f"; steps 1+ vs {entry['trajectory_reference']} {entry['max_trajectory_rel']:.1e}"
     if status == analysis.FAILED:
         return f"**FAILED**{rel_text}"
     return f"{status}{rel_text}"
@@ -168,7 +170,9 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               "(the step's FLOPs, counted with `torch.utils.flop_counter.FlopCounterMode` on an eager "
               "forward + backward, divided by the peak matmul rate). *loss check*: the first-step loss "
               f"equals eager's within {analysis.LOSS_RTOL:g} relative in every round (same weights, same "
-              "data, dropout 0), else **FAILED**.", "",
+              "data, dropout 0), and the losses of the steps after it follow those of the system that "
+              f"applies the same update (ORTModule, torch.compile: eager's; on-device: upstream's) within "
+              f"{analysis.TRAJECTORY_RTOL:g} (\"steps 1+\": a wrong gradient shows there), else **FAILED**.", "",
               "The machine is shared with other work (another engineer's test runs), so timings are "
               "noisy; the interleaved rounds spread the drift over all systems alike, and the load probe "
               "keeps cells that ran while outside work held a core out of the medians.", "",

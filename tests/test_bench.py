@@ -98,6 +98,23 @@ def test_peak_rss_of_a_child_process_is_its_own():
     assert float(child.stdout) < 100 < ballast.nbytes / 2**20
 
 
+def test_loss_check_follows_the_losses_after_the_first_step(tiny_cells):
+    """A wrong gradient leaves the first loss alone: the losses of the following steps must follow
+    those of the system that applies the same update (ORTModule: eager's)."""
+    tiny = analysis.aggregate(tiny_cells)["tiny"]
+    assert tiny["ortmodule"]["trajectory_reference"] == "eager"
+    assert tiny["ortmodule"]["max_trajectory_rel"] < analysis.TRAJECTORY_RTOL
+    cells = copy.deepcopy(tiny_cells)
+    off = next(c for c in cells if c["system"] == "ortmodule")
+    off["losses"][2] *= 1.005
+    tiny = analysis.aggregate(cells)["tiny"]
+    assert tiny["ortmodule"]["status"] == analysis.FAILED
+    assert tiny["ortmodule"]["max_loss_rel"] < analysis.LOSS_RTOL  # the first loss still agrees
+    assert "steps 1+ vs eager 5.0e-03" in report._status(tiny["ortmodule"])
+    assert analysis.trajectory_agreement([1.0], [1.0]) is None
+    assert analysis.trajectory_agreement([1.0, 2.0, float("nan")], [1.0, 2.0, 3.0])[0] is False
+
+
 def test_loss_check_flags_a_mismatched_first_loss(tiny_cells):
     cells = copy.deepcopy(tiny_cells)
     bad = next(c for c in cells if c["system"] == "ondevice")

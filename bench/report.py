@@ -170,7 +170,7 @@ def markdown(results: dict, results_dir: Path | None = None) -> str:
               "(the step's FLOPs, counted with `torch.utils.flop_counter.FlopCounterMode` on an eager "
               "forward + backward, divided by the peak matmul rate). *loss check*: the first-step loss "
               f"equals eager's within {analysis.LOSS_RTOL:g} relative in every round (same weights, same "
-              "data, dropout 0), and the losses of the steps after it follow those of the system that "
+              f"data, dropout 0), and the losses of steps 1-{analysis.TRAJECTORY_STEPS - 1} follow those of the system that "
               f"applies the same update (ORTModule, torch.compile: eager's; on-device: upstream's) within "
               f"{analysis.TRAJECTORY_RTOL:g} (\"steps 1+\": a wrong gradient shows there), else **FAILED**.", "",
               "The machine is shared with other work (another engineer's test runs), so timings are "

@@ -1,7 +1,7 @@
 """Large constant fills made at run time, not folded by onnxruntime into initializers.
 
 A gradient graph fills buffers with zeros to scatter into: an embedding's gradient is a
-``ScatterND`` into ``ConstantOfShape([vocab, hidden])``. Its shape is a constant, so
+``ScatterElements`` into ``ConstantOfShape([vocab, hidden])``. Its shape is a constant, so
 onnxruntime's constant folding (which has no size limit) computes the fill when the session is
 created and keeps it as an initializer for the session's lifetime: 31 MB for a BERT vocabulary
 of 30522 x 256, 47 MB at MiniLM's 384, and every run copies it into the scatter's output

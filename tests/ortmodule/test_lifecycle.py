@@ -413,3 +413,28 @@ def test_torch_jit_trace_records_the_wrapped_forward_and_keeps_onnx_runtime():
     torch.testing.assert_close(traced(x), torch.relu(ref(x)))
     assert model.fallback_reason is None and model.export_count == 1
     torch.testing.assert_close(model(x), ref(x))
+
+
+def test_a_deleted_module_leaves_no_traced_graph_behind():
+    """The export traced under saved-tensor hooks that kept tensors as they were: an op saving its
+    own output (ReLU, Tanh) made a cycle through C++ that gc cannot break, so every export's fake
+    autograd graph and fake tensor mode (and tensors the size of the module's buffers) stayed
+    alive after the module was deleted."""
+    import gc
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def fake_modes():
+        gc.collect()
+        return sum(isinstance(o, FakeTensorMode) for o in gc.get_objects())
+
+    def build_and_drop():
+        wrapped = ORTModule(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Tanh()),
+                            DebugOptions(fallback=False))
+        wrapped(torch.randn(4, 8)).sum().backward()
+
+    build_and_drop()
+    before = fake_modes()
+    for _ in range(3):
+        build_and_drop()
+    assert fake_modes() - before < 2

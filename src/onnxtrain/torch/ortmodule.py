@@ -51,8 +51,16 @@ def _has_lazy_parameters(module: torch.nn.Module) -> bool:
                for t in itertools.chain(module.parameters(), module.buffers()))
 
 
+def _detached(tensor: torch.Tensor) -> torch.Tensor:
+    """A saved-tensor pack hook that keeps the tensor without its autograd history: the export's
+    trace never runs backward, and a tensor an op saves of its own output, kept as is, made a
+    reference cycle through C++ that gc cannot break (every export's fake autograd graph and
+    fake tensor mode stayed alive for good: pytorch/pytorch#115255)."""
+    return tensor.detach()
+
+
 def _as_is(tensor: torch.Tensor) -> torch.Tensor:
-    """A saved-tensor hook that keeps the tensor as it is."""
+    """A saved-tensor unpack hook that gives the tensor back as it was packed."""
     return tensor
 
 
@@ -569,7 +577,7 @@ class ORTModule(ModuleWrapper):
             # the export's own tracing saves tensors for autograd: not under the caller's saved-tensor
             # hooks (non-reentrant activation checkpointing counts what a forward saves, and the
             # recomputed forward, with the graphs built, would save fewer)
-            with self._building, torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+            with self._building, torch.autograd.graph.saved_tensors_hooks(_detached, _as_is):
                 variant, inputs, training, runner = self._prepare(call)
         except OnnxTrainError as exc:
             if not self._debug.fallback:

@@ -108,3 +108,28 @@ def test_embedding_gradient_over_repeated_tokens_is_exact_with_threads():
     for _ in range(_REPEATS):
         dx, = session.run(None, {"ids": ids, "seed": seed_value})
         np.testing.assert_allclose(dx, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_a_position_embeddings_gradient_folds_quietly(caplog):
+    """Constant indices (a position embedding's arange): the folder cannot fold the sort's
+    two-output TopK and warned once per embedding on every export; it is left to onnxruntime."""
+    import logging
+
+    from onnxtrain.passes import pipeline
+
+    table = np.arange(24, dtype=np.float32).reshape(6, 4)
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "positions"], ["rows"])], "positions", [],
+                              [helper.make_tensor_value_info("rows", TensorProto.FLOAT, [3, 4])],
+                              [numpy_helper.from_array(table, "table"),
+                               numpy_helper.from_array(np.array([0, 1, 1], np.int64), "positions")])
+    model = io.load_model(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    weight = model.graph.initializers["table"]
+    loss = GraphBuilder(model.graph).op.ReduceSum(model.graph.outputs[0], keepdims=0)
+    gradient = build_gradients(model.graph, loss, [weight])[weight]
+    model.graph.outputs.clear()
+    model.graph.outputs.append(gradient)
+    with caplog.at_level(logging.WARNING):
+        pipeline.run(model, pipeline.after_autodiff())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    dx, = ort.InferenceSession(io.serialize(model), providers=["CPUExecutionProvider"]).run(None, {})
+    np.testing.assert_array_equal(dx, [[1] * 4, [2] * 4] + [[0] * 4] * 4)

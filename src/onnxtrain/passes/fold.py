@@ -12,9 +12,11 @@ from onnxtrain import names
 logger = logging.getLogger(__name__)
 
 # Ops never folded: random ops must stay random per run; an empty sequence cannot be an
-# initializer (the folder would only log that it skips it).
+# initializer, and the folder cannot fold TopK's two outputs (for both it would only log a
+# warning that it skips them: an embedding's gradient sorts its indices with a TopK, constant
+# for a position embedding). onnxruntime folds such a TopK when it creates the session.
 _NEVER_FOLD = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-                         "Multinomial", "Bernoulli", "SequenceEmpty"})
+                         "Multinomial", "Bernoulli", "SequenceEmpty", "TopK"})
 
 
 # what a stop-gradient Identity is called while the folder runs: the folder forwards every

@@ -84,3 +84,22 @@ def test_a_count_known_at_run_time_repeats_along_the_given_dim():
         loss.backward()
         expected.backward()
         torch.testing.assert_close(wrapped.module.lin.weight.grad, eager.lin.weight.grad, rtol=1e-5, atol=1e-4)
+
+
+class _RepeatAll(torch.nn.Module):
+    def __init__(self, repeats, dim):
+        super().__init__()
+        self.repeats, self.dim = repeats, dim
+        self.weight = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return torch.repeat_interleave(x * self.weight, torch.tensor(self.repeats), dim=self.dim)
+
+
+@pytest.mark.parametrize(("repeats", "dim"), [(2, 1), ([3], 0), (2, None), (2, -1)])
+def test_one_count_in_a_tensor_repeats_every_entry(repeats, dim):
+    """``repeat_interleave(x, torch.tensor(2), dim)``: one count for every entry, as PyTorch
+    broadcasts it (the graph repeated the first entry only, silently: (2, 2) for (2, 6))."""
+    eager = _RepeatAll(repeats, dim)
+    wrapped = ORTModule(_RepeatAll(repeats, dim), debug_options=DebugOptions(fallback=False))
+    assert_steps_match(eager, wrapped, torch.randn(2, 3))

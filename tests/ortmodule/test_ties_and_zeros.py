@@ -51,8 +51,9 @@ def _assert_input_gradient_matches(function, x, rtol=None, atol=None):
     lambda x: x.amin(),
     lambda x: x.amax(dim=(0, 1), keepdim=True),
     lambda x: x.median(),
+    lambda x: torch.cat([x.reshape(-1), torch.tensor([float("inf"), -float("inf")])]).median(),
     lambda x: (x * 2).median(dim=1).values,
-], ids=["max dim", "max dim keepdim", "min dim", "max indices", "amax all", "amin all", "amax dims", "median all",
+], ids=["max dim", "max dim keepdim", "min dim", "max indices", "amax all", "amin all", "amax dims", "median all", "median all with infinities",
         "median dim"])
 def test_ties(function):
     _assert_input_gradient_matches(function, TIES)
@@ -67,9 +68,11 @@ def test_ties(function):
     lambda x: torch.linalg.vector_norm(x, ord=3, dim=1),
     lambda x: torch.linalg.vector_norm(x, ord=0.5),
     lambda x: x.norm(p=4),
+    lambda x: x / x.norm(keepdim=True),
+    lambda x: torch.linalg.vector_norm(x, ord=3, keepdim=True),
     lambda x: torch.std_mean(x, dim=1)[0],
     lambda x: torch.stack(torch.std_mean(x, dim=0, correction=0, keepdim=True)),
-], ids=["pow 0", "pow tensor", "std dim", "std all", "std correction 0", "norm 3", "norm 0.5", "norm 4", "std_mean dim",
+], ids=["pow 0", "pow tensor", "std dim", "std all", "std correction 0", "norm 3", "norm 0.5", "norm 4", "norm keepdim", "norm 3 keepdim", "std_mean dim",
         "std_mean dim correction 0"])
 def test_zeros(function):
     _assert_input_gradient_matches(function, torch.cat([ZEROS, TIES[:1] - 2.0]))
@@ -167,3 +170,11 @@ def test_binary_cross_entropy_target_gradient():
     probabilities = torch.tensor([[0.2, 0.9], [1e-6, 0.999]])
     F = torch.nn.functional
     _assert_input_gradient_matches(lambda t: F.binary_cross_entropy(probabilities, t.sigmoid()), torch.randn(2, 2))
+
+
+def test_binary_cross_entropy_of_a_saturated_float64_sigmoid():
+    """float64: 1 - sigmoid(40) is 0 and its logarithm's gradient 0 * inf (NaN where PyTorch gives 0)."""
+    z = torch.tensor([40.0, -40.0, 0.3, -2.0], dtype=torch.float64)
+    t = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
+    F = torch.nn.functional
+    _assert_input_gradient_matches(lambda x: F.binary_cross_entropy(torch.sigmoid(x), t), z)

@@ -144,10 +144,7 @@ def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):
     zero vector (the exporter's root gave NaN there), and for orders below 1 at zero elements."""
     if dtype is not None and dtype != -1:
         x = op.Cast(x, to=dtype)
-    if dim is None:
-        x = op.Reshape(x, op.Constant(value_ints=[-1]))
-        keepdim = False
-    axes = _axes(dim)
+    axes = _axes(dim)  # None: every axis (kept as 1s with keepdim, as PyTorch's)
     ord = float(ord)
     if math.isinf(ord):
         return _reduce(op.ReduceMax if ord > 0 else op.ReduceMin, op.Abs(x), axes, keepdim)

@@ -511,7 +511,8 @@ def median(x):
     ties = op.Or(op.Equal(flat, value), op.And(op.IsNaN(flat), op.IsNaN(value)))
     ties = op.CastLike(ties, x)
     share = op.Div(ties, op.ReduceSum(ties, keepdims=0))
-    carried = op.ReduceSum(op.Mul(op.Sub(flat, detach(flat)), detach(share)), keepdims=0)  # 0, with the shares
+    finite = op.Where(op.IsInf(flat), op.CastLike(op.Constant(value_float=0.0), x), flat)  # inf - inf is NaN
+    carried = op.ReduceSum(op.Mul(op.Sub(finite, detach(finite)), detach(share)), keepdims=0)  # 0, with the shares
     return op.Add(detach(value), carried)
 
 
@@ -670,9 +671,11 @@ def binary_cross_entropy(self, target, weight=None, reduction: int = 1):
     one = _number_like(1.0, self)
     lowest = _number_like(-100.0, self)
     producer = self.producer() if isinstance(self, ir.Value) else None
-    if producer is not None and producer.op_type == "Sigmoid" and producer.domain in ("", "ai.onnx"):
+    if (producer is not None and producer.op_type == "Sigmoid" and producer.domain in ("", "ai.onnx")
+            and self.dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)):
         # of a sigmoid: the logarithms as they are, which passes/log_sigmoid.py writes as softplus
-        # forms, exact where float32's sigmoid saturates (and PyTorch's clamp never binds)
+        # forms, exact where float32's sigmoid saturates (and PyTorch's clamp never binds); not
+        # float64, which that pass leaves alone (its 1 - sigmoid is 0 from 37 on: a NaN gradient)
         loss = op.Neg(op.Add(op.Mul(target, op.Max(op.Log(self), lowest)),
                              op.Mul(op.Sub(one, target), op.Max(op.Log(op.Sub(one, self)), lowest))))
         return _reduced_loss(loss, weight, reduction)
@@ -1262,10 +1265,15 @@ def einsum(equation: str, tensors, path=None):
 
 def repeat_interleave_self_tensor(self, repeats, dim=None, output_size=None):
     """``aten.repeat_interleave.self_Tensor``: ``self``'s entries along ``dim`` (the flattened
-    tensor without one), each repeated as ``repeats`` says, gathered. torchlib's repeated along
-    the first axis whatever ``dim`` was, and took no ``output_size`` (a hint the graph needs not)."""
+    tensor without one), each repeated as ``repeats`` says (one count: all of them), gathered.
+    torchlib's repeated along the first axis whatever ``dim`` was, and took no ``output_size``
+    (a hint the graph needs not)."""
     if dim is None:
         self, dim = op.Reshape(self, op.Constant(value_ints=[-1])), 0
+    else:
+        dim %= len(self.shape)
+    # one count for every entry (a single count, a 0-d or 1-element tensor, repeats them all)
+    repeats = op.Expand(op.Reshape(repeats, op.Constant(value_ints=[-1])), op.Shape(self, start=dim, end=dim + 1))
     return op.Gather(self, _repeated_positions(repeats), axis=dim)
 
 

@@ -134,3 +134,11 @@ def test_binary_cross_entropy_of_a_sigmoid_is_exact_where_float32_saturates():
     exact_grad = ((torch.sigmoid(x.double()) - t.double()) * x.double()).sum()
     torch.testing.assert_close(got.detach().double(), exact, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got_grad.double(), exact_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("function", [torch.erfc, torch.special.erfcx, torch.special.log_ndtr],
+                         ids=["erfc", "erfcx", "log_ndtr"])
+def test_gradient_at_exactly_zero(function):
+    """The fitted forms read |x|, whose derivative (Abs's) is 0 at 0: the gradient there was 0."""
+    x = torch.tensor([0.0, 0.0, -0.0, 0.5])
+    _assert_matches_eager(lambda x, y: function(x), x, x)

@@ -178,3 +178,13 @@ def test_binary_cross_entropy_of_a_saturated_float64_sigmoid():
     t = torch.tensor([1.0, 0.0, 1.0, 0.0], dtype=torch.float64)
     F = torch.nn.functional
     _assert_input_gradient_matches(lambda x: F.binary_cross_entropy(torch.sigmoid(x), t), z)
+
+
+@pytest.mark.parametrize("p", [3.0, 1.5, 0.5])
+def test_distances_of_other_orders_at_zero(p):
+    """cdist and pdist of orders other than 0, 1, 2 and inf end in a root, whose infinite
+    derivative at a zero distance made every gradient NaN (pdist picks from cdist(x, x), whose
+    diagonal is zero); PyTorch's gradient there is 0."""
+    points = torch.tensor([[0.0, 1.0], [2.0, -1.0], [0.0, 1.0], [1.5, 0.5]])
+    _assert_input_gradient_matches(lambda x: torch.nn.functional.pdist(x, p), points, rtol=1e-5, atol=1e-5)
+    _assert_input_gradient_matches(lambda x: torch.cdist(x, points[:2], p), points, rtol=1e-5, atol=1e-5)

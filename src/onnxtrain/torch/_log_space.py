@@ -118,10 +118,16 @@ def _erfc_scaled(z, like):
     return t, polynomial
 
 
+def _magnitude(x, like):
+    """``|x|`` with the derivative 1 at 0 (Abs's is 0 there, which made erfc's gradient at exactly
+    0 vanish where PyTorch's is -2/sqrt(pi))."""
+    return op.Where(op.Less(x, _like(like, 0.0)), op.Neg(x), x)
+
+
 def erfc(x, like=None):
     """``aten.erfc``: the fitted form for ``x >= 0``, ``2 - erfc(-x)`` below."""
     like = x if like is None else like
-    z = op.Abs(x)
+    z = _magnitude(x, like)
     t, polynomial = _erfc_scaled(z, like)
     upper = op.Mul(t, op.Exp(op.Sub(polynomial, op.Mul(z, z))))
     return op.Where(op.Less(x, _like(like, 0.0)), op.Sub(_like(like, 2.0), upper), upper)
@@ -133,7 +139,7 @@ def erfcx(x, like=None):
     gradient; the exponential reads 0 for x >= 0, so it cannot overflow into the gradient there)."""
     like = x if like is None else like
     zero = _like(like, 0.0)
-    t, polynomial = _erfc_scaled(op.Abs(x), like)
+    t, polynomial = _erfc_scaled(_magnitude(x, like), like)
     upper = op.Mul(t, op.Exp(polynomial))
     x_below = op.Min(x, zero)
     below = op.Sub(op.Mul(_like(like, 2.0), op.Exp(op.Mul(x_below, x_below))), upper)

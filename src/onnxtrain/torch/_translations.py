@@ -534,8 +534,15 @@ def cdist(x1, x2, p: float = 2.0, compute_mode=None):
                               difference)
         return op.ReduceSum(nonzero, last, keepdims=0)
     order = _number_like(p, difference)
-    summed = op.ReduceSum(op.Pow(op.Abs(difference), order), last, keepdims=0)
-    return op.Pow(summed, op.Div(_number_like(1.0, difference), order))
+    magnitude = op.Abs(difference)
+    if 0 < p < 1:  # |d|^p's derivative is infinite at 0: PyTorch's gradient there is 0
+        powers = _reductions._root_zero_at_zero(magnitude, lambda value: op.Pow(value, order))
+    else:
+        powers = op.Pow(magnitude, order)
+    summed = op.ReduceSum(powers, last, keepdims=0)
+    # the root's derivative is infinite at a zero distance (pdist's diagonal, equal points)
+    inverse = op.Div(_number_like(1.0, difference), order)
+    return _reductions._root_zero_at_zero(summed, lambda value: op.Pow(value, inverse))
 
 
 def pdist(x, p: float = 2.0):

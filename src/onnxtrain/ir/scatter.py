@@ -8,7 +8,7 @@ repeated tokens came out 5-40% off; microsoft/onnxruntime issue 18048). Its ``Sc
 kernel walks the updates in one thread and is exact. So a reducing ``ScatterND`` is written as
 a ``ScatterElements`` along the first axis of a ``[rows, slice]`` view of its data, the rows
 being the positions its index tuples name (:func:`scatter_nd_by_elements`); gradient rules
-scatter with ``ScatterElements`` directly.
+add with ``ScatterElements`` directly, or sort (an embedding's rows: autodiff/rules/index.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections.abc import Callable
 import numpy as np
 import onnx_ir as ir
 
-_INT64 = int(ir.DataType.INT64)
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 AddNode = Callable[..., ir.Value]  # add(op_type, inputs, attributes) -> the node's output

@@ -1,13 +1,13 @@
 """Indexing: Slice, Gather, GatherElements, TopK, GatherND, ScatterND, ScatterElements, Compress,
 OneHot, MaxUnpool, TensorScatter.
 
-The gradient of a gather is a scatter of ``dy`` into zeros that *adds* where an
-index repeats. Opset 16 gave ScatterND/ScatterElements ``reduction="add"`` (the rules add with
-ScatterElements: onnxruntime's reducing ScatterND is not exact with several threads, see
-:mod:`onnxtrain.ir.scatter`); for opsets 13-15 the rules sum with a one-hot matrix instead (Equal against a Range,
-then MatMul or ReduceSum), which is exact but costs memory proportional to
-(number of indices) x (size of the gathered axis). Rules start at opset 13,
-onnxtrain's minimum (``ir.io.MIN_OPSET``).
+The gradient of a gather is a scatter of ``dy`` into zeros that *adds* where an index repeats.
+onnxruntime's reducing ScatterND is not exact with several threads (:mod:`onnxtrain.ir.scatter`),
+so an embedding's rows (a Gather along axis 0) are summed by sorting (:func:`_row_sums`), and
+other gathers add with ScatterElements ``reduction="add"`` (opset 16+); for opsets 13-15 those
+sum with a one-hot matrix instead (Equal against a Range, then MatMul or ReduceSum), which is
+exact but costs memory proportional to (number of indices) x (size of the gathered axis). Rules
+start at opset 13, onnxtrain's minimum (``ir.io.MIN_OPSET``).
 """
 
 from __future__ import annotations

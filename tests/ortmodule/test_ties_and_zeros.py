@@ -188,3 +188,16 @@ def test_distances_of_other_orders_at_zero(p):
     points = torch.tensor([[0.0, 1.0], [2.0, -1.0], [0.0, 1.0], [1.5, 0.5]])
     _assert_input_gradient_matches(lambda x: torch.nn.functional.pdist(x, p), points, rtol=1e-5, atol=1e-5)
     _assert_input_gradient_matches(lambda x: torch.cdist(x, points[:2], p), points, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("function", [
+    lambda t: torch.cummax(t, 1), lambda t: torch.cummin(t, 1), lambda t: torch.cummax(t > 2, 1),
+    lambda t: torch.fmax(t, t.flip(1)), lambda t: torch.fmin(t, t.flip(1)),
+], ids=["cummax", "cummin", "cummax bool", "fmax", "fmin"])
+def test_nan_aware_translations_of_integers(function):
+    """Integers and booleans hold no NaN: IsNaN refuses them, and the graph did not load."""
+    t = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
+    expected = function(t)
+    got = ORTModule(_Function(function), DebugOptions(fallback=False))(t)
+    for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
+        assert torch.equal(e, g)

@@ -447,10 +447,16 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     return op.Mul(out, factor) if rows is not None else out
 
 
+def _is_nan(x, like=None):
+    """``IsNaN(x)``, all false where ``like`` (``x`` by default: a value of the same type) is an
+    integer or boolean tensor (they hold no NaN, and IsNaN refuses them)."""
+    return op.IsNaN(x) if _reductions._may_hold_nan(x if like is None else like) else op.Not(op.Equal(x, x))
+
+
 def _nan_ignoring(a, b, keeps_a):
     """``a`` where ``keeps_a(a, b)`` or ``b`` is NaN, else ``b``: one ``Where``, whose gradient goes
     to the argument it picks."""
-    return op.Where(op.Or(keeps_a(a, b), op.IsNaN(b)), a, b)
+    return op.Where(op.Or(keeps_a(a, b), _is_nan(b, a)), a, b)
 
 
 def fmax(a, b):
@@ -1103,12 +1109,12 @@ def _running_extreme(x, dim: int, larger: bool):
         raise NotImplementedError("torch.cummax / cummin need a static length along their dim")
     positions = op.Range(op.Constant(value_int=0), op.Constant(value_int=length), op.Constant(value_int=1))
     index = op.Expand(op.Reshape(positions, op.Constant(value_ints=[length] + [1] * (rank - 1 - axis))), op.Shape(x))
-    value = x
+    value = op.Cast(x, to=ir.DataType.INT32) if x.dtype == ir.DataType.BOOL else x  # Greater takes no bool
     shift = 1
     while shift < length:
         before, before_index = (_moved_on(t, shift, length, axis) for t in (value, index))
         beyond = op.Greater(before, value) if larger else op.Less(before, value)
-        take = op.And(op.Or(beyond, op.IsNaN(before)), op.Not(op.IsNaN(value)))
+        take = op.And(op.Or(beyond, _is_nan(before, x)), op.Not(_is_nan(value, x)))
         value, index = op.Where(take, before, value), op.Where(take, before_index, index)
         shift *= 2
     return op.GatherElements(x, index, axis=axis), index

@@ -274,7 +274,8 @@ class _MaskedSelect(nn.Module):
 
 
 class _LinearAlgebra(nn.Module):
-    """torch.linalg.inv / torch.inverse, torch.linalg.solve (matrices, vectors, left=False) and
+    """torch.linalg.inv / torch.inverse, torch.linalg.solve (matrices, vectors, a matrix shared by
+    the batch, left=False) and
     torch.linalg.det, batched (the exporter has no translation of the first two; Det had no rule)."""
 
     def __init__(self):
@@ -286,7 +287,8 @@ class _LinearAlgebra(nn.Module):
         inverse = torch.linalg.inv(a)
         solved = torch.linalg.solve(a, x[..., :2]) + torch.linalg.solve(a, x[..., 0:1, :], left=False).mT[..., :2]
         vector = torch.linalg.solve(a, x[..., 0])
-        return (inverse.sum(-1) + a.inverse().mean(-2) + solved.sum(-1) + vector
+        shared = torch.linalg.solve(a, x[0, :, :2])  # one [4, 2] right-hand side for the batch: matrices
+        return (inverse.sum(-1) + a.inverse().mean(-2) + solved.sum(-1) + vector + shared.sum(-1)
                 + torch.linalg.det(a).unsqueeze(-1) * 0.1)
 
 

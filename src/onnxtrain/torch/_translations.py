@@ -1390,9 +1390,11 @@ def linalg_det(matrix):
 def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False):
     """``aten._linalg_solve_ex`` (``torch.linalg.solve``): ``A^-1 B`` (``B A^-1`` with
     ``left=False``) through ``com.microsoft.Inverse``: less accurate than an LU solve for
-    ill-conditioned ``A``. ``B`` is a batch of vectors when it has one axis less than ``A``."""
+    ill-conditioned ``A``. ``B`` is a batch of vectors when its shape is ``A``'s without the last
+    axis, as PyTorch decides (one axis less alone is not enough: ``A`` of ``[2, 3, 3]`` and ``B`` of
+    ``[3, 4]`` is a matrix broadcast over the batch)."""
     inverse = _inverse(matrix)
-    if len(other.shape) == len(matrix.shape) - 1:  # vectors
+    if len(other.shape) == 1 or tuple(other.shape) == tuple(matrix.shape)[:-1]:  # vectors
         axis = op.Constant(value_ints=[-1 if left else -2])
         result = op.Squeeze(op.MatMul(inverse, op.Unsqueeze(other, axis)) if left
                             else op.MatMul(op.Unsqueeze(other, axis), inverse), axis)

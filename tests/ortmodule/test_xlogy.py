@@ -45,3 +45,19 @@ def test_values_and_gradients_are_pytorchs_where_x_is_zero(name):
         # where x is 0 and y ends the log's domain PyTorch's x / y is 0 / 0 (NaN); ours 0
         keep = ~((torch.tensor(X) == 0) & torch.isnan(expected_dy))
         torch.testing.assert_close(dy[keep], expected_dy[keep], equal_nan=True)
+
+
+@pytest.mark.parametrize("function", [torch.xlogy, torch.special.xlog1py], ids=["xlogy", "xlog1py"])
+@pytest.mark.parametrize("integer", ["x", "y", "both"])
+def test_integer_arguments_are_promoted(function, integer):
+    """An integer argument takes the other's floating type (both integers: float32), as PyTorch:
+    the graph cast the float one to the integer type (Log of an integer tensor did not load)."""
+    x, y = torch.tensor([0.0, 1.0, 2.0, 3.0]), torch.tensor([0.5, 1.0, 2.5, 3.0])
+    if integer in ("x", "both"):
+        x = x.long()
+    if integer in ("y", "both"):
+        y = y.long()
+    expected = function(x, y)
+    got = ORTModule(_Function(function), DebugOptions(fallback=False))(x, y)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected)

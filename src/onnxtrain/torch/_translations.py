@@ -302,8 +302,14 @@ def _x_log(x, y, log, lowest: float):
     (NaN where ``y`` is), the gradient to ``x`` ``log(y)`` there too (0 where ``y <= lowest``, the
     log's domain ending), to ``y`` ``x / y``. The exporter's ``Where(x == 0, x, x * log(y))`` gave
     ``x`` a gradient of 1 where it is 0; the branch not taken reads a safe ``y``, so that its
-    gradient has no NaN to leak."""
-    y = op.CastLike(y, x)
+    gradient has no NaN to leak. An integer argument is taken to the other's floating type (both
+    integers: float32), as PyTorch promotes them."""
+    if _reductions._may_hold_nan(x):
+        y = op.CastLike(y, x)
+    elif _reductions._may_hold_nan(y):
+        x = op.CastLike(x, y)
+    else:
+        x, y = op.Cast(x, to=ir.DataType.FLOAT), op.Cast(y, to=ir.DataType.FLOAT)
     at_zero = op.And(op.Equal(x, _number_like(0.0, x)), op.Not(op.IsNaN(y)))
     below = op.LessOrEqual(y, _number_like(lowest, y))
     log_at_zero = detach(op.Where(below, _number_like(0.0, y), log(op.Where(below, _number_like(lowest + 1.0, y), y))))

@@ -201,3 +201,15 @@ def test_nan_aware_translations_of_integers(function):
     got = ORTModule(_Function(function), DebugOptions(fallback=False))(t)
     for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
         assert torch.equal(e, g)
+
+
+@pytest.mark.parametrize("function", [
+    lambda base, index, src: torch.scatter(base, 1, index, src),
+    lambda base, index, src: torch.scatter_add(base, 1, index, src),
+], ids=["scatter", "scatter_add"])
+def test_a_scatter_from_a_constant_larger_than_its_index(function):
+    """PyTorch reads only the part of ``src`` the index covers; a ``src`` that needs no gradient
+    (a constant) cut to it had no shape, and the export raised a TypeError."""
+    index = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    src = torch.arange(10.0).reshape(2, 5)
+    _assert_input_gradient_matches(lambda base: function(base, index, src), torch.randn(2, 5))

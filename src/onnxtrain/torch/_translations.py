@@ -357,7 +357,10 @@ def _src_like_index(src, index):
     if src.shape is not None and index.shape is not None and list(src.shape) == list(index.shape):
         return src
     rank = len(index.shape)
-    return op.Slice(src, op.Constant(value_ints=[0] * rank), op.Shape(index), op.Constant(value_ints=list(range(rank))))
+    out = op.Slice(src, op.Constant(value_ints=[0] * rank), op.Shape(index), op.Constant(value_ints=list(range(rank))))
+    # torchlib's scatter reads the rank and type (not inferred here where src needs no gradient)
+    out.type, out.shape = src.type, ir.Shape(list(index.shape))
+    return out
 
 
 def scatter_src(self, dim: int, index, src):

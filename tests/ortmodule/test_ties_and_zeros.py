@@ -213,3 +213,14 @@ def test_a_scatter_from_a_constant_larger_than_its_index(function):
     index = torch.tensor([[0, 1, 2], [1, 2, 3]])
     src = torch.arange(10.0).reshape(2, 5)
     _assert_input_gradient_matches(lambda base: function(base, index, src), torch.randn(2, 5))
+
+
+def test_atan2_of_infinite_and_huge_arguments():
+    """The gradient's carrier multiplied the arguments (x * y - y * x): NaN values for an infinite
+    argument or beyond ~1e19 in float32 (PyTorch's values; its gradients are NaN at infinities)."""
+    y = torch.tensor([float("inf"), 0.0, -float("inf"), 3.0])
+    x = torch.tensor([1.0, float("inf"), 2.0, -4.0])
+    got = ORTModule(_Function(lambda v: torch.atan2(v, x)), DebugOptions(fallback=False))(y)
+    torch.testing.assert_close(got, torch.atan2(y, x))
+    huge = torch.tensor([1e20, -3e19, 2.0, 5e19])
+    _assert_input_gradient_matches(lambda v: torch.atan2(v, huge.flip(0)), huge, rtol=1e-6, atol=1e-6)

@@ -594,10 +594,14 @@ def atan2(y, x):
     angle = op.Where(on_y_axis, op.Where(above, half_pi, op.Neg(half_pi)), angle)
     at_origin = op.Where(_upper_half(x), zero, op.Where(above, pi, op.Neg(pi)))
     angle = op.Where(op.And(on_y_axis, op.Equal(y, zero)), at_origin, angle)
+    # the gradient carried by (v - detach(v)) terms, exactly 0 for finite v; an infinite argument
+    # carries none (PyTorch's derivatives are 0 there), and x * y - y * x overflowed beyond ~1e19
+    x, y = (op.Where(op.IsInf(v), zero, v) for v in (x, y))
     squared = op.Add(op.Mul(x, x), op.Mul(y, y))
-    safe = detach(op.Where(op.Equal(squared, zero), _like(y, 1.0), squared))
-    carrier = op.Div(op.Sub(op.Mul(detach(x), y), op.Mul(detach(y), x)), safe)
-    return _value_with_gradient(angle, carrier)
+    safe = op.Where(op.Equal(squared, zero), _like(y, 1.0), squared)
+    carrier = op.Sub(op.Mul(op.Sub(y, detach(y)), detach(op.Div(x, safe))),
+                     op.Mul(op.Sub(x, detach(x)), detach(op.Div(y, safe))))
+    return op.Add(detach(angle), carrier)
 
 
 def _avg_pool_divided(x, kernel_size, stride, padding, ceil_mode: bool, count_include_pad: bool,

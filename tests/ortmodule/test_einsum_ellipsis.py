@@ -27,6 +27,9 @@ class _Einsum(torch.nn.Module):
     ("...ij,...jk->...ik", (3, 2, 2, 4), (2, 4, 3)),  # a batch of 3 x 2 against one of 2
     ("...ij,...jk->...ik", (2, 4), (3, 4, 5)),  # the other way round
     ("b...d,...d->b...", (2, 3, 5, 4), (5, 4)),
+    ("...i,...i->i", (2, 3, 4), (3, 4)),  # the ellipsis summed away (onnxruntime failed the run)
+    ("...ij,jk", (2, 3, 4), (4, 5)),  # implicit output: the ellipsis first, then i and k
+    ("ij...,j", (3, 4, 2), (4,)),
 ])
 def test_ellipses_of_different_ranks_train_as_eager(equation, x_shape, weight_shape):
     torch.manual_seed(0)

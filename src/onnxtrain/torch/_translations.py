@@ -50,6 +50,7 @@ statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
 from __future__ import annotations
 
 import math
+import string
 
 import numpy as np
 import onnx
@@ -1268,25 +1269,31 @@ def _repeated_positions(repeats):
 
 
 def einsum(equation: str, tensors, path=None):
-    """``aten.einsum``: ONNX's Einsum, each operand's ``...`` first given the same number of axes
-    (leading 1s, numpy's broadcast, as PyTorch does): onnxruntime refuses ellipses of different
-    ranks (``'...ij,...jk'`` with a batched and a single matrix), and the export failed."""
-    terms = equation.replace(" ", "").split("->")[0].split(",")
-    widths = []
-    for term, tensor in zip(terms, tensors):
-        explicit = len(term.replace("...", ""))
-        widths.append(len(tensor.shape) - explicit if "..." in term and tensor.shape is not None else None)
-    known = [w for w in widths if w is not None]
-    if known and min(known) != max(known) and None not in widths:
-        widest = max(known)
-        padded = []
-        for term, tensor, width in zip(terms, tensors, widths):
-            if "..." in term and width < widest:
-                start = len(term[:term.index("...")])
-                tensor = op.Unsqueeze(tensor, op.Constant(value_ints=list(range(start, start + widest - width))))
-            padded.append(tensor)
-        tensors = padded
-    return op.Einsum(*tensors, equation=equation)
+    """``aten.einsum``: ONNX's Einsum, with each operand's ``...`` written as explicit axes where
+    the ranks are known: the same letters for every operand, right-aligned (an operand with fewer
+    gets leading 1s, numpy's broadcast, as PyTorch does). onnxruntime refuses ellipses of
+    different ranks (``'...ij,...jk'`` with a batched and a single matrix) and fails to sum one
+    away (``'...i->i'``)."""
+    equation = equation.replace(" ", "")
+    terms = equation.split("->")[0].split(",")
+    with_ellipsis = [i for i, term in enumerate(terms) if "..." in term]
+    if not with_ellipsis or any(tensors[i].shape is None for i in with_ellipsis):
+        return op.Einsum(*tensors, equation=equation)
+    widths = {i: len(tensors[i].shape) - len(terms[i].replace("...", "")) for i in with_ellipsis}
+    widest = max(widths.values())
+    tensors = list(tensors)
+    for i, width in widths.items():
+        if width < widest:
+            start = terms[i].index("...")
+            tensors[i] = op.Unsqueeze(tensors[i], op.Constant(value_ints=list(range(start, start + widest - width))))
+    block = "".join([c for c in string.ascii_letters if c not in equation][:widest])
+    inputs = [term.replace("...", block) for term in terms]
+    if "->" in equation:
+        output = equation.split("->")[1].replace("...", block)
+    else:  # numpy's implicit output: the ellipsis, then the letters met once, in order
+        letters = "".join(term.replace("...", "") for term in terms)
+        output = block + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return op.Einsum(*tensors, equation=",".join(inputs) + "->" + output)
 
 
 def repeat_interleave_self_tensor(self, repeats, dim=None, output_size=None):

@@ -1195,11 +1195,7 @@ def _soft_cross_entropy(input, target, weight, reduction: int, label_smoothing: 
         shape = [-1] + [1] * (len(input.shape) - axis - 1)
         log_prob = op.Mul(log_prob, op.Reshape(weight, op.Constant(value_ints=shape)))
     per_sample = op.Neg(op.ReduceSum(op.Mul(log_prob, target), op.Constant(value_ints=[axis]), keepdims=0))
-    if _REDUCTIONS[reduction] == "mean":
-        return op.ReduceMean(per_sample, keepdims=0)
-    if _REDUCTIONS[reduction] == "sum":
-        return op.ReduceSum(per_sample, keepdims=0)
-    return per_sample
+    return _reduced_loss(per_sample, None, reduction)
 
 
 def masked_select(x, mask):

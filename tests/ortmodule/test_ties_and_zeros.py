@@ -5,8 +5,9 @@ elements and p-norms of a zero vector have a zero gradient (the root's infinite 
 NaN), ``atan2`` keeps PyTorch's signed zeros and a finite gradient on the axes, and attention
 rows masked by -inf everywhere give zeros (they were NaN); a stable sort keeps the order of ties;
 ``fmax``/``fmin`` skip NaNs and give ties to their first argument; ``median()`` shares its
-gradient among tied elements; binary cross entropy on probabilities of exactly 0 and 1 has
-PyTorch's finite gradient (it was NaN)."""
+gradient among tied elements, and a median over a slice with a NaN is NaN; binary cross entropy
+on probabilities of exactly 0 and 1 has PyTorch's finite gradient (it was NaN); ``hypot`` neither
+overflows nor underflows."""
 
 from __future__ import annotations
 
@@ -78,6 +79,19 @@ def test_zeros(function):
     _assert_input_gradient_matches(function, torch.cat([ZEROS, TIES[:1] - 2.0]))
 
 
+def test_the_count_of_nonzero_elements_has_a_zero_gradient():
+    """``vector_norm(x, ord=0)`` counts nonzero elements: PyTorch's gradient is undefined (no
+    gradient), ours zeros; ORTModule refused the input ("gives no gradient to x")."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.tensor([[1.5, 0.0, -2.0], [0.0, -0.0, 0.0], [inf, nan, 1.0]])
+    wrapped = ORTModule(_Function(lambda t: torch.linalg.vector_norm(t, ord=0, dim=1)), DebugOptions(fallback=False))
+    got_input = x.clone().requires_grad_()
+    got = wrapped(got_input)
+    torch.testing.assert_close(got.detach(), torch.linalg.vector_norm(x, ord=0, dim=1))
+    (got_grad,) = torch.autograd.grad(got.sum(), got_input)
+    torch.testing.assert_close(got_grad, torch.zeros_like(x))
+
+
 @pytest.mark.parametrize("function", [torch.fmax, torch.fmin])
 def test_fmax_and_fmin_ignore_nans_and_give_ties_to_the_first_argument(function):
     """``torch.fmax``/``fmin`` (they fell back: the exporter has no translation)."""
@@ -139,6 +153,33 @@ def test_a_nan_among_the_candidates_of_a_maximum_or_minimum_is_the_result(functi
     wrapped = ORTModule(_Function(function), DebugOptions(fallback=False))
     with torch.no_grad():
         torch.testing.assert_close(wrapped(x), function(x), equal_nan=True)
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: x.median(dim=1).values, lambda x: x.median(dim=0, keepdim=True).values,
+    lambda x: x.median(dim=1).indices.float() + x.median(dim=1).values, lambda x: x.median(),
+    lambda x: x[1].median(), lambda x: torch.kthvalue(x, 3, dim=1).values,
+    lambda x: torch.kthvalue(x, 2, dim=0).indices.float() + torch.kthvalue(x, 2, dim=0).values,
+], ids=["median dim", "median dim keepdim", "median dim indices", "median all", "median all of a row without nan",
+        "kthvalue", "kthvalue indices"])
+def test_medians_with_nans_are_nan_at_the_first_nan(function):
+    """``median`` of a slice holding a NaN is NaN, its index the first NaN's and its gradient goes
+    there, as PyTorch's (onnxruntime's TopK orders NaNs last, and the median skipped them);
+    ``kthvalue`` counts NaNs as the largest values, as PyTorch's sort."""
+    nan = float("nan")
+    x = torch.tensor([[1.0, nan, 3.0, -2.0, nan], [5.0, 2.0, 1.0, 0.0, 4.0], [nan, 2.5, 2.0, 1.0, -1.0]])
+    _assert_input_gradient_matches(function, x)
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: x.median(0).values * 2 + x.median(0).indices, lambda x: torch.kthvalue(x, 1, 0).values,
+    lambda x: x.median(), lambda x: torch.cummax(x, 0).values + torch.cummin(x, -1).indices,
+    lambda x: torch.cumprod(x, 0) * 3,
+], ids=["median dim", "kthvalue", "median all", "cummax cummin", "cumprod"])
+def test_reductions_along_the_only_dim_of_a_0d_tensor(function):
+    """A 0-d tensor's median, kth value, running extremes and products along dim 0 are the tensor
+    itself (index 0); their translations failed the export on the missing axis."""
+    _assert_input_gradient_matches(function, torch.tensor(1.5))
 
 
 @pytest.mark.parametrize("function", [
@@ -224,3 +265,18 @@ def test_atan2_of_infinite_and_huge_arguments():
     torch.testing.assert_close(got, torch.atan2(y, x))
     huge = torch.tensor([1e20, -3e19, 2.0, 5e19])
     _assert_input_gradient_matches(lambda v: torch.atan2(v, huge.flip(0)), huge, rtol=1e-6, atol=1e-6)
+
+
+def test_hypot_of_huge_tiny_and_infinite_arguments():
+    """``torch.hypot`` squared its arguments: inf beyond ~1.8e19 in float32 and 0 below ~1e-19.
+    Values and gradients match PyTorch's (NaN at the origin, as PyTorch's); infinite arguments
+    give inf even against a NaN."""
+    a = torch.tensor([3e30, 1e-30, 3.0, -4.0, 0.0, 2e38, -5e-37])
+    b = torch.tensor([4e30, 1e-30, 3.0, 0.0, -0.0, 2e38, 1e-36])
+    _assert_input_gradient_matches(lambda x: torch.hypot(x[0], x[1]), torch.stack([a, b]))
+    inf, nan = float("inf"), float("nan")
+    special = torch.tensor([[inf, nan, -inf, nan, 1.0], [nan, -inf, 2.0, 1.0, nan]])
+    wrapped = ORTModule(_Function(lambda x: torch.hypot(x[0], x[1])), DebugOptions(fallback=False))
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(special), torch.hypot(special[0], special[1]), equal_nan=True)
+

@@ -148,9 +148,11 @@ def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):
     ord = float(ord)
     if math.isinf(ord):
         return _reduce(op.ReduceMax if ord > 0 else op.ReduceMin, op.Abs(x), axes, keepdim)
-    if ord == 0.0:
+    if ord == 0.0:  # a count, whose gradient is 0 (PyTorch's): a term valued 0 carries it to x
         nonzero = op.CastLike(op.Cast(x, to=ir.DataType.BOOL), x)
-        return _reduce(op.ReduceSum, nonzero, axes, keepdim)
+        zero = op.CastLike(op.Constant(value_float=0.0), x)
+        finite = op.Where(op.Or(op.IsInf(x), op.IsNaN(x)), zero, x)
+        return _reduce(op.ReduceSum, op.Add(nonzero, op.Mul(finite, zero)), axes, keepdim)
     if ord == 1.0:
         return _reduce(op.ReduceL1, x, axes, keepdim)
     if ord == 2.0:

@@ -491,9 +491,15 @@ def sort_stable(x, stable=None, dim: int = -1, descending: bool = False):
     return op.TopK(x, length, axis=dim, largest=int(descending), sorted=1)
 
 
+def _of_a_scalar(x):
+    """A 0-d tensor's value and index (0) along its only "dim", as ``median``, ``kthvalue`` and
+    ``cummax`` give them."""
+    return op.Identity(x), op.Constant(value=ir.tensor(np.array(0, dtype=np.int64)))
+
+
 def _kth_smallest(x, k, dim: int, keepdim: bool):
     """The ``k``-th smallest value along ``dim`` (``k`` a [1] int64 tensor, from 1) and its index:
-    the last of TopK's ``k`` smallest."""
+    the last of TopK's ``k`` smallest (TopK orders NaN after every number, as PyTorch's sort)."""
     axis = op.Constant(value_ints=[dim])
     smallest, indices = op.TopK(x, k, axis=dim, largest=0, sorted=1)
     last = op.Sub(k, op.Constant(value_ints=[1]))
@@ -505,14 +511,30 @@ def _kth_smallest(x, k, dim: int, keepdim: bool):
 
 def median_dim(x, dim: int, keepdim: bool = False):
     """``aten.median.dim``: the lower of the two middle values for an even count, as PyTorch (which
-    the exporter cannot translate), and its index."""
+    the exporter cannot translate), and its index; NaN and the index of the first NaN where the
+    slice holds one, as PyTorch (whose gradient goes to that NaN)."""
+    if x.shape is not None and len(x.shape) == 0:
+        return _of_a_scalar(x)
     count = op.Gather(op.Shape(x), op.Constant(value_ints=[dim]), axis=0)
     one = op.Constant(value_ints=[1])
-    return _kth_smallest(x, op.Add(op.Div(op.Sub(count, one), op.Constant(value_ints=[2])), one), dim, keepdim)
+    value, index = _kth_smallest(x, op.Add(op.Div(op.Sub(count, one), op.Constant(value_ints=[2])), one), dim,
+                                 keepdim)
+    if not _reductions._may_hold_nan(x):
+        return value, index
+    nans = op.Cast(op.IsNaN(x), to=ir.DataType.INT32)
+    index = op.Where(op.Cast(op.ReduceMax(nans, op.Constant(value_ints=[dim]), keepdims=int(keepdim)),
+                             to=ir.DataType.BOOL),
+                     op.ArgMax(nans, axis=dim, keepdims=int(keepdim)), index)  # ArgMax: the first of the largest
+    if keepdim:
+        return op.GatherElements(x, index, axis=dim), index
+    axis = op.Constant(value_ints=[dim])
+    return op.Squeeze(op.GatherElements(x, op.Unsqueeze(index, axis), axis=dim), axis), index
 
 
 def kthvalue(x, k: int, dim: int = -1, keepdim: bool = False):
     """``aten.kthvalue`` (the exporter cannot translate it): the ``k``-th smallest and its index."""
+    if x.shape is not None and len(x.shape) == 0:
+        return _of_a_scalar(x)
     return _kth_smallest(x, op.Constant(value_ints=[int(k)]), dim, keepdim)
 
 
@@ -571,8 +593,19 @@ def pdist(x, p: float = 2.0):
 
 
 def hypot(a, b):
-    """``aten.hypot`` (its decomposition reaches ``prims.hypot``, which the exporter lacks)."""
-    return op.Sqrt(op.Add(op.Mul(a, a), op.Mul(b, b)))
+    """``aten.hypot`` (its decomposition reaches ``prims.hypot``, which the exporter lacks):
+    ``s · sqrt((a/s)² + (b/s)²)`` with ``s`` the larger magnitude (1 where that is 0, infinite or
+    NaN), so that it neither overflows where ``a²`` would (from ~1.8e19 in float32; it gave inf)
+    nor loses tiny arguments; inf where either argument is infinite, even against a NaN, as
+    PyTorch. ``s`` is held constant, so the gradient is PyTorch's ``a / hypot(a, b)`` (NaN at the
+    origin, as PyTorch's; 0 at an infinite argument, where PyTorch's is NaN)."""
+    one = _like(a, 1.0)
+    larger = op.Max(op.Abs(a), op.Abs(b))
+    usable = op.And(op.Greater(larger, _like(a, 0.0)), op.Not(op.IsInf(larger)))  # NaN compares false
+    scale = detach(op.Where(usable, larger, one))
+    a_scaled, b_scaled = op.Div(a, scale), op.Div(b, scale)
+    value = op.Mul(scale, op.Sqrt(op.Add(op.Mul(a_scaled, a_scaled), op.Mul(b_scaled, b_scaled))))
+    return op.Where(op.Or(op.IsInf(a), op.IsInf(b)), _like(a, math.inf), value)
 
 
 def _upper_half(y):
@@ -660,6 +693,8 @@ def cumprod(x, dim: int, dtype=None):
     if dtype is not None:
         raise NotImplementedError("torch.cumprod(dtype=...) is not supported")
     rank = len(x.shape)
+    if rank == 0:
+        return op.Identity(x)
     axis = dim % rank
     length = x.shape[axis]
     if not isinstance(length, int):
@@ -1117,6 +1152,8 @@ def _running_extreme(x, dim: int, larger: bool):
     number); the values are then gathered at the indices, so the gradient goes to those
     elements, as PyTorch's. The length along ``dim`` must be static."""
     rank = len(x.shape)
+    if rank == 0:
+        return _of_a_scalar(x)
     axis = dim % rank
     length = x.shape[axis]
     if not isinstance(length, int):

@@ -19,14 +19,23 @@ nn = torch.nn
 
 
 class _Bags(nn.Module):
-    def __init__(self, mode="sum", padding_idx=None, weighted=False, include_last_offset=False):
+    """``nn.EmbeddingBag``, or with ``functional_padding_idx`` ``F.embedding_bag`` on its weight,
+    which passes a negative padding index on as given (the module counts it from the end first)."""
+
+    def __init__(self, mode="sum", padding_idx=None, weighted=False, include_last_offset=False,
+                 functional_padding_idx=None):
         super().__init__()
         self.bag = nn.EmbeddingBag(20, 4, mode=mode, padding_idx=padding_idx, include_last_offset=include_last_offset)
         self.head = nn.Linear(4, 3)
         self.weighted = weighted
+        self.functional_padding_idx = functional_padding_idx
 
     def forward(self, indices, offsets):
         weights = torch.sigmoid(indices.float() * 0.1) if self.weighted else None
+        if self.functional_padding_idx is not None:
+            return self.head(nn.functional.embedding_bag(indices, self.bag.weight, offsets, mode=self.bag.mode,
+                                                         per_sample_weights=weights,
+                                                         padding_idx=self.functional_padding_idx))
         return self.head(self.bag(indices, offsets, per_sample_weights=weights))
 
 
@@ -46,6 +55,10 @@ CASES = {
     "sum-weighted-last-offset": (dict(mode="sum", weighted=True, include_last_offset=True), [0, 2, 2, 6, 9]),
     "max": (dict(mode="max"), [0, 2, 2, 6]),
     "max-padding-trailing-empty": (dict(mode="max", padding_idx=0), [0, 2, 6, 9]),
+    # F.embedding_bag's negative padding index counts from the last row (it was taken for none)
+    "functional-sum-negative-padding": (dict(mode="sum", functional_padding_idx=-17, weighted=True), [0, 2, 2, 6]),
+    "functional-mean-negative-padding": (dict(mode="mean", functional_padding_idx=-1), [0, 2, 2, 6]),
+    "functional-max-negative-padding": (dict(mode="max", functional_padding_idx=-1), [0, 2, 6, 9]),
 }
 
 

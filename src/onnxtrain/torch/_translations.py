@@ -217,6 +217,21 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq: bool = False, mo
     return out, op.Identity(bag), sizes, op.Identity(sizes)
 
 
+def embedding_bag_padding_idx(weight, indices, offsets, scale_grad_by_freq: bool = False, mode: int = 0,
+                              sparse: bool = False, per_sample_weights=None, include_last_offset: bool = False,
+                              padding_idx=None):
+    """``aten.embedding_bag.padding_idx`` (``F.embedding_bag``, which passes its argument as
+    given): a negative ``padding_idx`` counts from the last row, as PyTorch; :func:`embedding_bag`
+    takes -1 as ``aten._embedding_bag`` does, for no padding."""
+    if padding_idx is not None and padding_idx < 0:
+        rows = weight.shape[0] if weight.shape is not None else None
+        if not isinstance(rows, int):
+            raise NotImplementedError("F.embedding_bag with a negative padding_idx needs a weight of static size")
+        padding_idx += rows
+    return embedding_bag(weight, indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                         include_last_offset, padding_idx)
+
+
 def _number_like(value: float, x):
     """``value`` as a 0-d constant of ``x``'s type: a float64 constant cast like ``x`` (a float32
     one cast to double would carry float32's rounding into a float64 model; folding makes it
@@ -1596,7 +1611,7 @@ def translation_table() -> dict:
         torch.ops.aten._native_batch_norm_legit_functional.default: batch_norm_functional,
         torch.ops.aten.embedding.default: embedding,
         torch.ops.aten.embedding_bag.default: embedding_bag,
-        torch.ops.aten.embedding_bag.padding_idx: embedding_bag,
+        torch.ops.aten.embedding_bag.padding_idx: embedding_bag_padding_idx,
         torch.ops.aten._embedding_bag.default: embedding_bag,
         torch.ops.aten._embedding_bag_forward_only.default: embedding_bag,
         torch.ops.aten.detach.default: detach,

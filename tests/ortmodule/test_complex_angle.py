@@ -1,6 +1,7 @@
 """``torch.angle`` of a complex tensor is ORTModule's atan2 (complex translations registered
 with the exporter, torch/_exporter.py registry): torchlib's gave -π on the negative real axis
-with a +0 imaginary part and NaN gradients where the real part is 0."""
+with a +0 imaginary part and NaN gradients where the real part is 0. Complex outputs come back
+complex (they were the graph's real float pairs)."""
 
 from __future__ import annotations
 
@@ -46,3 +47,34 @@ def test_the_phase_of_a_real_spectrum_trains_as_eager():
     expected.sum().backward()
     out.sum().backward()
     torch.testing.assert_close(wrapped.module.gain.grad, eager.gain.grad, rtol=1e-4, atol=1e-4)
+
+
+class _Spectra(torch.nn.Module):
+    """Complex outputs, one with a parameter's gradient, next to a real one."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.tensor([1.5, -0.5, 2.0, 1.0, 0.25, 3.0]))
+
+    def forward(self, x):
+        spectrum = torch.fft.rfft(x * self.gain)
+        return {"spectrum": spectrum, "cast": x.cfloat(), "power": spectrum.abs().square().sum()}
+
+
+def test_complex_outputs_stay_complex_and_carry_their_gradients():
+    """A complex output came back as a float tensor with a last axis of 2 (the ONNX graph's form)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 6)
+    results = []
+    for module in (_Spectra(), ORTModule(_Spectra(), debug_options=DebugOptions(fallback=False))):
+        source = x.clone().requires_grad_()
+        out = module(source)
+        assert out["spectrum"].dtype == torch.complex64 and out["cast"].dtype == torch.complex64
+        weights = torch.linspace(-1.0, 2.0, out["spectrum"].numel()).reshape(out["spectrum"].shape)
+        loss = (out["spectrum"].real * weights + out["spectrum"].imag).sum() + out["power"] \
+            + out["cast"].real.sum() * 0.5
+        loss.backward()
+        gain = module.gain if isinstance(module, _Spectra) else module.module.gain
+        results.append((out["spectrum"].detach(), out["cast"].detach(), source.grad, gain.grad))
+    for ours, theirs in zip(results[1], results[0]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

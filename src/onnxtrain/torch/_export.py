@@ -260,11 +260,14 @@ def _named_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], tupl
 @dataclass
 class TracedOutput:
     """The structure of a traced call's output: its tree, its non-tensor leaves (None at the
-    tensors' places, which ``positions`` lists: a None among the leaves is an output too)."""
+    tensors' places, which ``positions`` lists: a None among the leaves is an output too), and
+    the places of complex tensors (the ONNX graph gives each as real and imaginary parts along a
+    last axis of 2)."""
 
     spec: pytree.TreeSpec
     leaves: list
     positions: list[int]
+    complex_positions: frozenset[int] = frozenset()
 
 
 class _Recorder(list):
@@ -448,7 +451,8 @@ class _FlatModule(torch.nn.Module):
         leaves, spec = pytree.tree_flatten(out)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
         self.traced_outputs.append(TracedOutput(spec, [None if isinstance(leaf, torch.Tensor) else leaf
-                                                       for leaf in leaves], positions))
+                                                       for leaf in leaves], positions,
+                                                frozenset(i for i in positions if leaves[i].is_complex())))
         traced = autograd_graph(leaves, tensors)
         self.autograd_functions.extend(traced.functions)
         keys = {id(t): i for i, t in enumerate(tensors)}
@@ -536,7 +540,7 @@ class ExportedGraph:
     def rebuild_output(self, tensors: Sequence[torch.Tensor]):
         leaves = list(self.output.leaves)
         for position, tensor in zip(self.output.positions, tensors):
-            leaves[position] = tensor
+            leaves[position] = torch.view_as_complex(tensor) if position in self.output.complex_positions else tensor
         return pytree.tree_unflatten(leaves, self.output.spec)
 
 

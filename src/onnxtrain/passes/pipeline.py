@@ -27,6 +27,7 @@ from onnxtrain.passes.negative_labels import NegativeLabelsPass
 from onnxtrain.passes.pool_first import PoolBeforeReluPass
 from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
 from onnxtrain.passes.scatter_nd import ReducingScatterNDPass
+from onnxtrain.passes.sequence_map import SequenceMapAtPass
 from onnxtrain.passes.softmax_guard import SoftmaxNaNGuardPass
 from onnxtrain.passes.split_cross_entropy import SplitCrossEntropyPass
 from onnxtrain.passes.sum_of_squares import SumOfSquaresPass
@@ -54,10 +55,13 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     floor mode where the windows stay the same (ONNX's shape inference counts a last window the
     kernels drop: passes/ceil_pool.py). A reducing ScatterND (index_put with accumulate, an
     EmbeddingBag's bags) becomes a ScatterElements, which onnxruntime computes exactly with several
-    threads (passes/scatter_nd.py).
+    threads (passes/scatter_nd.py). A constant-index SequenceAt of a SequenceMap over a
+    SequenceConstruct (``torch.hstack``'s atleast_1d) becomes the map's body on that element
+    (passes/sequence_map.py).
     """
     return [InlinePass(), DoubleLayerNormPass(), DoubleTanhGeluPass(), DecomposePass(), NegativeLabelsPass(),
-            CeilModePoolPass(), FoldConstantsPass(), InferMissingShapesPass(), ReducingScatterNDPass(),
+            CeilModePoolPass(), SequenceMapAtPass(), FoldConstantsPass(), InferMissingShapesPass(),
+            ReducingScatterNDPass(),
             LogSigmoidPass(), SoftmaxNaNGuardPass(),
             PoolBeforeReluPass(), ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
 

@@ -437,13 +437,18 @@ class _FlatModule(torch.nn.Module):
         # tensors that require grad, reached by the traced call's gradients, that are neither
         # the call's tensors nor the module's parameters (the graph would hold them as constants)
         self.foreign_leaves = _Recorder()
+        # per traced call, the positions of the call's tensors the forward wrote to (their
+        # version counters moved): an output the graph gives for another one is an alias
+        self.written_inputs = _Recorder()
 
     def forward(self, *tensors):
         args, kwargs = self._call.rebuild(tensors)
         module = getattr(self, _MODULE_ATTR)
         before = _tensor_attributes(module)
+        versions = [t._version for t in tensors]
         with _GradModeWatch() as watch:
             out = module(*args, **kwargs)
+        self.written_inputs.append({i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v})
         if watch.hidden:
             self.hidden_grad_switches.append(True)
         self.stored_tensors.extend(key for key, value in _tensor_attributes(module).items()
@@ -1031,7 +1036,9 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         updates.append(name)
     input_updates = []
     for position, value in enumerate(input_values):
-        if _unchanged(value):
+        # (torch.hstack returns its 2-D arguments themselves: the graph's value for the argument is
+        # then its SequenceAt; the version counter tells that nothing wrote to it)
+        if _unchanged(value) or position not in wrapper.written_inputs[-1]:
             continue
         kept.append(_new_output(graph, value, f"{graph.inputs[position].name}.updated", kept))
         input_updates.append(position)

@@ -145,9 +145,14 @@ def test_stable_sort_keeps_the_order_of_ties(descending):
 @pytest.mark.parametrize("function", [
     lambda x: x.max(), lambda x: x.min(), lambda x: x.amax(1), lambda x: x.amin(0, keepdim=True),
     lambda x: x.max(1).values, lambda x: x.min(1).indices, lambda x: torch.max(x, 0)[1],
-], ids=["max", "min", "amax dim", "amin keepdim", "max dim", "min dim indices", "max dim 0 indices"])
+    lambda x: x.argmax(), lambda x: x.argmin(1), lambda x: torch.argmax(x, 0, keepdim=True),
+    lambda x: x.argmin(keepdim=True), lambda x: x[1].argmax(),
+    lambda x: torch.linalg.vector_norm(x, float("inf"), dim=1), lambda x: torch.linalg.vector_norm(x, -float("inf")),
+], ids=["max", "min", "amax dim", "amin keepdim", "max dim", "min dim indices", "max dim 0 indices", "argmax",
+        "argmin dim", "argmax dim keepdim", "argmin keepdim", "argmax without nan", "inf norm dim", "-inf norm"])
 def test_a_nan_among_the_candidates_of_a_maximum_or_minimum_is_the_result(function):
-    """onnxruntime's reductions and ArgMax keep a NaN only where it comes first; PyTorch returns it."""
+    """onnxruntime's reductions and ArgMax keep a NaN only where it comes first; PyTorch returns it
+    (``argmax``/``argmin`` and the ±inf norms skipped it)."""
     nan, inf = float("nan"), float("inf")
     x = torch.tensor([[1.0, nan, 3.0, -2.0], [5.0, 2.0, 1.0, 0.0], [inf, 2.0, nan, 1.0], [nan, nan, 1.0, 2.0]])
     wrapped = ORTModule(_Function(function), DebugOptions(fallback=False))

@@ -9,7 +9,8 @@ the ``ArgMax`` indices, so the gradient goes where PyTorch's goes.
 ``aten.amax`` / ``aten.amin`` over all axes (``x.amax()``, ``dim=()``) do not export at all
 (torchlib's function requires ``dim``); ours reduces every axis. Both, and ``max``/``min`` over a
 dim, return NaN where a NaN is among the reduced elements (and its index), as PyTorch: onnxruntime's
-reductions and ArgMax keep a NaN only where it comes first.
+reductions and ArgMax keep a NaN only where it comes first. So do ``argmax``/``argmin`` and the
+±inf vector norms.
 
 ``aten.std.correction`` (and ``std_mean``) and ``aten.linalg_vector_norm`` of orders other than 0, 1, 2 and ±inf
 end in a root, whose infinite derivative at 0 times the zero gradient inside made NaN where
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
@@ -35,17 +37,25 @@ def _may_hold_nan(x) -> bool:
     return x.dtype is None or x.dtype.is_floating_point()
 
 
-def _value_at_index(x, dim: int, keepdim: bool, largest: bool):
-    if len(x.shape) == 0:
-        return op.Identity(x), op.Constant(value_int=0)
+def _first_extreme(x, dim: int, largest: bool):
+    """The index of the first largest (smallest) element along ``dim``, kept as an axis of 1;
+    the first NaN's where the slice holds one, as PyTorch's (onnxruntime's ArgMax/ArgMin skip
+    a NaN unless it comes first)."""
     select = op.ArgMax if largest else op.ArgMin
     boolean = x.dtype is not None and x.dtype == ir.DataType.BOOL
     indices = select(op.Cast(x, to=ir.DataType.INT32) if boolean else x, axis=dim, keepdims=1)  # no bool ArgMax
-    if _may_hold_nan(x):  # onnxruntime's ArgMax/ArgMin skip a NaN unless it comes first; PyTorch's pick it
+    if _may_hold_nan(x):
         flags = _nan_flags(x)
         first_nan = op.ArgMax(flags, axis=dim, keepdims=1)
         has_nan = op.Cast(op.GatherElements(flags, first_nan, axis=dim), to=ir.DataType.BOOL)
         indices = op.Where(has_nan, first_nan, indices)
+    return indices
+
+
+def _value_at_index(x, dim: int, keepdim: bool, largest: bool):
+    if len(x.shape) == 0:
+        return op.Identity(x), op.Constant(value_int=0)
+    indices = _first_extreme(x, dim, largest)
     values = op.GatherElements(x, indices, axis=dim)
     if keepdim:
         return values, indices
@@ -61,6 +71,31 @@ def max_dim(x, dim: int, keepdim: bool = False):
 def min_dim(x, dim: int, keepdim: bool = False):
     """``aten.min.dim``: the values gathered at the first minimum's index."""
     return _value_at_index(x, dim, keepdim, largest=False)
+
+
+def _arg_extreme(x, dim, keepdim: bool, largest: bool):
+    """``aten.argmax`` / ``aten.argmin``: :func:`_first_extreme`; with no ``dim``, the index in
+    the flattened tensor (of shape ``[1] * rank`` with ``keepdim``, as PyTorch's)."""
+    rank = len(x.shape) if x.shape is not None else None
+    if rank == 0:
+        return op.Constant(value=ir.tensor(np.array(0, dtype=np.int64)))
+    if dim is not None:
+        indices = _first_extreme(x, dim, largest)
+        return indices if keepdim else op.Squeeze(indices, op.Constant(value_ints=[dim]))
+    indices = _first_extreme(op.Reshape(x, op.Constant(value_ints=[-1])), 0, largest)
+    if keepdim and rank is not None:
+        return op.Reshape(indices, op.Constant(value_ints=[1] * rank))
+    return op.Squeeze(indices, op.Constant(value_ints=[0]))
+
+
+def argmax(x, dim=None, keepdim: bool = False):
+    """``aten.argmax``: see :func:`_arg_extreme` (the exporter's ArgMax skipped NaNs)."""
+    return _arg_extreme(x, dim, keepdim, largest=True)
+
+
+def argmin(x, dim=None, keepdim: bool = False):
+    """``aten.argmin``: see :func:`_arg_extreme`."""
+    return _arg_extreme(x, dim, keepdim, largest=False)
 
 
 def _axes(dim):
@@ -80,7 +115,7 @@ def _reduce(function, x, axes, keepdim: bool):
 def _extreme(x, dim, keepdim: bool, reduce):
     """``reduce`` (ReduceMax or ReduceMin) over ``dim``, NaN where a NaN is among the reduced
     elements, as PyTorch's (onnxruntime's kernels keep a NaN only where it comes first)."""
-    if len(x.shape) == 0:
+    if x.shape is not None and len(x.shape) == 0:
         return op.Identity(x)
     axes = _axes(dim)
     result = _reduce(reduce, x, axes, keepdim)
@@ -146,8 +181,8 @@ def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):
         x = op.Cast(x, to=dtype)
     axes = _axes(dim)  # None: every axis (kept as 1s with keepdim, as PyTorch's)
     ord = float(ord)
-    if math.isinf(ord):
-        return _reduce(op.ReduceMax if ord > 0 else op.ReduceMin, op.Abs(x), axes, keepdim)
+    if math.isinf(ord):  # NaN where one is among the elements, as PyTorch's
+        return _extreme(op.Abs(x), dim if dim is not None else (), keepdim, op.ReduceMax if ord > 0 else op.ReduceMin)
     if ord == 0.0:  # a count, whose gradient is 0 (PyTorch's): a term valued 0 carries it to x
         nonzero = op.CastLike(op.Cast(x, to=ir.DataType.BOOL), x)
         zero = op.CastLike(op.Constant(value_float=0.0), x)

@@ -1692,6 +1692,8 @@ def translation_table() -> dict:
         torch.ops.aten.special_erfcx.default: _log_space.erfcx,
         torch.ops.aten.sinc.default: _log_space.sinc,
         torch.ops.aten.special_log_ndtr.default: _log_space.log_ndtr,
+        torch.ops.aten.argmax.default: _reductions.argmax,
+        torch.ops.aten.argmin.default: _reductions.argmin,
         torch.ops.aten.max.dim: _reductions.max_dim,
         torch.ops.aten.min.dim: _reductions.min_dim,
         torch.ops.aten.max.default: _reductions.max_all,

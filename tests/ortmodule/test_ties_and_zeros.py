@@ -129,6 +129,14 @@ def test_attention_rows_masked_by_minus_infinity_give_zeros(rank):
     _assert_input_gradient_matches(attention, x, rtol=1e-4, atol=1e-5)  # two softmaxes, rounding apart
 
 
+@pytest.mark.parametrize("dim", [1, -1])
+def test_safe_softmax_of_a_slice_masked_throughout_is_zero_with_a_zero_gradient(dim):
+    """``aten._safe_softmax`` (PyTorch's attention decompositions): its gradient was NaN there."""
+    inf = float("inf")
+    x = torch.tensor([[[1.0, -inf, 0.5], [2.0, -inf, -inf], [0.5, -inf, 3.0]]])
+    _assert_input_gradient_matches(lambda t: torch.ops.aten._safe_softmax.default(t, dim), x)
+
+
 @pytest.mark.parametrize("descending", [False, True])
 def test_stable_sort_keeps_the_order_of_ties(descending):
     """``torch.sort(stable=True)`` / ``argsort(stable=True)`` did not export (a fallback); equal

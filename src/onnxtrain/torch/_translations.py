@@ -401,6 +401,19 @@ def scatter_reduce(self, dim: int, index, src, reduce: str, include_self: bool =
     return aten_scatter_reduce(self, dim, index, _src_like_index(src, index), reduce, include_self=include_self)
 
 
+def safe_softmax(x, dim: int, dtype=None):
+    """``aten._safe_softmax`` (PyTorch's attention decompositions): softmax along ``dim``, 0 for
+    a slice that is -inf throughout, with a zero gradient there. The exporter's decomposition
+    took the softmax of the -inf slice (NaN) and chose 0 after it, and the softmax's gradient
+    rule made NaN of that row's zero gradient."""
+    if dtype is not None:
+        x = op.Cast(x, to=dtype)
+    masked = op.CastLike(op.Equal(x, _number_like(-math.inf, x)), x)
+    dead = op.Cast(op.ReduceMin(masked, op.Constant(value_ints=[dim]), keepdims=1), to=ir.DataType.BOOL)
+    zero = _number_like(0.0, x)
+    return op.Where(dead, zero, op.Softmax(op.Where(dead, zero, x), axis=dim))
+
+
 def _attention_rows_kept(attn_mask):
     """For a float mask: the mask with its fully masked rows (every entry -inf) made 0, and the
     ``[..., T, 1]`` factor (1 where the row keeps a key, else 0) that zeroes those rows' output,
@@ -1692,6 +1705,7 @@ def translation_table() -> dict:
         torch.ops.aten.special_erfcx.default: _log_space.erfcx,
         torch.ops.aten.sinc.default: _log_space.sinc,
         torch.ops.aten.special_log_ndtr.default: _log_space.log_ndtr,
+        torch.ops.aten._safe_softmax.default: safe_softmax,
         torch.ops.aten.argmax.default: _reductions.argmax,
         torch.ops.aten.argmin.default: _reductions.argmin,
         torch.ops.aten.max.dim: _reductions.max_dim,

@@ -13,7 +13,6 @@ left unread are removed by dead-code elimination.
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnx_ir._cloner import Cloner
 
 from onnxtrain.ir.nodes import is_onnx_op
 from onnxtrain.passes.rewrite import NodeRewritePass, hand_over
@@ -55,17 +54,22 @@ class SequenceMapAtPass(NodeRewritePass):
 
     def rewrite(self, graph: ir.Graph, node: ir.Node, plan: list) -> None:
         *elements, position = plan
-        body = node.inputs[0].producer().attributes["body"].as_graph()
-        cloner = Cloner(attr_map={}, value_map=dict(zip(body.inputs, elements)), metadata_props={},
-                        allow_outer_scope_values=True)
-        clones = [cloner.clone_node(body_node) for body_node in body]
+        body = node.inputs[0].producer().attributes["body"].as_graph().clone(allow_outer_scope_values=True)
+        for inner, element in zip(body.inputs, elements):
+            for usage in list(inner.uses()):
+                usage.node.replace_input_with(usage.idx, element)
+        result = body.outputs[position]
+        if result in body.inputs:  # a body that returns its element as it is
+            result = elements[body.inputs.index(result)]
+        clones = list(body)
+        body.outputs.clear()  # a value may be the output of one graph only
+        body.remove(clones)
         prefix = f"{node.name or node.outputs[0].name}/body"
         for clone in clones:
             clone.name = f"{prefix}/{clone.name}"
             for out in clone.outputs:
                 out.name = f"{prefix}/{out.name}"
         graph.insert_before(node, clones)
-        result = cloner._value_map[body.outputs[position]]  # the body's output, as cloned
         if result.shape is None:
             result.type, result.shape = node.outputs[0].type, node.outputs[0].shape
         hand_over(graph, node.outputs[0], result, "sequence_at")

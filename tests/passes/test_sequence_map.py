@@ -54,3 +54,17 @@ def test_an_argument_changed_in_place_is_still_refused_when_it_requires_grad():
     a = torch.randn(2, 3).requires_grad_() * 1.0  # not a leaf: eager may write to it
     with pytest.raises(ExportError, match="changes its tensor argument 0 in place"):
         ORTModule(_Doubles(), DebugOptions(fallback=False))(a, torch.randn(2, 1))
+
+
+def test_inference_tensors_which_have_no_version_counter():
+    """Under ``torch.inference_mode`` (Lightning's validation) the call's tensors have no version
+    counter to read: the graph decides which arguments the forward changed."""
+    class _Stack(torch.nn.Module):
+        def forward(self, a, b):
+            return torch.hstack([a, b]).sum(1)
+
+    a, b = torch.randn(2, 3), torch.randn(2, 1)
+    wrapped = ORTModule(_Stack(), DebugOptions(fallback=False))
+    with torch.inference_mode():
+        torch.testing.assert_close(wrapped(a.clone(), b.clone()), _Stack()(a, b))
+

@@ -445,10 +445,11 @@ class _FlatModule(torch.nn.Module):
         args, kwargs = self._call.rebuild(tensors)
         module = getattr(self, _MODULE_ATTR)
         before = _tensor_attributes(module)
-        versions = [t._version for t in tensors]
+        versions = [None if t.is_inference() else t._version for t in tensors]  # inference tensors have none
         with _GradModeWatch() as watch:
             out = module(*args, **kwargs)
-        self.written_inputs.append({i for i, (t, v) in enumerate(zip(tensors, versions)) if t._version != v})
+        self.written_inputs.append({i for i, (t, v) in enumerate(zip(tensors, versions))
+                                    if v is None or t._version != v})  # (None: the graph decides)
         if watch.hidden:
             self.hidden_grad_switches.append(True)
         self.stored_tensors.extend(key for key, value in _tensor_attributes(module).items()

@@ -11,6 +11,8 @@ overflows nor underflows."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -135,6 +137,35 @@ def test_safe_softmax_of_a_slice_masked_throughout_is_zero_with_a_zero_gradient(
     inf = float("inf")
     x = torch.tensor([[[1.0, -inf, 0.5], [2.0, -inf, -inf], [0.5, -inf, 3.0]]])
     _assert_input_gradient_matches(lambda t: torch.ops.aten._safe_softmax.default(t, dim), x)
+
+
+class _MaskedAttentionRow(torch.nn.Module):
+    """A hand-written masked softmax whose fully masked row (NaN) is zeroed afterwards."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 3)
+
+    def forward(self, x, mask):
+        attention = self.proj(x).masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return attention.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+
+
+def test_a_fully_masked_softmax_row_zeroed_afterwards_has_zero_gradients():
+    """The gradient through ``masked_fill(mask, -inf)`` is chosen exactly: as ``dy * mask`` the
+    NaN that the masked row's softmax sends back made every weight gradient NaN; PyTorch's is 0."""
+    torch.manual_seed(0)
+    eager = _MaskedAttentionRow()
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(fallback=False))
+    x, mask = torch.randn(2, 3), torch.tensor([[True, False, True], [False, False, False]])
+    weights = torch.randn(2, 3)
+    grads = []
+    for module in (eager, wrapped):
+        source = x.clone().requires_grad_()
+        (module(source, mask) * weights).sum().backward()
+        grads.append([source.grad, *(p.grad for p in module.parameters())])
+    for ours, theirs in zip(grads[1], grads[0]):
+        torch.testing.assert_close(ours, theirs)
 
 
 @pytest.mark.parametrize("descending", [False, True])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import onnx_ir as ir
 
 from onnxtrain import names
@@ -140,13 +141,28 @@ grad("Max", versions=(8, None), broadcasting=True)(_select)
 grad("Min", versions=(8, None), broadcasting=True)(_select)
 
 
+def _non_finite_constant(value: ir.Value) -> bool:
+    """Whether ``value`` is a constant holding an inf or NaN (``masked_fill(mask, -inf)``'s fill)."""
+    tensor = ir.convenience.get_const_tensor(value)
+    return tensor is not None and not np.all(np.isfinite(tensor.numpy()))
+
+
 @grad("Where", versions=(9, None), broadcasting=True)
 def _where(ctx):
     # masks as Cast + Mul (see GraphBuilder.keep_where): an inf/NaN dy at a position routed to
-    # the other branch gives that branch NaN there instead of 0
+    # the other branch gives that branch NaN there instead of 0. Beside a fill of -inf (or NaN),
+    # whose rows a softmax may turn into NaN that a later masked_fill zeroes (PyTorch's gradient
+    # there is 0), the branch's gradient is chosen exactly, with a Where.
     b, cond, dy = ctx.b, ctx.inputs[0], ctx.dy
-    return (None, b.keep_where(cond, dy) if ctx.needs(1) else None,
-            b.keep_where(ctx.op.Not(cond), dy) if ctx.needs(2) else None)
+    op = ctx.op
+
+    def routed(keep, other: ir.Value):
+        if _non_finite_constant(other):
+            return op.Where(keep, dy, ctx.like(dy, 0.0))
+        return b.keep_where(keep, dy)
+
+    return (None, routed(cond, ctx.inputs[2]) if ctx.needs(1) else None,
+            routed(op.Not(cond), ctx.inputs[1]) if ctx.needs(2) else None)
 
 
 @grad("Clip", versions=(6, None), broadcasting=True)

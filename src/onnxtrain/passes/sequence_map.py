@@ -39,7 +39,7 @@ class SequenceMapAtPass(NodeRewritePass):
     """Write each constant-index ``SequenceAt`` of a ``SequenceMap`` as the map's body on that
     element (module docstring)."""
 
-    def match(self, node: ir.Node, opset: int) -> list[ir.Value] | None:
+    def match(self, node: ir.Node, opset: int) -> tuple[list[ir.Value], int] | None:
         if not is_onnx_op(node, "SequenceAt"):
             return None
         index = _constant_index(node.inputs[1])
@@ -50,10 +50,10 @@ class SequenceMapAtPass(NodeRewritePass):
         elements = [_element(value, index) for value in mapped.inputs]
         if any(element is None for element in elements):
             return None
-        return [*elements, position]
+        return elements, position
 
-    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: list) -> None:
-        *elements, position = plan
+    def rewrite(self, graph: ir.Graph, node: ir.Node, plan: tuple[list[ir.Value], int]) -> None:
+        elements, position = plan
         body = node.inputs[0].producer().attributes["body"].as_graph().clone(allow_outer_scope_values=True)
         for inner, element in zip(body.inputs, elements):
             for usage in list(inner.uses()):

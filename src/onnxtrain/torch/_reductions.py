@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript import opset18 as op
 
@@ -44,17 +43,27 @@ def _first_extreme(x, dim: int, largest: bool):
     select = op.ArgMax if largest else op.ArgMin
     boolean = x.dtype is not None and x.dtype == ir.DataType.BOOL
     indices = select(op.Cast(x, to=ir.DataType.INT32) if boolean else x, axis=dim, keepdims=1)  # no bool ArgMax
-    if _may_hold_nan(x):
-        flags = _nan_flags(x)
-        first_nan = op.ArgMax(flags, axis=dim, keepdims=1)
-        has_nan = op.Cast(op.GatherElements(flags, first_nan, axis=dim), to=ir.DataType.BOOL)
-        indices = op.Where(has_nan, first_nan, indices)
-    return indices
+    return _first_nan_or(x, dim, indices) if _may_hold_nan(x) else indices
+
+
+def _first_nan_or(x, dim: int, indices):
+    """``indices`` (along ``dim``, kept as an axis of 1), the first NaN's index instead where the
+    slice holds one: where PyTorch's max, min, argmax and median point."""
+    flags = _nan_flags(x)
+    first_nan = op.ArgMax(flags, axis=dim, keepdims=1)
+    has_nan = op.Cast(op.GatherElements(flags, first_nan, axis=dim), to=ir.DataType.BOOL)
+    return op.Where(has_nan, first_nan, indices)
+
+
+def _of_a_scalar(x):
+    """A 0-d tensor's value and index (0) along its only "dim", as ``max``, ``median``,
+    ``kthvalue`` and ``cummax`` give them."""
+    return op.Identity(x), op.Constant(value_int=0)
 
 
 def _value_at_index(x, dim: int, keepdim: bool, largest: bool):
     if len(x.shape) == 0:
-        return op.Identity(x), op.Constant(value_int=0)
+        return _of_a_scalar(x)
     indices = _first_extreme(x, dim, largest)
     values = op.GatherElements(x, indices, axis=dim)
     if keepdim:
@@ -78,7 +87,7 @@ def _arg_extreme(x, dim, keepdim: bool, largest: bool):
     the flattened tensor (of shape ``[1] * rank`` with ``keepdim``, as PyTorch's)."""
     rank = len(x.shape) if x.shape is not None else None
     if rank == 0:
-        return op.Constant(value=ir.tensor(np.array(0, dtype=np.int64)))
+        return op.Constant(value_int=0)
     if dim is not None:
         indices = _first_extreme(x, dim, largest)
         return indices if keepdim else op.Squeeze(indices, op.Constant(value_ints=[dim]))
@@ -182,7 +191,7 @@ def linalg_vector_norm(x, ord=2.0, dim=None, keepdim: bool = False, dtype=None):
     axes = _axes(dim)  # None: every axis (kept as 1s with keepdim, as PyTorch's)
     ord = float(ord)
     if math.isinf(ord):  # NaN where one is among the elements, as PyTorch's
-        return _extreme(op.Abs(x), dim if dim is not None else (), keepdim, op.ReduceMax if ord > 0 else op.ReduceMin)
+        return _extreme(op.Abs(x), dim, keepdim, op.ReduceMax if ord > 0 else op.ReduceMin)
     if ord == 0.0:  # a count, whose gradient is 0 (PyTorch's): a term valued 0 carries it to x
         nonzero = op.CastLike(op.Cast(x, to=ir.DataType.BOOL), x)
         zero = op.CastLike(op.Constant(value_float=0.0), x)

@@ -519,12 +519,6 @@ def sort_stable(x, stable=None, dim: int = -1, descending: bool = False):
     return op.TopK(x, length, axis=dim, largest=int(descending), sorted=1)
 
 
-def _of_a_scalar(x):
-    """A 0-d tensor's value and index (0) along its only "dim", as ``median``, ``kthvalue`` and
-    ``cummax`` give them."""
-    return op.Identity(x), op.Constant(value=ir.tensor(np.array(0, dtype=np.int64)))
-
-
 def _kth_smallest(x, k, dim: int, keepdim: bool):
     """The ``k``-th smallest value along ``dim`` (``k`` a [1] int64 tensor, from 1) and its index:
     the last of TopK's ``k`` smallest (TopK orders NaN after every number, as PyTorch's sort)."""
@@ -542,27 +536,25 @@ def median_dim(x, dim: int, keepdim: bool = False):
     the exporter cannot translate), and its index; NaN and the index of the first NaN where the
     slice holds one, as PyTorch (whose gradient goes to that NaN)."""
     if x.shape is not None and len(x.shape) == 0:
-        return _of_a_scalar(x)
+        return _reductions._of_a_scalar(x)
     count = op.Gather(op.Shape(x), op.Constant(value_ints=[dim]), axis=0)
     one = op.Constant(value_ints=[1])
-    value, index = _kth_smallest(x, op.Add(op.Div(op.Sub(count, one), op.Constant(value_ints=[2])), one), dim,
-                                 keepdim)
+    middle = op.Add(op.Div(op.Sub(count, one), op.Constant(value_ints=[2])), one)
     if not _reductions._may_hold_nan(x):
-        return value, index
-    nans = op.Cast(op.IsNaN(x), to=ir.DataType.INT32)
-    index = op.Where(op.Cast(op.ReduceMax(nans, op.Constant(value_ints=[dim]), keepdims=int(keepdim)),
-                             to=ir.DataType.BOOL),
-                     op.ArgMax(nans, axis=dim, keepdims=int(keepdim)), index)  # ArgMax: the first of the largest
+        return _kth_smallest(x, middle, dim, keepdim)
+    _, index = _kth_smallest(x, middle, dim, keepdim=True)
+    index = _reductions._first_nan_or(x, dim, index)
+    value = op.GatherElements(x, index, axis=dim)
     if keepdim:
-        return op.GatherElements(x, index, axis=dim), index
+        return value, index
     axis = op.Constant(value_ints=[dim])
-    return op.Squeeze(op.GatherElements(x, op.Unsqueeze(index, axis), axis=dim), axis), index
+    return op.Squeeze(value, axis), op.Squeeze(index, axis)
 
 
 def kthvalue(x, k: int, dim: int = -1, keepdim: bool = False):
     """``aten.kthvalue`` (the exporter cannot translate it): the ``k``-th smallest and its index."""
     if x.shape is not None and len(x.shape) == 0:
-        return _of_a_scalar(x)
+        return _reductions._of_a_scalar(x)
     return _kth_smallest(x, op.Constant(value_ints=[int(k)]), dim, keepdim)
 
 
@@ -1181,7 +1173,7 @@ def _running_extreme(x, dim: int, larger: bool):
     elements, as PyTorch's. The length along ``dim`` must be static."""
     rank = len(x.shape)
     if rank == 0:
-        return _of_a_scalar(x)
+        return _reductions._of_a_scalar(x)
     axis = dim % rank
     length = x.shape[axis]
     if not isinstance(length, int):

@@ -335,3 +335,55 @@ def test_a_function_that_keeps_grad_mode_leaves_the_no_grad_regions_cut():
     eager, wrapped = eager_and_wrapped(TeacherAndCenteredStudent, inline_autograd_functions=[Shifted])
     grads = _assert_same_training(eager, wrapped, torch.randn(3, 4, requires_grad=True))
     assert grads[0] is None and grads[1] is None
+
+
+class StatisticsAndNoise(torch.nn.Module):
+    """Outputs PyTorch computes from a parameter but gives no gradient: the statistics of
+    ``aten.native_layer_norm`` (its mean and reciprocal deviation) and ``rand_like`` of a layer's
+    output, beside the layer's own output."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 6)
+        self.norm = torch.nn.LayerNorm(6)
+
+    def forward(self, x):
+        h = self.layer(x)
+        out, mean, rstd = torch.ops.aten.native_layer_norm(h, [6], self.norm.weight, self.norm.bias, 1e-5)
+        return out, mean, rstd, torch.rand_like(h)
+
+
+def test_outputs_pytorch_gives_no_gradient_require_none():
+    # they required grad, and a loss that read them trained the layer through them
+    eager, wrapped = eager_and_wrapped(StatisticsAndNoise, debug_options=DebugOptions(fallback=False))
+    x = torch.randn(5, 4)
+    outputs, eager_outputs = wrapped(x), eager(x)
+    assert [o.requires_grad for o in outputs] == [o.requires_grad for o in eager_outputs] == [True, False, False,
+                                                                                               False]
+    for ours, theirs in zip(outputs[:3], eager_outputs[:3]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    # the statistics in a loss beside the output: only the output's path trains, as in eager
+    for model, (out, mean, rstd, _) in ((wrapped, outputs), (eager, eager_outputs)):
+        (out.square().sum() + (mean * out[:, :1]).sum() + rstd.sum()).backward()
+    for ours, theirs in zip(wrapped.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+    assert wrapped.fallback_reason is None
+
+
+def test_a_shape_only_op_is_on_no_gradient_path():
+    # RandomUniformLike reads its input's shape only: the weight it is drawn "like" gets no
+    # gradient (an artifacts graph built from an ONNX model has no trace to say so)
+    graph = ir.Graph([], [], nodes=[], opset_imports={"": 20})
+    w = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([3]))
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([3]))
+    graph.inputs.extend([w, x])
+    noise = ir.node("RandomUniformLike", [w], num_outputs=1)
+    product = ir.node("Mul", [noise.outputs[0], x], num_outputs=1)
+    graph.extend([noise, product])
+    loss = product.outputs[0]
+    loss.dtype = noise.outputs[0].dtype = ir.DataType.FLOAT
+    graph.outputs.append(loss)
+    assert inputs_with_gradient(list(graph), [w, x], [loss]) == [x]
+    unreached = []
+    build_gradients(graph, loss, [w, x], unreached=unreached)
+    assert unreached == [w]

@@ -41,13 +41,20 @@ def _may_carry_gradient(value: ir.Value) -> bool:
     return value.dtype is None or value.dtype in FLOAT_TYPES
 
 
-def active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.Value]:
+def _stops_gradient(node: ir.Node, registry: Registry) -> bool:
+    """A stop-gradient (``names.STOP_GRADIENT_METADATA``: PyTorch's ``detach()``) or an op whose
+    outputs read only its inputs' shapes and types (``Registry.reads_shape_only``)."""
+    return names.STOP_GRADIENT_METADATA in node.metadata_props or registry.reads_shape_only(node)
+
+
+def active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value],
+                  registry: Registry = DEFAULT_REGISTRY) -> set[ir.Value]:
     """Values that may carry a gradient and depend on a requires-grad value (``nodes`` in
-    topological order). A node marked as a stop-gradient (``names.STOP_GRADIENT_METADATA``:
-    PyTorch's ``detach()``) passes none on."""
+    topological order). A node that stops gradients (a stop-gradient, a shape-only op such as
+    ``RandomUniformLike``) passes none on."""
     active = {v for v in wrt}
     for node in nodes:
-        if names.STOP_GRADIENT_METADATA in node.metadata_props:
+        if _stops_gradient(node, registry):
             continue
         if any(i in active for i in node_reads(node)):
             active.update(o for o in node.outputs if _may_carry_gradient(o))
@@ -55,13 +62,13 @@ def active_values(nodes: Sequence[ir.Node], wrt: Iterable[ir.Value]) -> set[ir.V
 
 
 def inputs_with_gradient(nodes: Sequence[ir.Node], wrt: Sequence[ir.Value],
-                         outputs: Iterable[ir.Value]) -> list[ir.Value]:
+                         outputs: Iterable[ir.Value], registry: Registry = DEFAULT_REGISTRY) -> list[ir.Value]:
     """The values of ``wrt`` that some float value of ``outputs`` depends on along values that
     may carry a gradient and through no stop-gradient (``nodes`` in topological order): the
     others get no gradient at all (PyTorch leaves their ``.grad`` None)."""
     reached = {o for o in outputs if _may_carry_gradient(o)}
     for node in reversed(nodes):
-        if names.STOP_GRADIENT_METADATA in node.metadata_props:
+        if _stops_gradient(node, registry):
             continue
         if any(o in reached for o in node.outputs):
             reached.update(i for i in node_reads(node) if _may_carry_gradient(i))
@@ -140,7 +147,7 @@ def build_gradients(
     # a subgraph (an If branch a rule differentiates) imports no opsets: its model's are the builder's
     opsets = dict(graph.opset_imports) or {"": b.opset}
 
-    active = active_values(nodes, wrt)
+    active = active_values(nodes, wrt, registry)
     reaching = _values_reaching(nodes, losses)
     on_path = [
         n for n in nodes

@@ -149,6 +149,9 @@ class GradRule:
     until: int | None  # inclusive; None = no upper bound
     fn: RuleFn
     broadcasting: bool = False
+    # the outputs depend on the inputs through their shape and type only: they carry no gradient
+    # and need none (PyTorch's ``rand_like(y)`` does not require grad however ``y`` does)
+    shape_only: bool = False
 
     def covers(self, version: int) -> bool:
         return self.since <= version and (self.until is None or version <= self.until)
@@ -169,6 +172,12 @@ class Registry:
             if rule.covers(version):
                 return rule
         return None
+
+    def reads_shape_only(self, node: ir.Node) -> bool:
+        """Whether ``node``'s outputs depend on its inputs through their shape and type only
+        (registered with :func:`shape_only`): no gradient path goes through it."""
+        domain = "" if node.domain == "ai.onnx" else node.domain
+        return any(rule.shape_only for rule in self.rules.get((domain, node.op_type), ()))
 
     def registered(self) -> list[GradRule]:
         return [r for rules in self.rules.values() for r in rules]
@@ -207,3 +216,15 @@ def nondifferentiable(*op_types: str, domain: str = "") -> None:
     no_gradient.nondifferentiable = True  # the grad-table meta-test needs no row for these
     for op_type in op_types:
         grad(op_type, domain=domain)(no_gradient)
+
+
+def shape_only(*op_types: str, domain: str = "") -> None:
+    """Register ops whose outputs depend on their inputs through shape and type only (``EyeLike``,
+    ``RandomUniformLike``): the autodiff walk does not go through them and their outputs need
+    no gradient."""
+    def no_gradient(ctx: GradContext):
+        return (None,) * len(ctx.node.inputs)
+
+    no_gradient.nondifferentiable = True
+    for op_type in op_types:
+        DEFAULT_REGISTRY.add(GradRule(op_type, domain, 1, None, no_gradient, shape_only=True))

@@ -61,7 +61,7 @@ from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.passes import pipeline
 from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program, has_checkpoint_region,
-                                       mark_gradient_cuts, splits_with_sizes)
+                                       mark_gradient_cuts, splits_with_sizes, traced_requires_grad)
 from onnxtrain.torch._translations import complex_translation_table, per_sample_losses_as_own_ops, translation_table
 
 # The wrapper's attribute holding the user's module: the exporter names its parameters
@@ -260,14 +260,22 @@ def _named_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], tupl
 @dataclass
 class TracedOutput:
     """The structure of a traced call's output: its tree, its non-tensor leaves (None at the
-    tensors' places, which ``positions`` lists: a None among the leaves is an output too), and
-    the places of complex tensors (the ONNX graph gives each as real and imaginary parts along a
-    last axis of 2)."""
+    tensors' places, which ``positions`` lists: a None among the leaves is an output too), the
+    places of complex tensors (the ONNX graph gives each as real and imaginary parts along a
+    last axis of 2), and those of the floating-point tensors that did not require grad in the
+    traced call although something did: ``torch.rand_like(y)``, the statistics outputs of
+    ``aten.native_layer_norm``, a custom Function's ``mark_non_differentiable`` outputs. Such
+    an output gets no gradient even where the graph computes it from a parameter."""
 
     spec: pytree.TreeSpec
     leaves: list
     positions: list[int]
     complex_positions: frozenset[int] = frozenset()
+    without_grad: frozenset[int] = frozenset()
+
+    def outputs_without_grad(self) -> list[int]:
+        """The graph's user outputs (indices in graph order) that PyTorch gives no gradient."""
+        return [k for k, position in enumerate(self.positions) if position in self.without_grad]
 
 
 class _Recorder(list):
@@ -446,6 +454,7 @@ class _FlatModule(torch.nn.Module):
         module = getattr(self, _MODULE_ATTR)
         before = _tensor_attributes(module)
         versions = [None if t.is_inference() else t._version for t in tensors]  # inference tensors have none
+        tracked = torch.is_grad_enabled()  # (off: no output requires grad, which says nothing)
         with _GradModeWatch() as watch:
             out = module(*args, **kwargs)
         self.written_inputs.append({i for i, (t, v) in enumerate(zip(tensors, versions))
@@ -456,9 +465,11 @@ class _FlatModule(torch.nn.Module):
                                    if before.get(key) is not value)
         leaves, spec = pytree.tree_flatten(out)
         positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        self.traced_outputs.append(TracedOutput(spec, [None if isinstance(leaf, torch.Tensor) else leaf
-                                                       for leaf in leaves], positions,
-                                                frozenset(i for i in positions if leaves[i].is_complex())))
+        self.traced_outputs.append(TracedOutput(
+            spec, [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], positions,
+            frozenset(i for i in positions if leaves[i].is_complex()),
+            frozenset(i for i in positions if tracked and not leaves[i].requires_grad
+                      and (leaves[i].is_floating_point() or leaves[i].is_complex()))))
         traced = autograd_graph(leaves, tensors)
         self.autograd_functions.extend(traced.functions)
         keys = {id(t): i for i, t in enumerate(tensors)}
@@ -969,6 +980,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
             # parameters no gradient in eager (it warns so); its region cannot be cut alone here
             checkpoint_without_grad = (torch.is_grad_enabled() and has_checkpoint_region(captured)
                                        and CheckpointFunction not in wrapper.autograd_functions)
+            requires_grad_traced = traced_requires_grad(captured) and not wrapper.hidden_grad_switches
             contiguous_as_clone(captured)
             splits_with_sizes(captured)
             per_sample_losses_as_own_ops(captured)
@@ -991,6 +1003,8 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         raise ExportError(f"{type(module).__name__}'s forward stores tensors in its {', '.join(written)} argument: an "
                           f"exported graph cannot (for a Hugging Face cache pass use_cache=False)")
     traced_output = wrapper.traced_outputs[-1]
+    if not requires_grad_traced:  # the graph decides which outputs get gradients
+        traced_output = dataclasses.replace(traced_output, without_grad=frozenset())
     _check_output_leaves(module, traced_output)
     if wrapper.foreign_leaves:
         names = ", ".join(dict.fromkeys(wrapper.foreign_leaves))

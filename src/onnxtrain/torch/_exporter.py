@@ -594,6 +594,17 @@ def _is_checkpoint_region(graph_module: torch.fx.GraphModule, node: torch.fx.Nod
     return any(checkpoint_frame in frame for frame in _region_frames(graph_module, node))
 
 
+def traced_requires_grad(program: torch.export.ExportedProgram) -> bool:
+    """Whether the traced call's ``requires_grad`` flags are eager PyTorch's: not where the
+    capture ran a higher-order op other than a grad-mode or autocast region (torch's ``scan``,
+    ``cond``, ``while_loop``), whose outputs it traces without autograd."""
+    faithful = {getattr(torch.ops.higher_order, name, None) for name in ("wrap_with_set_grad_enabled",
+                                                                          "wrap_with_autocast")}
+    return not any(isinstance(node.target, torch._ops.HigherOrderOperator) and node.target not in faithful
+                   for graph_module in program.graph_module.modules() if isinstance(graph_module, torch.fx.GraphModule)
+                   for node in graph_module.graph.nodes if node.op == "call_function")
+
+
 def has_checkpoint_region(program: torch.export.ExportedProgram) -> bool:
     """Whether a reentrant ``torch.utils.checkpoint`` ran in the captured forward (its function
     runs in a no-grad region, see :func:`mark_gradient_cuts`)."""

@@ -779,6 +779,7 @@ class ORTModule(ModuleWrapper):
             graph.exported = None
             variant.graph = graph
         variant.graph.traced_grads = graph.traced_grads
+        variant.graph.output = graph.output  # which outputs require grad, now that more inputs do
 
     def _export(self, call, variants: list[_Variant], like: _Variant | None = None) -> _Variant:
         """Export for a call that none of its schema's ``variants`` accepts. Automatic mode
@@ -840,15 +841,16 @@ class ORTModule(ModuleWrapper):
         not at all, get none, and their ``.grad`` stays None, as in PyTorch."""
         model = io.load_model(variant.graph.model)
         graph = variant.graph
-        # buffer and argument updates: outputs without gradient
-        buffer_outputs = range(graph.num_user_outputs, len(model.graph.outputs))
+        # buffer and argument updates, and the outputs PyTorch gives no gradient: outputs without one
+        no_grad_outputs = {*graph.output.outputs_without_grad(), *range(graph.num_user_outputs,
+                                                                        len(model.graph.outputs))}
         values = list(model.graph.inputs)
-        outputs = [o for i, o in enumerate(model.graph.outputs) if i not in buffer_outputs]
+        outputs = [o for i, o in enumerate(model.graph.outputs) if i not in no_grad_outputs]
         reached = set(inputs_with_gradient(list(model.graph), [values[i] for i in wrt], outputs))
         wrt = tuple(i for i in wrt if values[i] in reached) or wrt  # none reached: zeros for all
         names = [values[i].name for i in wrt]
         shapes = {v.name: tuple(t.shape) for v, t in zip(model.graph.inputs, inputs)}
-        graphs = build_forward_backward(model, names, no_grad_outputs=buffer_outputs,
+        graphs = build_forward_backward(model, names, no_grad_outputs=sorted(no_grad_outputs),
                                         memory_options=self._memory_options, input_shapes=shapes)
         if variant.precision is not None:  # the gradient graph adds low-precision ops of its own
             for part in (graphs.forward, graphs.backward):

@@ -10,12 +10,14 @@ Relu-like activations (nonzero derivative on a set of positive measure).
 
 from __future__ import annotations
 
-from onnxtrain.autodiff.registry import nondifferentiable
+from onnxtrain.autodiff.registry import nondifferentiable, shape_only
 
 # piecewise-constant rounding functions
 nondifferentiable("Sign", "Floor", "Ceil", "Round")
 # a one-hot of the arg-max: piecewise constant too
 nondifferentiable("Hardmax")
-# the output depends on the input only through its shape (EyeLike, *Like) or is a random
-# sample with no pathwise derivative (Bernoulli draws 0/1 from the input probabilities)
-nondifferentiable("EyeLike", "RandomUniformLike", "RandomNormalLike", "Bernoulli")
+# a random sample with no pathwise derivative (Bernoulli draws 0/1 from the input
+# probabilities); its output still requires grad, as PyTorch's bernoulli(p) does
+nondifferentiable("Bernoulli")
+# the output depends on the input only through its shape and type: not on any gradient path
+shape_only("EyeLike", "RandomUniformLike", "RandomNormalLike")

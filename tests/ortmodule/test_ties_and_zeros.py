@@ -5,7 +5,8 @@ elements and p-norms of a zero vector have a zero gradient (the root's infinite 
 NaN), ``atan2`` keeps PyTorch's signed zeros and a finite gradient on the axes, and attention
 rows masked by -inf everywhere give zeros (they were NaN); a stable sort keeps the order of ties;
 ``fmax``/``fmin`` skip NaNs and give ties to their first argument; ``median()`` shares its
-gradient among tied elements, and a median over a slice with a NaN is NaN; binary cross entropy
+gradient among tied elements, and a median over a slice with a NaN is NaN, while ``nanmedian`` leaves
+NaNs out; ``copysign`` reads a negative zero's sign; binary cross entropy
 on probabilities of exactly 0 and 1 has PyTorch's finite gradient (it was NaN); ``hypot`` neither
 overflows nor underflows."""
 
@@ -212,6 +213,42 @@ def test_medians_with_nans_are_nan_at_the_first_nan(function):
     ``kthvalue`` counts NaNs as the largest values, as PyTorch's sort."""
     nan = float("nan")
     x = torch.tensor([[1.0, nan, 3.0, -2.0, nan], [5.0, 2.0, 1.0, 0.0, 4.0], [nan, 2.5, 2.0, 1.0, -1.0]])
+    _assert_input_gradient_matches(function, x)
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: x[:3].nanmedian(dim=1).values, lambda x: x[:3].nanmedian(dim=0, keepdim=True).values,
+    lambda x: x[:3].nanmedian(dim=1).indices.float() + x[:3].nanmedian(dim=1).values, lambda x: x.nanmedian(),
+    lambda x: x[3].nanmedian(), lambda x: x[1].nanmedian(0).values,
+    lambda x: (x[:3] * 2).long().nanmedian(1).values.float() * x[:3, 0],
+], ids=["dim", "dim keepdim", "dim indices", "all", "all of nans", "without nan", "integers"])
+def test_nanmedian_leaves_nans_out(function):
+    """``nanmedian`` (which the exporter lacks) is the median of each slice's numbers, its gradient
+    at that element (shared by the elements equal to it, over all elements; by the NaNs, if all are)."""
+    _assert_input_gradient_matches(function, _WITH_NANS)
+
+
+def test_nanmedian_of_a_slice_of_nans_only_is_nan():
+    # (at index 0; PyTorch's index there is whichever NaN its selection leaves first)
+    wrapped = ORTModule(_Function(lambda x: x.nanmedian(dim=1)), DebugOptions(fallback=False))
+    values, indices = wrapped(_WITH_NANS)
+    torch.testing.assert_close(values, _WITH_NANS.nanmedian(dim=1).values, equal_nan=True)
+    assert indices[3] == 0
+
+
+_WITH_NANS = torch.tensor([[1.0, float("nan"), 3.0, -2.0, float("nan")], [5.0, 2.0, 1.0, 0.0, 4.0],
+                           [float("nan"), 2.5, 2.0, 1.0, -1.0], [float("nan")] * 5])
+
+
+@pytest.mark.parametrize("function", [
+    lambda x: torch.copysign(x, x.flip(1)), lambda x: torch.copysign(x, -0.0), lambda x: torch.copysign(x, 2),
+    lambda x: torch.copysign(x[0], torch.tensor([1.0, -1.0, 0.0, -0.0])),
+    lambda x: torch.copysign(x.long(), x[:, :1]) * x,
+], ids=["tensor", "negative zero", "number", "signed zeros", "integers"])
+def test_copysign_takes_signed_zeros_and_pytorchs_gradient(function):
+    """``copysign`` (which the exporter lacks): a negative zero's sign counts; the gradient is 0
+    where ``x`` is 0, as PyTorch's."""
+    x = torch.tensor([[1.5, -2.0, 0.0, 3.0], [-0.0, 2.5, -1.0, 0.5]])
     _assert_input_gradient_matches(function, x)
 
 

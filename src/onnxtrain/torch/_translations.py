@@ -43,8 +43,10 @@ interpolation takes PyTorch's weights, as two matrix products (``onnxtrain.torch
 ``atan2`` keeps PyTorch's signed zeros and a
 finite gradient on the axes; ``fmax``/``fmin`` (the exporter has none) skip NaNs. Where the exporter's translation computes something
 else than PyTorch and no ONNX graph can do better (``instance_norm`` updating running
-statistics in training, ``scatter_reduce`` with ``reduce="mean"``), ours raises
+statistics in training), ours raises
 ``NotImplementedError``: the export fails, and ORTModule runs the module in PyTorch.
+``scatter_reduce`` with ``reduce="mean"`` (which the exporter takes for a plain scatter) and
+``index_reduce`` (which it lacks) are sums and counts of ``ScatterElements``.
 """
 
 from __future__ import annotations
@@ -393,12 +395,52 @@ def scatter_add(self, dim: int, index, src):
 
 def scatter_reduce(self, dim: int, index, src, reduce: str, include_self: bool = True):
     """``aten.scatter_reduce.two``: the exporter's translation with ``src`` cut to ``index``'s
-    shape, but for ``reduce="mean"``, which it turns into a plain scatter (no averaging):
-    NotImplementedError (the export fails)."""
+    shape; ``reduce="mean"`` (which the exporter turns into a plain scatter) is ours."""
+    src = _src_like_index(src, index)
     if reduce == "mean":
-        raise NotImplementedError("scatter_reduce(reduce='mean'): the exporter's translation does not average")
+        return _scatter_mean(self, dim, index, src, include_self)
     from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_reduce
-    return aten_scatter_reduce(self, dim, index, _src_like_index(src, index), reduce, include_self=include_self)
+    return aten_scatter_reduce(self, dim, index, src, reduce, include_self=include_self)
+
+
+def _scatter_mean(self, dim: int, index, src, include_self: bool):
+    """PyTorch's ``scatter_reduce(reduce="mean")``: at each position the mean of the updates
+    scattered there and, with ``include_self``, of its own value; a position no update reaches
+    keeps its value. The mean of integers is floored, as PyTorch's is. Sums and counts are
+    ``ScatterElements(reduction="add")``, so the gradient is ``dy / count`` at each term."""
+    shape = op.Shape(self)
+    if len(self.shape) == 0:  # ScatterElements wants rank >= 1: a 0-d self is one element
+        self, index, src = (op.Reshape(t, op.Constant(value_ints=[-1])) for t in (self, index, src))
+    zero, one = _number_like(0.0, self), _number_like(1.0, self)
+    start = self if include_self else op.Expand(zero, op.Shape(self))
+    total = op.ScatterElements(start, index, src, axis=dim, reduction="add")
+    count = op.ScatterElements(op.Expand(one if include_self else zero, op.Shape(self)), index,
+                               op.Expand(one, op.Shape(index)), axis=dim, reduction="add")
+    reached = op.Greater(count, zero)
+    count = op.Max(count, one)  # 1 where nothing was scattered (replaced by self below)
+    if self.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        mean = op.Div(total, count)
+    else:  # floored: the remainder of a positive count takes the divisor's sign
+        mean = op.Div(op.Sub(total, op.Mod(total, count)), count)
+    if not include_self:
+        mean = op.Where(reached, mean, self)
+    return op.Reshape(mean, shape)
+
+
+def index_reduce(self, dim: int, index, source, reduce: str, include_self: bool = True):
+    """``aten.index_reduce``: ``scatter_reduce`` with ``index`` (one entry per slice of ``source``
+    along ``dim``) spread over each slice; the exporter has no translation."""
+    rank = max(len(self.shape), 1)
+    dim = dim % rank
+    if len(source.shape) == 0:
+        source = op.Reshape(source, op.Constant(value_ints=[1]))
+    along = op.Reshape(index, op.Constant(value_ints=[1] * dim + [-1] + [1] * (rank - dim - 1)))
+    spread = op.Expand(along, op.Shape(source))
+    spread.type, spread.shape = index.type, ir.Shape(list(source.shape))
+    if reduce == "mean":
+        return _scatter_mean(self, dim, spread, source, include_self)
+    from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_reduce
+    return aten_scatter_reduce(self, dim, spread, source, reduce, include_self=include_self)
 
 
 def safe_softmax(x, dim: int, dtype=None):
@@ -558,18 +600,54 @@ def kthvalue(x, k: int, dim: int = -1, keepdim: bool = False):
     return _kth_smallest(x, op.Constant(value_ints=[int(k)]), dim, keepdim)
 
 
+def nanmedian_dim(x, dim: int, keepdim: bool = False):
+    """``aten.nanmedian.dim`` (the exporter cannot translate it): :func:`median_dim` of each
+    slice's numbers, NaNs left out; NaN for a slice of NaNs only, at index 0 (PyTorch's index
+    there is whichever NaN its selection leaves first)."""
+    if x.shape is not None and len(x.shape) == 0:
+        return _reductions._of_a_scalar(x)
+    if not _reductions._may_hold_nan(x):
+        return median_dim(x, dim, keepdim)
+    axis = op.Constant(value_ints=[dim])
+    # sorted with the NaNs last: the middle number of each slice is at (numbers - 1) // 2
+    _, indices = op.TopK(x, op.Gather(op.Shape(x), axis, axis=0), axis=dim, largest=0, sorted=1)
+    numbers = op.ReduceSum(op.Cast(op.Not(op.IsNaN(x)), to=ir.DataType.INT64), axis, keepdims=1)
+    middle = op.Max(op.Div(op.Sub(numbers, op.Constant(value_int=1)), op.Constant(value_int=2)),
+                    op.Constant(value_int=0))
+    # (a slice of NaNs only: index 0, which TopK's order of NaNs need not give)
+    index = op.Where(op.Equal(numbers, op.Constant(value_int=0)), op.Constant(value_int=0),
+                     op.GatherElements(indices, middle, axis=dim))
+    value = op.GatherElements(x, index, axis=dim)
+    if keepdim:
+        return value, index
+    return op.Squeeze(value, axis), op.Squeeze(index, axis)
+
+
 def median(x):
     """``aten.median.default``: the median of all elements (:func:`median_dim` of the flat tensor),
     whose gradient is shared evenly by the elements equal to it (NaNs where it is NaN), as
     PyTorch's (the median over a dim sends it to the returned index alone)."""
+    return _of_all_elements(x, median_dim)
+
+
+def nanmedian(x):
+    """``aten.nanmedian.default``: :func:`median`, NaNs left out (NaN if every element is)."""
+    return _of_all_elements(x, nanmedian_dim)
+
+
+def _of_all_elements(x, along_dim):
+    """``along_dim(flat x, 0)``'s value, its gradient shared evenly by the elements equal to it
+    (by the NaNs where it is NaN), as PyTorch's ``evenly_distribute_backward``."""
     flat = op.Reshape(x, op.Constant(value_ints=[-1]))
-    value, _ = median_dim(flat, 0)
+    value, _ = along_dim(flat, 0)
     if not _reductions._may_hold_nan(x):  # integers: no gradient, no NaN
         return value
-    ties = op.Or(op.Equal(flat, value), op.And(op.IsNaN(flat), op.IsNaN(value)))
-    ties = op.CastLike(ties, x)
+    tied = op.Or(op.Equal(flat, value), op.And(op.IsNaN(flat), op.IsNaN(value)))
+    ties = op.CastLike(tied, x)
     share = op.Div(ties, op.ReduceSum(ties, keepdims=0))
-    finite = op.Where(op.IsInf(flat), op.CastLike(op.Constant(value_float=0.0), x), flat)  # inf - inf is NaN
+    # inf - inf is NaN, as is a NaN the value left out (nanmedian's); a NaN value's own NaNs keep their share
+    left_out = op.Or(op.IsInf(flat), op.And(op.IsNaN(flat), op.Not(tied)))
+    finite = op.Where(left_out, op.CastLike(op.Constant(value_float=0.0), x), flat)
     carried = op.ReduceSum(op.Mul(op.Sub(finite, detach(finite)), detach(share)), keepdims=0)  # 0, with the shares
     return op.Add(detach(value), carried)
 
@@ -632,6 +710,22 @@ def _upper_half(y):
     """``y > 0``, or ``y`` a positive zero: the side of the branch cut atan2 puts at +π."""
     zero = _like(y, 0.0)
     return op.Or(op.Greater(y, zero), op.And(op.Equal(y, zero), op.Greater(op.Reciprocal(y), zero)))
+
+
+def copysign(x, sign):
+    """``aten.copysign`` (the exporter has none): ``|x|`` with the sign of ``sign``, a negative
+    zero's included (a NaN counts as positive: ONNX cannot read its sign bit). Its gradient is
+    PyTorch's: ``dy * sign(x) * sign(sign)``, 0 where ``x`` is 0, none for ``sign``."""
+    floats = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+    if x.dtype not in floats:  # integers give floats
+        float_sign = getattr(sign, "dtype", None) in floats
+        x = op.CastLike(x, sign) if float_sign else op.Cast(x, to=ir.DataType.FLOAT)
+    # (copysign.Scalar: a number; math.copysign keeps a -0.0's sign)
+    sign = op.CastLike(sign, x) if hasattr(sign, "dtype") else _number_like(math.copysign(1.0, sign), x)
+    zero = _like(x, 0.0)
+    negative = op.Or(op.Less(sign, zero), op.And(op.Equal(sign, zero), op.Less(op.Reciprocal(sign), zero)))
+    magnitude = op.Abs(x)
+    return op.Where(negative, op.Neg(magnitude), magnitude)
 
 
 def atan2(y, x):
@@ -1644,16 +1738,21 @@ def translation_table() -> dict:
         torch.ops.aten.binary_cross_entropy.default: binary_cross_entropy,
         torch.ops.aten.instance_norm.default: instance_norm,
         torch.ops.aten.scatter_reduce.two: scatter_reduce,
+        torch.ops.aten.index_reduce.default: index_reduce,
         torch.ops.aten.scatter.src: scatter_src,
         torch.ops.aten.scatter_add.default: scatter_add,
         torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
         torch.ops.aten.median.dim: median_dim,
         torch.ops.aten.median.default: median,
+        torch.ops.aten.nanmedian.dim: nanmedian_dim,
+        torch.ops.aten.nanmedian.default: nanmedian,
         torch.ops.aten._cdist_forward.default: cdist,
         torch.ops.aten._pdist_forward.default: pdist,
         torch.ops.aten.kthvalue.default: kthvalue,
         torch.ops.aten.hypot.default: hypot,
         torch.ops.aten.atan2.default: atan2,
+        torch.ops.aten.copysign.Tensor: copysign,
+        torch.ops.aten.copysign.Scalar: copysign,
         torch.ops.prims.fmax.default: fmax,
         torch.ops.prims.fmin.default: fmin,
         torch.ops.aten.sort.stable: sort_stable,

@@ -72,6 +72,11 @@ ROWS: list[Case] = [
          attrs={"axis": 0, "reduction": "min"}, opsets=(18, 23), id="ScatterElements-min"),
     Case("ScatterND", [I(4, 2), C([[1], [1], [3]], np.int64), I(3, 2)], attrs={"reduction": "max"},
          opsets=(18, 23), id="ScatterND-max-rows"),
+    # mul (opset 16): each factor's gradient is the product of the others at its position
+    Case("ScatterElements", [I(3, 4), C([[0, 0, 3], [1, 1, 1], [2, 0, 2]], np.int64), I(3, 3)],
+         attrs={"axis": 1, "reduction": "mul"}, opsets=(16, 23), id="ScatterElements-mul-repeated"),
+    Case("ScatterND", [I(4, 2), C([[1], [1], [3]], np.int64), I(3, 2)], attrs={"reduction": "mul"},
+         opsets=(16, 23), id="ScatterND-mul-rows"),
     # -- writes of values at indices ---------------------------------------------------------
     Case("OneHot", [C([[0, 2], [-1, 5]], np.int64), C(np.array(3, np.int64)), I(2)], opsets=(13, 28), precision="float32",
          id="OneHot-values"),

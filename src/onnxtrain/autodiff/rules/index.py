@@ -247,9 +247,34 @@ def _gather_nd(ctx):
 def _scatter_reduction(ctx: GradContext) -> str:
     reduction = ctx.attr("reduction", "none")
     reduction = reduction.decode() if isinstance(reduction, bytes) else reduction
-    if reduction not in ("none", "add", "max", "min"):
-        raise NotImplementedError(f"reduction={reduction!r} (none, add, max and min are supported)")
+    if reduction not in ("none", "add", "mul", "max", "min"):
+        raise NotImplementedError(f"reduction={reduction!r} (none, add, mul, max and min are supported)")
     return reduction
+
+
+def _product_grads(ctx: GradContext, gather, scatter):
+    """Gradients of a scatter with reduction mul, as PyTorch's ``scatter_reduce(reduce="prod")``
+    gives them: each factor's is ``dy`` times the product of the others at its position. That is
+    ``dy * y / factor`` where the factor is not 0; a factor that is the only zero among its
+    position's updates gets the product of the others, computed again with it replaced by 1 (as
+    does a zero of the data, whose product of the others is the updates' own)."""
+    op, b = ctx.op, ctx.b
+    data, _, updates = ctx.inputs
+    y, dy = ctx.y, ctx.dy
+    one, zero = ctx.like(y, 1.0), ctx.like(y, 0.0)
+    d_data = d_updates = None
+    if ctx.needs(0):
+        data_is_zero = op.Equal(data, zero)
+        masked_data = op.Where(data_is_zero, one, data)
+        d_data = op.Div(op.Mul(dy, scatter(masked_data, updates, "mul")), masked_data)
+    if ctx.needs(2):
+        update_is_zero = op.Equal(updates, zero)
+        zeros_there = gather(scatter(b.zeros_like(data), op.Cast(update_is_zero, to=int(y.dtype)), "add"))
+        single_zero = op.And(update_is_zero, op.Equal(zeros_there, one))
+        others = gather(op.Mul(dy, scatter(data, op.Where(single_zero, one, updates), "mul")))
+        d_updates = op.Where(single_zero, others,
+                             op.Div(gather(op.Mul(dy, y)), op.Where(update_is_zero, one, updates)))
+    return d_data, None, d_updates
 
 
 def _extremum_grads(ctx: GradContext, gather, scatter_add):
@@ -280,6 +305,12 @@ def _scatter_nd(ctx):
             raise NotImplementedError(f"reduction={reduction!r} with indices of unknown last dim")
         return _extremum_grads(ctx, lambda t: op.GatherND(t, indices),
                                lambda base, u: scatter_nd_by_elements(ctx.b.add_node, base, indices, u, "add", depth))
+    if reduction == "mul":
+        depth = indices.shape[-1] if indices.shape is not None and len(indices.shape) else None
+        if not isinstance(depth, int):
+            raise NotImplementedError("reduction='mul' with indices of unknown last dim")
+        return _product_grads(ctx, lambda t: op.GatherND(t, indices),
+                              lambda base, u, how: scatter_nd_by_elements(ctx.b.add_node, base, indices, u, how, depth))
     d_data = d_updates = None
     if ctx.needs(0):
         d_data = ctx.dy if reduction == "add" else op.ScatterND(ctx.dy, indices, ctx.b.zeros_like(updates))
@@ -297,6 +328,9 @@ def _scatter_elements(ctx):
     if reduction in ("max", "min"):
         return _extremum_grads(ctx, lambda t: op.GatherElements(t, indices, axis=axis),
                                lambda base, u: op.ScatterElements(base, indices, u, axis=axis, reduction="add"))
+    if reduction == "mul":
+        return _product_grads(ctx, lambda t: op.GatherElements(t, indices, axis=axis),
+                              lambda base, u, how: op.ScatterElements(base, indices, u, axis=axis, reduction=how))
     d_data = d_updates = None
     if ctx.needs(0):
         d_data = (ctx.dy if reduction == "add"

@@ -387,3 +387,36 @@ def test_a_shape_only_op_is_on_no_gradient_path():
     unreached = []
     build_gradients(graph, loss, [w, x], unreached=unreached)
     assert unreached == [w]
+
+
+class ValueAndMarker(torch.autograd.Function):
+    """Doubles ``x`` and returns a marker it declares non-differentiable."""
+
+    @staticmethod
+    def forward(ctx, x):
+        marker = x.sum(-1, keepdim=True) + 1.0
+        ctx.mark_non_differentiable(marker)
+        return x * 2.0, marker
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return grad * 2.0
+
+
+class WithMarker(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(3, 3)
+
+    def forward(self, x):
+        return ValueAndMarker.apply(self.layer(x))
+
+
+def test_an_output_a_function_marks_non_differentiable_requires_no_grad():
+    eager, wrapped = eager_and_wrapped(WithMarker, debug_options=DebugOptions(fallback=False),
+                                       inline_autograd_functions=[ValueAndMarker])
+    x = torch.randn(2, 3)
+    (value, marker), (eager_value, eager_marker) = wrapped(x), eager(x)
+    assert (value.requires_grad, marker.requires_grad) == (eager_value.requires_grad, eager_marker.requires_grad)
+    assert not marker.requires_grad
+    torch.testing.assert_close(marker, eager_marker)

@@ -17,6 +17,7 @@ from onnxtrain.passes.column_product import ColumnVectorProductPass
 from onnxtrain.passes.cse import DistinctDrawsCSEPass
 from onnxtrain.passes.double_gelu import DoubleTanhGeluPass
 from onnxtrain.passes.double_layer_norm import DoubleLayerNormPass
+from onnxtrain.passes.empty_tensors import EmptyTensorsPass
 from onnxtrain.passes.float_accumulation import FloatAccumulationPass
 from onnxtrain.passes.fold import FoldConstantsPass, InferMissingShapesPass
 from onnxtrain.passes.inference_mode import InferenceModePass
@@ -73,8 +74,11 @@ def after_autodiff() -> list[ir.passes.PassBase]:
     product with ones; a transposed matrix times a vector as a product with a column, which
     onnxruntime's fused kernel gets right); float16/bfloat16 gradients accumulated by scatters add
     in float32 (onnxruntime's CPU kernels have no low-precision reduction); a reducing ScatterND
-    some rule or pass made becomes an exact ScatterElements (passes/scatter_nd.py)."""
+    some rule or pass made becomes an exact ScatterElements (passes/scatter_nd.py). First, a value
+    of a static shape with a zero-sized dim (an empty batch) becomes an empty constant, which
+    onnxruntime's optimizer cannot get wrong (passes/empty_tensors.py)."""
     return [
+        EmptyTensorsPass(),
         SplitCrossEntropyPass(),
         ReducingScatterNDPass(),
         FloatAccumulationPass(),

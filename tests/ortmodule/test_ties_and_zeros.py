@@ -20,6 +20,8 @@ torch = pytest.importorskip("torch")
 
 from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
 
+F = torch.nn.functional
+
 TIES = torch.tensor([[2.0, 5.0, 5.0], [-1.0, 5.0, 0.0], [3.0, 3.0, -4.0]])
 ZEROS = torch.zeros(2, 3)
 
@@ -167,6 +169,36 @@ def test_a_fully_masked_softmax_row_zeroed_afterwards_has_zero_gradients():
         grads.append([source.grad, *(p.grad for p in module.parameters())])
     for ours, theirs in zip(grads[1], grads[0]):
         torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("function", [
+    lambda h: torch.sqrt(torch.relu(h)), lambda h: torch.relu(h) ** 0.5,
+    lambda h: torch.log(torch.relu(h)).clamp(min=-10), lambda h: (torch.relu(h) * 2).sqrt(),
+    lambda h: torch.where(h > 0, h, 0.0).sqrt(), lambda h: h.masked_fill(h < 0, 0.0).sqrt(),
+    lambda h: F.threshold(h, 0.1, 0.0).sqrt(),
+], ids=["sqrt relu", "relu pow half", "log relu", "scaled relu sqrt", "where sqrt", "masked_fill sqrt",
+        "threshold sqrt"])
+def test_a_masked_value_meeting_an_infinite_derivative_has_pytorchs_gradient(function):
+    """A mask (ReLU, ``where``, ``masked_fill``, threshold) before a square root or logarithm: the
+    masked positions' gradient is inf, and PyTorch's mask gives 0 there. As ``dy * mask`` it was
+    NaN, and every weight gradient with it; such masks are chosen exactly, with a Where."""
+    class Masked(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 6)
+
+        def forward(self, x):
+            return function(self.linear(x))
+
+    torch.manual_seed(0)
+    eager = Masked()
+    wrapped = ORTModule(copy.deepcopy(eager), DebugOptions(fallback=False))
+    x = torch.randn(5, 4)
+    for module in (eager, wrapped):
+        module(x).sum().backward()
+    assert torch.isfinite(eager.linear.weight.grad).all()
+    for ours, theirs in zip(wrapped.module.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("descending", [False, True])

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 
+from tests.ortmodule._unsupported import without_dft_rule  # noqa: F401  (a fixture)
 from tests.ortmodule.test_ortmodule import _WithoutRule
 from tests.torch_models import MLP, torch
 
@@ -25,6 +26,7 @@ def _no_upstream_variables(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
+@pytest.mark.usefixtures("without_dft_rule")
 def test_fallback_disable_raises_where_the_default_falls_back(monkeypatch):
     x = torch.randn(3, 6)
     with pytest.warns(ORTModuleFallbackWarning):
@@ -34,6 +36,7 @@ def test_fallback_disable_raises_where_the_default_falls_back(monkeypatch):
         ORTModule(_WithoutRule())(x).sum().backward()
 
 
+@pytest.mark.usefixtures("without_dft_rule")
 def test_the_variable_wins_over_debug_options(monkeypatch):
     """As upstream: a job's environment decides, whatever the script's DebugOptions say."""
     x = torch.randn(3, 6)

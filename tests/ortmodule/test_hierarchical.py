@@ -7,14 +7,19 @@ import copy
 
 import pytest
 
+from tests.ortmodule._unsupported import without_dft_rule  # noqa: F401  (a fixture)
 from tests.ortmodule.test_autograd_functions import RoundSTE
 from tests.torch_models import MLP, MomentumEncoder, torch
 
 from onnxtrain.torch import DebugOptions, HierarchicalORTModule, ORTModule, ORTModuleFallbackWarning
 
 
+# every test here: hfft's DFT has no gradient rule, so ORTModule cannot build _Spectral
+pytestmark = pytest.mark.usefixtures("without_dft_rule")
+
+
 class _Spectral(torch.nn.Module):
-    """torch.fft.hfft's one-sided inverse DFT has no gradient rule: ORTModule cannot build it."""
+    """torch.fft.hfft's one-sided inverse DFT, whose rule is out (the fixture above): ORTModule cannot build it."""
 
     def __init__(self):
         super().__init__()
@@ -98,7 +103,7 @@ class _WideBatchesTakeAnotherPath(torch.nn.Module):
 
     def forward(self, x):
         h = self.proj(x)
-        return _Spectral.forward(self, x)[..., :16] if x.shape[0] > 8 else h  # (hfft: no gradient rule)
+        return _Spectral.forward(self, x)[..., :16] if x.shape[0] > 8 else h  # (hfft: no gradient rule here)
 
 
 def test_a_part_that_falls_back_later_leaves_wrapped_for_unsupported():

@@ -14,6 +14,7 @@ import pytest
 from tests.torch_models import CNN, GPT, MLP, torch
 
 from onnxtrain.errors import UnsupportedOpError
+from tests.ortmodule._unsupported import without_dft_rule  # noqa: F401  (a fixture)
 from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -668,8 +669,8 @@ def test_to_changes_dtype_and_optimizer_keeps_training():
 
 
 class _WithoutRule(torch.nn.Module):
-    """torch.fft.hfft exports as a one-sided inverse DFT of a complex signal, which the DFT rule
-    does not differentiate: ORTModule cannot build its gradient graph."""
+    """torch.fft.hfft exports as a one-sided inverse DFT: without the DFT rule (the
+    ``without_dft_rule`` fixture), ORTModule cannot build its gradient graph."""
 
     def __init__(self):
         super().__init__()
@@ -679,6 +680,7 @@ class _WithoutRule(torch.nn.Module):
         return torch.fft.hfft(self.linear(x).to(torch.complex64))
 
 
+@pytest.mark.usefixtures("without_dft_rule")
 def test_unsupported_op_falls_back_with_one_warning_and_trains_correctly():
     torch.manual_seed(0)
     model = _WithoutRule()
@@ -697,6 +699,7 @@ def test_unsupported_op_falls_back_with_one_warning_and_trains_correctly():
     _assert_same_gradients(model, reference)
 
 
+@pytest.mark.usefixtures("without_dft_rule")
 def test_unsupported_op_raises_when_fallback_is_off():
     wrapped = ORTModule(_WithoutRule(), DebugOptions(fallback=False))
     with pytest.raises(UnsupportedOpError, match="DFT"):

@@ -100,7 +100,9 @@ class InferMissingShapesPass(ir.passes.InPlacePass):
 
 
 def _unshaped_floats(graph: ir.Graph) -> bool:
-    return any(out.shape is None and out.dtype is not None and out.dtype.is_floating_point()
+    """Whether a float value has no shape, or a value no type (torchlib's complex translations
+    leave some untyped: a ``Shape`` of unknown type would count as a path for gradients)."""
+    return any(out.type is None or (out.shape is None and out.dtype is not None and out.dtype.is_floating_point())
                for node in graph for out in node.outputs)
 
 

@@ -39,9 +39,13 @@ _ERFC_POLYNOMIAL = (-1.26551223, 1.00002368, 0.37409196, 0.09678418, -0.18628806
 
 
 def constant_like(x, value: float):
-    """A scalar constant of ``x``'s float type, exact in that type (not rounded to float32 first)."""
-    dtype = x.dtype.numpy() if x.dtype is not None else np.float32
-    return op.Constant(value=ir.tensor(np.array(value, dtype=dtype)))
+    """A scalar constant of ``x``'s float type, exact in that type (not rounded to float32 first).
+    Where the translation does not know ``x``'s type (an intermediate value), a float64 constant
+    cast like ``x`` at run time (folded to one constant): a float64 model's arithmetic then meets
+    float64 constants, not float32 ones that no session could load."""
+    if x.dtype is None:
+        return op.CastLike(op.Constant(value=ir.tensor(np.array(value, dtype=np.float64))), x)
+    return op.Constant(value=ir.tensor(np.array(value, dtype=x.dtype.numpy())))
 
 
 _like = constant_like

@@ -1095,11 +1095,25 @@ def rrelu_with_noise_functional(input, noise, lower: float = 0.125, upper: float
     return op.Mul(input, slopes), slopes
 
 
-# Asymptotic series at z >= _SHIFT (the first omitted term is below 1e-10 there); smaller
-# arguments are shifted up by the recurrences Γ(z + 1) = z Γ(z), ψ(z + 1) = ψ(z) + 1 / z,
-# ψ'(z + 1) = ψ'(z) - 1 / z², and arguments below 1/2 reflected (Γ(z) Γ(1 - z) = π / sin(πz)).
-_SHIFT = 6
+# Asymptotic series at z >= the shift (6 in float32, where the first omitted term is below 1e-10;
+# 12 in float64, with four more terms: below 1e-17); smaller arguments are shifted up by the
+# recurrences Γ(z + 1) = z Γ(z), ψ(z + 1) = ψ(z) + 1 / z, ψ'(z + 1) = ψ'(z) - 1 / z², and
+# arguments below 1/2 reflected (Γ(z) Γ(1 - z) = π / sin(πz)). The coefficients are the
+# Bernoulli numbers' B_2k / (2k (2k - 1)), B_2k / 2k and B_2k, in powers of 1 / z².
+_STIRLING = (1 / 12, -1 / 360, 1 / 1260, -1 / 1680, 1 / 1188, -691 / 360360, 1 / 156, -3617 / 122400)
+_DIGAMMA_SERIES = (-1 / 12, 1 / 120, -1 / 252, 1 / 240, -1 / 132, 691 / 32760, -1 / 12, 3617 / 8160)
+_TRIGAMMA_SERIES = (1 / 6, -1 / 30, 1 / 42, -1 / 30, 5 / 66, -691 / 2730, 7 / 6, -3617 / 510)
 _HALF_LOG_2PI = 0.9189385332046727
+
+
+def _precision(x) -> tuple[int, int]:
+    """``(shift, terms)`` of the series for ``x``'s type: float64 needs more of both."""
+    return (12, 8) if x.dtype == ir.DataType.DOUBLE else (6, 4)
+
+
+def _series(power, coefficients):
+    """``c0 + p (c1 + p (c2 + ...))`` with ``p = power``."""
+    return _horner(power, list(reversed(coefficients)))
 
 
 def _reflected(x):
@@ -1108,14 +1122,14 @@ def _reflected(x):
     return below, op.Where(below, op.Sub(_like(x, 1.0), x), x)
 
 
-def _shifted(y):
-    """``(small, z, steps)``: where ``y < _SHIFT``, ``z = y + _SHIFT`` there (``y`` elsewhere), and
-    ``y, y + 1, ..., y + _SHIFT - 1`` of a ``y`` that is 1 where not shifted (finite in every
+def _shifted(y, shift: int):
+    """``(small, z, steps)``: where ``y < shift``, ``z = y + shift`` there (``y`` elsewhere), and
+    ``y, y + 1, ..., y + shift - 1`` of a ``y`` that is 1 where not shifted (finite in every
     branch, so that no gradient of an unused branch is 0 * inf)."""
-    small = op.Less(y, _like(y, float(_SHIFT)))
-    z = op.Where(small, op.Add(y, _like(y, float(_SHIFT))), y)
+    small = op.Less(y, _like(y, float(shift)))
+    z = op.Where(small, op.Add(y, _like(y, float(shift))), y)
     safe = op.Where(small, y, _like(y, 1.0))
-    return small, z, [op.Add(safe, _like(y, float(k))) if k else safe for k in range(_SHIFT)]
+    return small, z, [op.Add(safe, _like(y, float(k))) if k else safe for k in range(shift)]
 
 
 def _pi_x(x, below):
@@ -1127,15 +1141,14 @@ def _pi_x(x, below):
 
 def lgamma(x):
     """``aten.lgamma`` (the exporter has no translation; ``torch.distributions`` log-probabilities
-    use it): ``log |Γ(x)|`` from Stirling's series at ``z >= 6``, shifted and reflected (above);
-    ``inf`` at 0 and the negative integers, as PyTorch. Its gradient, through the same ops, is
-    the digamma function to the series' accuracy."""
+    use it): ``log |Γ(x)|`` from Stirling's series at ``z >= 6`` (12 in float64), shifted and
+    reflected (above); ``inf`` at 0 and the negative integers, as PyTorch. Its gradient, through
+    the same ops, is the digamma function to the series' accuracy."""
+    shift, terms = _precision(x)
     below, y = _reflected(x)
-    small, z, steps = _shifted(y)
+    small, z, steps = _shifted(y, shift)
     inverse = op.Reciprocal(z)
-    inverse2 = op.Mul(inverse, inverse)
-    series = op.Mul(inverse, op.Add(_like(z, 1 / 12), op.Mul(inverse2, op.Add(
-        _like(z, -1 / 360), op.Mul(inverse2, op.Add(_like(z, 1 / 1260), op.Mul(inverse2, _like(z, -1 / 1680))))))))
+    series = op.Mul(inverse, _series(op.Mul(inverse, inverse), _STIRLING[:terms]))
     stirling = op.Add(op.Sub(op.Mul(op.Sub(z, _like(z, 0.5)), op.Log(z)), z), op.Add(_like(z, _HALF_LOG_2PI), series))
     product = steps[0]
     for step in steps[1:]:
@@ -1147,36 +1160,36 @@ def lgamma(x):
 
 def digamma(x):
     """``aten.digamma`` (the exporter has no translation): ψ from its asymptotic series at
-    ``z >= 6``, shifted and reflected (``ψ(x) = ψ(1 - x) - π / tan(πx)``)."""
+    ``z >= 6`` (12 in float64), shifted and reflected (``ψ(x) = ψ(1 - x) - π / tan(πx)``)."""
+    shift, terms = _precision(x)
     below, y = _reflected(x)
-    small, z, steps = _shifted(y)
+    small, z, steps = _shifted(y, shift)
     inverse = op.Reciprocal(z)
     inverse2 = op.Mul(inverse, inverse)
-    series = op.Mul(inverse2, op.Add(_like(z, -1 / 12), op.Mul(inverse2, op.Add(
-        _like(z, 1 / 120), op.Mul(inverse2, op.Add(_like(z, -1 / 252), op.Mul(inverse2, _like(z, 1 / 240))))))))
+    series = op.Mul(inverse2, _series(inverse2, _DIGAMMA_SERIES[:terms]))
     asymptotic = op.Add(op.Sub(op.Log(z), op.Mul(_like(z, 0.5), inverse)), series)
-    shift = op.Reciprocal(steps[0])
+    correction = op.Reciprocal(steps[0])
     for step in steps[1:]:
-        shift = op.Add(shift, op.Reciprocal(step))
-    at_y = op.Where(small, op.Sub(asymptotic, shift), asymptotic)
+        correction = op.Add(correction, op.Reciprocal(step))
+    at_y = op.Where(small, op.Sub(asymptotic, correction), asymptotic)
     angle = _pi_x(x, below)
     return op.Where(below, op.Sub(at_y, op.Div(_like(x, np.pi), op.Div(op.Sin(angle), op.Cos(angle)))), at_y)
 
 
 def trigamma(x):
-    """ψ' from its asymptotic series at ``z >= 6``, shifted and reflected
+    """ψ' from its asymptotic series at ``z >= 6`` (12 in float64), shifted and reflected
     (``ψ'(x) = π² / sin²(πx) - ψ'(1 - x)``)."""
+    shift, terms = _precision(x)
     below, y = _reflected(x)
-    small, z, steps = _shifted(y)
+    small, z, steps = _shifted(y, shift)
     inverse = op.Reciprocal(z)
     inverse2 = op.Mul(inverse, inverse)
-    series = op.Mul(inverse, op.Add(_like(z, 1.0), op.Mul(inverse, op.Add(_like(z, 0.5), op.Mul(inverse, op.Add(
-        _like(z, 1 / 6), op.Mul(inverse2, op.Add(_like(z, -1 / 30), op.Mul(inverse2, op.Add(
-            _like(z, 1 / 42), op.Mul(inverse2, _like(z, -1 / 30))))))))))))
-    shift = op.Reciprocal(op.Mul(steps[0], steps[0]))
+    tail = op.Mul(op.Mul(inverse, inverse2), _series(inverse2, _TRIGAMMA_SERIES[:terms]))
+    series = op.Add(op.Mul(inverse, op.Add(_like(z, 1.0), op.Mul(inverse, _like(z, 0.5)))), tail)
+    correction = op.Reciprocal(op.Mul(steps[0], steps[0]))
     for step in steps[1:]:
-        shift = op.Add(shift, op.Reciprocal(op.Mul(step, step)))
-    at_y = op.Where(small, op.Add(series, shift), series)
+        correction = op.Add(correction, op.Reciprocal(op.Mul(step, step)))
+    at_y = op.Where(small, op.Add(series, correction), series)
     sine = op.Sin(_pi_x(x, below))
     return op.Where(below, op.Sub(op.Div(_like(x, np.pi ** 2), op.Mul(sine, sine)), at_y), at_y)
 
@@ -1738,6 +1751,7 @@ def translation_table() -> dict:
         torch.ops.aten.binary_cross_entropy.default: binary_cross_entropy,
         torch.ops.aten.instance_norm.default: instance_norm,
         torch.ops.aten.scatter_reduce.two: scatter_reduce,
+        torch.ops.aten.zeros.default: zeros,
         torch.ops.aten.index_reduce.default: index_reduce,
         torch.ops.aten.scatter.src: scatter_src,
         torch.ops.aten.scatter_add.default: scatter_add,
@@ -1826,10 +1840,58 @@ def angle_complex(self):
     return atan2(imaginary, real)
 
 
+def einsum_complex(equation: str, tensors, path=None):
+    """``aten.einsum`` of complex tensors (real ones with a last axis of 2; the exporter has none):
+    one real :func:`einsum` with each operand's part axis as a letter of its own, whose products
+    of parts then combine as ``(a + bi)(c + di)``. One or two operands (a Fourier neural
+    operator's channel mixing is ``"bix,iox->box"``)."""
+    equation = equation.replace(" ", "")
+    terms = equation.split("->")[0].split(",")
+    if len(terms) != len(tensors) or len(tensors) > 2:
+        raise NotImplementedError(f"einsum of {len(tensors)} complex operands (one or two are translated)")
+    if "->" in equation:
+        output = equation.split("->")[1]
+    else:  # numpy's implicit output: the ellipsis, then the letters met once, in order
+        letters = "".join(term.replace("...", "") for term in terms)
+        output = ("..." if "..." in equation else "") + "".join(
+            sorted(c for c in set(letters) if letters.count(c) == 1))
+    parts = [c for c in string.ascii_letters if c not in equation][:len(tensors)]
+    products = einsum(",".join(t + p for t, p in zip(terms, parts)) + "->" + output + "".join(parts), tensors)
+    if len(tensors) == 1:
+        return products
+    last = op.Constant(value_ints=[-1])
+
+    def part(i: int, j: int):  # products[..., i, j]: operand 0's part i times operand 1's part j
+        picked = op.Slice(products, op.Constant(value_ints=[i, j]), op.Constant(value_ints=[i + 1, j + 1]),
+                          op.Constant(value_ints=[-2, -1]))
+        return op.Squeeze(picked, op.Constant(value_ints=[-2, -1]))
+
+    real = op.Sub(part(0, 0), part(1, 1))
+    imaginary = op.Add(part(0, 1), part(1, 0))
+    return op.Concat(op.Unsqueeze(real, last), op.Unsqueeze(imaginary, last), axis=-1)
+
+
+_COMPLEX_PARTS = {ir.DataType.COMPLEX64: ir.DataType.FLOAT, ir.DataType.COMPLEX128: ir.DataType.DOUBLE}
+
+
+def zeros(size, dtype: int = ir.DataType.FLOAT, layout: str = "", device: str = "", pin_memory: bool = False):
+    """``aten.zeros``: torchlib's, but a complex one (a Fourier neural operator's
+    ``torch.zeros(..., dtype=torch.cfloat)`` for its output modes) as the exporter holds complex
+    tensors, real with a last axis of 2 (torchlib's expanded a complex constant to that shape and
+    typed it real)."""
+    from onnxscript.function_libs.torch_lib.ops import common as common_ops
+    from onnxscript.function_libs.torch_lib.ops.core import aten_zeros
+    parts = _COMPLEX_PARTS.get(ir.DataType(dtype)) if dtype != -1 else None
+    if parts is None:
+        return aten_zeros(size, dtype, layout, device, pin_memory)
+    zero = op.Constant(value=ir.tensor(np.zeros((), parts.numpy())))
+    return op.Expand(zero, op.Concat(common_ops.merge_dims(size), op.Constant(value_ints=[2]), axis=0))
+
+
 def complex_translation_table() -> dict:
     """Translations of ops on complex tensors (the exporter dispatches to them for complex
     arguments; ORTModule's and ``export_for_training``'s exports register them)."""
-    return {torch.ops.aten.angle.default: angle_complex}
+    return {torch.ops.aten.angle.default: angle_complex, torch.ops.aten.einsum.default: einsum_complex}
 
 
 def artifacts_translation_table() -> dict:

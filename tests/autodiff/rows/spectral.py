@@ -1,7 +1,7 @@
 """Gradient-table rows for rules/spectral.py (DFT, STFT).
 
 DFT: real signals (last dim 1) and complex ones (last dim 2), forward and inverse, one-sided
-outputs of even and odd lengths, a ``dft_length`` that pads and one that cuts, and an axis
+outputs of even and odd lengths, one-sided inverses (``irfft``), a ``dft_length`` that pads and one that cuts, and an axis
 other than the default (an attribute up to opset 19, an input from 20 on). STFT: overlapping
 and gapped frames, a constant (Hann) or differentiated window, a frame length without a
 window, one-sided or full spectra of real and complex signals.
@@ -36,6 +36,14 @@ ROWS: list[Case] = [
     _row([I(2, 5, 3, 2)], "axis-attribute-negative", opsets=(17, 19), axis=-3),
     _row([I(2, 3, 5, 1), None, C(np.array(2, np.int64))], "axis-input", opsets=(20, 23), onesided=1),
     _row([I(2, 5, 3, 2), _length(6), C(np.array(-3, np.int64))], "axis-input-negative-padded", opsets=(20, 23)),
+    # one-sided inverses (irfft): half a spectrum to a real signal of even and odd lengths
+    _row([I("N", 5, 2), _length(8)], "onesided-inverse-even", inverse=1, onesided=1),
+    _row([I(2, 4, 2), _length(7)], "onesided-inverse-odd", inverse=1, onesided=1),
+    _row([I(2, 6, 2), _length(8)], "onesided-inverse-more-bins", inverse=1, onesided=1),
+    _row([I(2, 4, 3, 2), _length(6)], "onesided-inverse-axis-attribute", opsets=(17, 19), axis=1, inverse=1,
+         onesided=1),
+    _row([I(2, 3, 4, 2), _length(6), C(np.array(2, np.int64))], "onesided-inverse-axis-input", opsets=(20, 23),
+         inverse=1, onesided=1),
 ]
 
 

@@ -165,9 +165,9 @@ def _meets_infinite_derivative(value: ir.Value, depth: int = 4) -> bool:
             exponent = ir.convenience.get_const_tensor(node.inputs[1])
             if exponent is None or np.any(exponent.numpy() < 1):
                 return True
-        elif depth and node.op_type in _PASSING_ON and node.domain in ("", "ai.onnx"):
-            if any(_meets_infinite_derivative(out, depth - 1) for out in node.outputs):
-                return True
+        elif (depth and node.op_type in _PASSING_ON and node.domain in ("", "ai.onnx")
+              and any(_meets_infinite_derivative(out, depth - 1) for out in node.outputs)):
+            return True
     return False
 
 

@@ -21,3 +21,5 @@ nondifferentiable("Hardmax")
 nondifferentiable("Bernoulli")
 # the output depends on the input only through its shape and type: not on any gradient path
 shape_only("EyeLike", "RandomUniformLike", "RandomNormalLike")
+# integer outputs: no entry needed where their type is known, but an exporter may leave it unknown
+shape_only("Shape", "Size")

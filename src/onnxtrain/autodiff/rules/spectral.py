@@ -1,4 +1,4 @@
-"""Spectral ops: DFT (torch.fft.fft / rfft / ifft and their n-dimensional forms) and STFT (torch.stft).
+"""Spectral ops: DFT (torch.fft.fft / rfft / ifft / irfft and their n-dimensional forms) and STFT (torch.stft).
 
 A DFT is linear, and as a map between real vectors (a complex value being its real and
 imaginary parts) its adjoint is the conjugate-transposed matrix: the gradient of a forward
@@ -7,7 +7,9 @@ inverse divides by ``N``), and that of an inverse transform is the forward trans
 Around it: a real input (last dim 1) keeps the real part; a one-sided output (the first
 ``N // 2 + 1`` bins of a real signal's transform) is the full output with the other bins
 dropped, so its gradient is the full one with zeros in their place; a ``dft_length`` that padded
-the signal with zeros (or cut it) is undone by cutting (or padding) the gradient.
+the signal with zeros (or cut it) is undone by cutting (or padding) the gradient. A one-sided
+inverse (a real signal from half a spectrum, ``irfft``) has the one-sided forward transform for
+gradient, doubled at the bins whose mirror image it also read.
 
 An STFT is a DFT of each windowed frame: its signal gradient is each frame's adjoint
 transform (as above, one-sided bins padded back), times the window, added back where the frame
@@ -65,13 +67,15 @@ def _dft(ctx: GradContext):
     if rank is None or parts not in (1, 2):
         raise NotImplementedError("DFT gradient needs the input's rank and its last dim (1: real, 2: complex)")
     inverse, onesided = bool(ctx.attr("inverse", 0)), bool(ctx.attr("onesided", 0))
-    if onesided and (inverse or parts == 2):
-        raise NotImplementedError("a one-sided DFT of a complex signal, or an inverse one")
+    if onesided and (parts == 2) != inverse:
+        raise NotImplementedError("a one-sided DFT of a complex signal, or a one-sided inverse of a real one")
     axis = _axis(ctx, rank)
     axes = b.ints([axis])
     signal_length = op.Gather(op.Shape(x), axes, axis=0)  # [1]
     has_length = len(ctx.node.inputs) > 1 and ctx.node.inputs[1] is not None
     length = _length(ctx, ctx.node.inputs[1]) if has_length else signal_length
+    if onesided and inverse:
+        return (_one_sided_inverse(ctx, x, rank, axis, signal_length, length),)
     dy = ctx.dy
     if onesided:  # the dropped bins get no gradient
         bins = op.Gather(op.Shape(dy), axes, axis=0)
@@ -85,6 +89,37 @@ def _dft(ctx: GradContext):
         dx = op.Slice(dx, b.ints([0]), signal_length, axes)
         dx = op.Pad(dx, _along(ctx, rank, axis, op.Max(op.Sub(signal_length, length), b.ints([0]))))
     return (dx,)
+
+
+def _one_sided_inverse(ctx: GradContext, x: ir.Value, rank: int, axis: int, bins, length) -> object:
+    """The gradient of a one-sided inverse DFT (``torch.fft.irfft``: the real signal of ``length``
+    whose spectrum is the input's bins, the others by conjugate symmetry), as PyTorch's: the
+    one-sided forward transform of the output gradient's real part over ``length``, doubled at
+    the bins whose mirror image the inverse also read (1 to ``length - (length // 2 + 1)``), and
+    zeros for the input's bins past ``length // 2 + 1``, which it does not read. PyTorch's irfft
+    gives the DFT at least ``length // 2 + 1`` bins; fewer (which onnxruntime reads otherwise) are
+    refused where the shapes say so."""
+    op, b = ctx.op, ctx.b
+    known_length = ctx.const_input(1)
+    known_bins = x.shape[axis] if x.shape is not None else None
+    if known_length is not None and isinstance(known_bins, int) and known_bins < int(known_length) // 2 + 1:
+        raise NotImplementedError(f"a one-sided inverse DFT of {known_bins} bins to length {int(known_length)}")
+    real = op.Slice(ctx.dy, b.ints([0]), b.ints([1]), b.ints([rank - 1]))
+    if ctx.opset >= _AXIS_AS_INPUT:
+        spectrum = op.DFT(real, None, b.scalar_int(axis), onesided=1)
+    else:
+        spectrum = op.DFT(real, axis=axis, onesided=1)
+    half = op.Add(op.Div(length, b.ints([2])), b.ints([1]))  # the bins the forward transform gives
+    index = op.Range(b.scalar_int(0), op.Reshape(half, b.ints([])), b.scalar_int(1))
+    mirrored = op.And(op.GreaterOrEqual(index, b.scalar_int(1)),
+                      op.LessOrEqual(index, op.Reshape(op.Sub(length, half), b.ints([]))))
+    weight = op.Div(op.Add(op.CastLike(mirrored, spectrum), ctx.like(spectrum, 1.0)),
+                    op.CastLike(length, spectrum))  # (1 or 2) / length
+    shape = [1] * rank
+    shape[axis] = -1
+    grad = op.Mul(spectrum, op.Reshape(weight, b.ints(shape)))
+    grad = op.Slice(grad, b.ints([0]), bins, b.ints([axis]))
+    return op.Pad(grad, _along(ctx, rank, axis, op.Max(op.Sub(bins, half), b.ints([0]))))
 
 
 def _frame_transforms(ctx: GradContext, frame_length) -> object:

@@ -319,12 +319,13 @@ def _distributions_unvalidated():
 
 @contextlib.contextmanager
 def _linalg_without_error_checks():
-    """``torch.linalg.inv``, ``torch.inverse`` (and ``Tensor.inverse``) and ``torch.linalg.solve``
-    raise on a singular matrix through an effectful check (``aten._linalg_check_errors``) that
-    the exporter cannot translate. While capturing they compute as their ``_ex`` forms (the same
-    values, no check): the graph cannot raise, and a singular matrix gives non-finite values."""
+    """``torch.linalg.inv``, ``torch.inverse`` (and ``Tensor.inverse``), ``torch.linalg.solve`` and
+    ``torch.linalg.cholesky`` (``torch.cholesky``, ``Tensor.cholesky``) raise on a singular or
+    indefinite matrix through an effectful check (``aten._linalg_check_errors``) that the exporter
+    cannot translate. While capturing they compute as their ``_ex`` forms (the same values, no
+    check): the graph cannot raise, and such a matrix gives non-finite values."""
     linalg = torch.linalg
-    checked_inv, checked_solve = linalg.inv, linalg.solve
+    checked_inv, checked_solve, checked_cholesky = linalg.inv, linalg.solve, linalg.cholesky
 
     def inv(matrix, *, out=None):
         if out is not None:
@@ -336,8 +337,14 @@ def _linalg_without_error_checks():
             return checked_solve(matrix, other, left=left, out=out)
         return linalg.solve_ex(matrix, other, left=left).result
 
+    def cholesky(matrix, upper=False, *, out=None):
+        if out is not None:
+            return checked_cholesky(matrix, upper=upper, out=out)
+        return linalg.cholesky_ex(matrix, upper=upper).L
+
     with _replaced((linalg, "inv", inv), (torch, "inverse", inv), (torch.Tensor, "inverse", inv),
-                   (linalg, "solve", solve)):
+                   (linalg, "solve", solve), (linalg, "cholesky", cholesky), (torch, "cholesky", cholesky),
+                   (torch.Tensor, "cholesky", cholesky)):
         yield
 
 

@@ -1543,8 +1543,9 @@ def _info(matrix):
 
 def _lu_stand_ins(matrix):
     """``(LU, pivots)`` for ops that also return an LU factorization (for PyTorch's backward):
-    stand-ins of the right types, which nothing in the graph reads."""
-    return matrix, op.Cast(op.Shape(matrix, start=-1), to=6)
+    stand-ins of the right types, which nothing in the graph reads (an Identity: the exporter
+    cannot name an output that is the graph's input itself, a parameter)."""
+    return op.Identity(matrix), op.Cast(op.Shape(matrix, start=-1), to=6)
 
 
 def _inverse(matrix):
@@ -1567,6 +1568,21 @@ def linalg_det(matrix):
     return op.Det(matrix), *_lu_stand_ins(matrix)
 
 
+def linalg_slogdet(matrix):
+    """``aten._linalg_slogdet`` (``torch.linalg.slogdet``, ``torch.logdet``: a normalizing flow's
+    log-determinant; the exporter has none): ONNX ``Det`` of the matrix with its rows scaled to
+    unit norm, and those norms' logarithms added back (``log |det A| = sum log |a_i| + log |det
+    A'|``): a determinant far beyond float range (a 64 x 64 Gaussian matrix's is ~1e44) stays
+    finite. Its gradient is ``A^-T``, through Det's rule; the LU factors and pivots are stand-ins.
+    The sign of a singular matrix is 0 and its log-determinant -inf, as PyTorch."""
+    norms = op.ReduceL2(matrix, op.Constant(value_ints=[-1]), keepdims=1)  # [..., M, 1]
+    scaled = op.Div(matrix, op.Where(op.Equal(norms, _like(matrix, 0.0)), _like(matrix, 1.0), norms))
+    determinant = op.Det(scaled)
+    logabsdet = op.Add(op.Log(op.Abs(determinant)), op.ReduceSum(op.Log(norms), op.Constant(value_ints=[-2, -1]),
+                                                                  keepdims=0))
+    return op.Sign(determinant), logabsdet, *_lu_stand_ins(matrix)
+
+
 def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False):
     """``aten._linalg_solve_ex`` (``torch.linalg.solve``): ``A^-1 B`` (``B A^-1`` with
     ``left=False``) through ``com.microsoft.Inverse``: less accurate than an LU solve for
@@ -1581,6 +1597,90 @@ def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False
     else:
         result = op.MatMul(inverse, other) if left else op.MatMul(other, inverse)
     return result, *_lu_stand_ins(matrix), _info(matrix)
+
+
+def _triangle(matrix, upper: bool, unit: bool = False):
+    """The upper or lower triangle of ``[..., M, M]`` matrices (the other entries 0), with ones on
+    the diagonal where ``unit``: what PyTorch's triangular solves read."""
+    if not unit:
+        return op.Trilu(matrix, upper=int(upper))
+    strict = op.Trilu(matrix, op.Constant(value_int=1 if upper else -1), upper=int(upper))
+    ones = op.Expand(_like(matrix, 1.0), op.Shape(matrix, start=-2))
+    return op.Add(strict, op.Trilu(op.Trilu(ones, upper=1), upper=0))
+
+
+def linalg_solve_triangular(matrix, other, upper: bool, left: bool = True, unitriangular: bool = False):
+    """``aten.linalg_solve_triangular`` (``torch.linalg.solve_triangular``; the log-probability of a
+    ``MultivariateNormal``; the exporter has none): the inverse of the triangle PyTorch reads
+    (``com.microsoft.Inverse``) times ``B`` (``B`` times it with ``left=False``). Less accurate than
+    a substitution for an ill-conditioned triangle."""
+    triangle = _triangle(matrix, upper, unitriangular)
+    triangle.dtype, triangle.shape = matrix.dtype, matrix.shape
+    inverse = _inverse(triangle)
+    return op.MatMul(inverse, other) if left else op.MatMul(other, inverse)
+
+
+def _inverse_from_factor(factor, upper: bool):
+    """``A^-1`` for ``A = L L^T`` (``U^T U`` when ``upper``), from the triangle of ``factor``."""
+    triangle = _triangle(factor, upper)
+    triangle.dtype, triangle.shape = factor.dtype, factor.shape
+    inverse = _inverse(triangle)  # L^-1 (U^-1)
+    rank = len(factor.shape)
+    transposed = op.Transpose(inverse, perm=[*range(rank - 2), rank - 1, rank - 2])
+    return op.MatMul(inverse, transposed) if upper else op.MatMul(transposed, inverse)
+
+
+def cholesky_solve(other, factor, upper: bool = False):
+    """``aten.cholesky_solve`` (``torch.cholesky_solve(B, L)``: a Gaussian process's ``K^-1 y``;
+    the exporter has none): ``(L L^T)^-1 B`` as ``L^-T L^-1 B``, from the factor's triangle."""
+    return op.MatMul(_inverse_from_factor(factor, upper), other)
+
+
+def cholesky_inverse(factor, upper: bool = False):
+    """``aten.cholesky_inverse``: ``(L L^T)^-1`` as ``L^-T L^-1``, from the factor's triangle."""
+    return _inverse_from_factor(factor, upper)
+
+
+_LARGEST_UNROLLED_CHOLESKY = 256  # ~4 M^3 / 2 bytes of float32 columns saved: 32 MB at 256
+
+
+def linalg_cholesky_ex(matrix, upper: bool = False, check_errors: bool = False):
+    """``aten.linalg_cholesky_ex`` (``torch.linalg.cholesky``, a ``MultivariateNormal`` from its
+    covariance; standard ONNX has no decomposition): the Cholesky-Banachiewicz columns, unrolled
+    over the static size ``M`` (up to 256; larger matrices are not translated): column ``j`` is
+    ``(A[:, j] - L[:, :j] L[j, :j]^T) / sqrt(...)`` below the diagonal, from the lower triangle of
+    ``A`` as PyTorch reads it. The gradient is PyTorch's
+    symmetric one: the columns read ``(A + A^T) / 2``, with the lower triangle's values. A matrix
+    that is not positive definite gives NaN where PyTorch raises (``check_errors``) or reports it
+    in ``info`` (here always 0)."""
+    size = matrix.shape[-1] if matrix.shape is not None else None
+    if not isinstance(size, int):
+        raise NotImplementedError("torch.linalg.cholesky of matrices of a symbolic size")
+    if size > _LARGEST_UNROLLED_CHOLESKY:  # the columns so far, kept for the backward, grow as M^3
+        raise NotImplementedError(f"torch.linalg.cholesky of {size} x {size} matrices (up to "
+                                  f"{_LARGEST_UNROLLED_CHOLESKY} are unrolled)")
+    rank = len(matrix.shape)
+    swap = [*range(rank - 2), rank - 1, rank - 2]
+    mirrored = op.Add(op.Trilu(matrix, upper=0),
+                      op.Transpose(op.Trilu(matrix, op.Constant(value_int=-1), upper=0), perm=swap))
+    symmetric = op.Mul(op.Add(matrix, op.Transpose(matrix, perm=swap)), _like(matrix, 0.5))
+    source = _value_with_gradient(mirrored, symmetric)  # the lower triangle's values
+    columns = []
+    for j in range(size):
+        column = op.Slice(source, op.Constant(value_ints=[j]), op.Constant(value_ints=[j + 1]),
+                          op.Constant(value_ints=[-1]))  # [..., M, 1]
+        if columns:
+            known = columns[0] if len(columns) == 1 else op.Concat(*columns, axis=-1)  # [..., M, j]
+            row = op.Slice(known, op.Constant(value_ints=[j]), op.Constant(value_ints=[j + 1]),
+                           op.Constant(value_ints=[-2]))  # [..., 1, j]
+            column = op.Sub(column, op.MatMul(known, op.Transpose(row, perm=swap)))
+        pivot = op.Sqrt(op.Slice(column, op.Constant(value_ints=[j]), op.Constant(value_ints=[j + 1]),
+                                 op.Constant(value_ints=[-2])))  # [..., 1, 1]
+        below = np.zeros((size, 1), dtype=matrix.dtype.numpy() if matrix.dtype is not None else np.float32)
+        below[j:] = 1.0
+        columns.append(op.Mul(op.Div(column, pivot), op.Constant(value=ir.tensor(below))))
+    factor = columns[0] if size == 1 else op.Concat(*columns, axis=-1)
+    return (op.Transpose(factor, perm=swap) if upper else factor), _info(matrix)
 
 
 def _fake_quantized(x, scale, zero_point, quant_min: int, quant_max: int, per_channel: bool = False,
@@ -1795,6 +1895,11 @@ def translation_table() -> dict:
         torch.ops.aten.linalg_inv_ex.default: linalg_inv_ex,
         torch.ops.aten._linalg_det.default: linalg_det,
         torch.ops.aten._linalg_solve_ex.default: linalg_solve_ex,
+        torch.ops.aten._linalg_slogdet.default: linalg_slogdet,
+        torch.ops.aten.linalg_solve_triangular.default: linalg_solve_triangular,
+        torch.ops.aten.linalg_cholesky_ex.default: linalg_cholesky_ex,
+        torch.ops.aten.cholesky_solve.default: cholesky_solve,
+        torch.ops.aten.cholesky_inverse.default: cholesky_inverse,
         torch.ops.aten.fake_quantize_per_tensor_affine_cachemask.default: fake_quantize_per_tensor_affine_cachemask,
         torch.ops.aten._fake_quantize_per_tensor_affine_cachemask_tensor_qparams.default:
             fake_quantize_per_tensor_tensor_qparams,

@@ -1451,9 +1451,15 @@ def einsum(equation: str, tensors, path=None):
     if "->" in equation:
         output = equation.split("->")[1].replace("...", block)
     else:  # numpy's implicit output: the ellipsis, then the letters met once, in order
-        letters = "".join(term.replace("...", "") for term in terms)
-        output = block + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+        output = block + _letters_met_once(terms)
     return op.Einsum(*tensors, equation=",".join(inputs) + "->" + output)
+
+
+def _letters_met_once(terms: list[str]) -> str:
+    """The labels that occur once over an einsum's operands, in alphabetical order (numpy's
+    implicit output, after the ellipsis)."""
+    letters = "".join(term.replace("...", "") for term in terms)
+    return "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
 
 
 def repeat_interleave_self_tensor(self, repeats, dim=None, output_size=None):
@@ -1957,9 +1963,7 @@ def einsum_complex(equation: str, tensors, path=None):
     if "->" in equation:
         output = equation.split("->")[1]
     else:  # numpy's implicit output: the ellipsis, then the letters met once, in order
-        letters = "".join(term.replace("...", "") for term in terms)
-        output = ("..." if "..." in equation else "") + "".join(
-            sorted(c for c in set(letters) if letters.count(c) == 1))
+        output = ("..." if "..." in equation else "") + _letters_met_once(terms)
     parts = [c for c in string.ascii_letters if c not in equation][:len(tensors)]
     products = einsum(",".join(t + p for t, p in zip(terms, parts)) + "->" + output + "".join(parts), tensors)
     if len(tensors) == 1:

@@ -195,3 +195,26 @@ def test_a_singular_matrix_has_sign_zero_and_log_determinant_minus_infinity():
     sign, logabsdet = ORTModule(_SlogdetOf(), DebugOptions(fallback=False))(singular)
     expected = torch.linalg.slogdet(singular)
     assert sign == expected.sign == 0 and logabsdet == expected.logabsdet == -float("inf")
+
+
+class WishartAndDivergence(torch.nn.Module):
+    """A Wishart log-density (its covariance's Cholesky factor) and the KL divergence of two
+    MultivariateNormals (triangular solves), as a Bayesian model's loss would read them."""
+
+    def __init__(self):
+        super().__init__()
+        self.factor = torch.nn.Parameter(torch.randn(2, 3) * 0.5)
+        self.loc = torch.nn.Parameter(torch.randn(3))
+        self.log_scale = torch.nn.Parameter(torch.randn(3) * 0.1)
+
+    def forward(self, sample):
+        covariance = torch.eye(3) + self.factor.T @ self.factor
+        wishart = torch.distributions.Wishart(5.0, covariance_matrix=covariance).log_prob(sample)
+        posterior = torch.distributions.MultivariateNormal(self.loc, scale_tril=torch.diag(self.log_scale.exp()))
+        prior = torch.distributions.MultivariateNormal(torch.zeros(3), covariance_matrix=covariance)
+        return (wishart + torch.distributions.kl_divergence(posterior, prior)).reshape(1)
+
+
+def test_a_wishart_density_and_a_gaussian_divergence():
+    torch.manual_seed(0)
+    _assert_trains_like_eager(WishartAndDivergence(), torch.eye(3) * 2 + 0.1)

@@ -70,7 +70,7 @@ def coverage_markdown(registry: Registry = DEFAULT_REGISTRY) -> str:
         label = op_type if not domain else f"{domain}::{op_type}"
         by_family[module][label].extend(rules)
     nondifferentiable = {op for ops in by_family.values() for op, rules in ops.items()
-                         if all(r.fn.__name__ == "no_gradient" for r in rules)}
+                         if all(getattr(r.fn, "nondifferentiable", False) for r in rules)}
     covered = {op for ops in by_family.values() for op in ops}
     lines = [
         "# Gradient coverage",

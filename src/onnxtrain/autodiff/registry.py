@@ -208,23 +208,22 @@ def unary(op_type: str, derivative: Callable[[GradContext], ir.Value], **kwargs)
     grad(op_type, **kwargs)(rule)
 
 
+def _no_gradient(ctx: GradContext):
+    return (None,) * len(ctx.node.inputs)
+
+
+_no_gradient.nondifferentiable = True  # the grad-table meta-test needs no row for these
+
+
 def nondifferentiable(*op_types: str, domain: str = "") -> None:
     """Register ops whose float inputs get no gradient (their outputs are piecewise constant)."""
-    def no_gradient(ctx: GradContext):
-        return (None,) * len(ctx.node.inputs)
-
-    no_gradient.nondifferentiable = True  # the grad-table meta-test needs no row for these
     for op_type in op_types:
-        grad(op_type, domain=domain)(no_gradient)
+        grad(op_type, domain=domain)(_no_gradient)
 
 
 def shape_only(*op_types: str, domain: str = "") -> None:
     """Register ops whose outputs depend on their inputs through shape and type only (``EyeLike``,
     ``RandomUniformLike``): the autodiff walk does not go through them and their outputs need
     no gradient."""
-    def no_gradient(ctx: GradContext):
-        return (None,) * len(ctx.node.inputs)
-
-    no_gradient.nondifferentiable = True
     for op_type in op_types:
-        DEFAULT_REGISTRY.add(GradRule(op_type, domain, 1, None, no_gradient, shape_only=True))
+        DEFAULT_REGISTRY.add(GradRule(op_type, domain, 1, None, _no_gradient, shape_only=True))

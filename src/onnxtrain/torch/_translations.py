@@ -418,7 +418,7 @@ def _scatter_mean(self, dim: int, index, src, include_self: bool):
                                op.Expand(one, op.Shape(index)), axis=dim, reduction="add")
     reached = op.Greater(count, zero)
     count = op.Max(count, one)  # 1 where nothing was scattered (replaced by self below)
-    if self.dtype in (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+    if self.dtype is not None and self.dtype.is_floating_point():
         mean = op.Div(total, count)
     else:  # floored: the remainder of a positive count takes the divisor's sign
         mean = op.Div(op.Sub(total, op.Mod(total, count)), count)
@@ -716,10 +716,12 @@ def copysign(x, sign):
     """``aten.copysign`` (the exporter has none): ``|x|`` with the sign of ``sign``, a negative
     zero's included (a NaN counts as positive: ONNX cannot read its sign bit). Its gradient is
     PyTorch's: ``dy * sign(x) * sign(sign)``, 0 where ``x`` is 0, none for ``sign``."""
-    floats = (ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-    if x.dtype not in floats:  # integers give floats
-        float_sign = getattr(sign, "dtype", None) in floats
-        x = op.CastLike(x, sign) if float_sign else op.Cast(x, to=ir.DataType.FLOAT)
+    def floating(value) -> bool:
+        dtype = getattr(value, "dtype", None)  # (copysign.Scalar: ``sign`` is a number)
+        return dtype is not None and dtype.is_floating_point()
+
+    if not floating(x):  # integers give floats
+        x = op.CastLike(x, sign) if floating(sign) else op.Cast(x, to=ir.DataType.FLOAT)
     # (copysign.Scalar: a number; math.copysign keeps a -0.0's sign)
     sign = op.CastLike(sign, x) if hasattr(sign, "dtype") else _number_like(math.copysign(1.0, sign), x)
     zero = _like(x, 0.0)
@@ -1607,12 +1609,21 @@ def linalg_solve_ex(matrix, other, left: bool = True, check_errors: bool = False
 
 def _triangle(matrix, upper: bool, unit: bool = False):
     """The upper or lower triangle of ``[..., M, M]`` matrices (the other entries 0), with ones on
-    the diagonal where ``unit``: what PyTorch's triangular solves read."""
-    if not unit:
-        return op.Trilu(matrix, upper=int(upper))
-    strict = op.Trilu(matrix, op.Constant(value_int=1 if upper else -1), upper=int(upper))
-    ones = op.Expand(_like(matrix, 1.0), op.Shape(matrix, start=-2))
-    return op.Add(strict, op.Trilu(op.Trilu(ones, upper=1), upper=0))
+    the diagonal where ``unit``: what PyTorch's triangular solves read. Typed and shaped as
+    ``matrix`` (for :func:`_inverse`, which passes both on)."""
+    if unit:
+        strict = op.Trilu(matrix, op.Constant(value_int=1 if upper else -1), upper=int(upper))
+        ones = op.Expand(_like(matrix, 1.0), op.Shape(matrix, start=-2))
+        triangle = op.Add(strict, op.Trilu(op.Trilu(ones, upper=1), upper=0))
+    else:
+        triangle = op.Trilu(matrix, upper=int(upper))
+    triangle.dtype, triangle.shape = matrix.dtype, matrix.shape
+    return triangle
+
+
+def _transposed(matrix, rank: int):
+    """``[..., M, N]`` matrices of ``rank`` axes transposed (their last two axes swapped)."""
+    return op.Transpose(matrix, perm=[*range(rank - 2), rank - 1, rank - 2])
 
 
 def linalg_solve_triangular(matrix, other, upper: bool, left: bool = True, unitriangular: bool = False):
@@ -1620,19 +1631,14 @@ def linalg_solve_triangular(matrix, other, upper: bool, left: bool = True, unitr
     ``MultivariateNormal``; the exporter has none): the inverse of the triangle PyTorch reads
     (``com.microsoft.Inverse``) times ``B`` (``B`` times it with ``left=False``). Less accurate than
     a substitution for an ill-conditioned triangle."""
-    triangle = _triangle(matrix, upper, unitriangular)
-    triangle.dtype, triangle.shape = matrix.dtype, matrix.shape
-    inverse = _inverse(triangle)
+    inverse = _inverse(_triangle(matrix, upper, unitriangular))
     return op.MatMul(inverse, other) if left else op.MatMul(other, inverse)
 
 
 def _inverse_from_factor(factor, upper: bool):
     """``A^-1`` for ``A = L L^T`` (``U^T U`` when ``upper``), from the triangle of ``factor``."""
-    triangle = _triangle(factor, upper)
-    triangle.dtype, triangle.shape = factor.dtype, factor.shape
-    inverse = _inverse(triangle)  # L^-1 (U^-1)
-    rank = len(factor.shape)
-    transposed = op.Transpose(inverse, perm=[*range(rank - 2), rank - 1, rank - 2])
+    inverse = _inverse(_triangle(factor, upper))  # L^-1 (U^-1)
+    transposed = _transposed(inverse, len(factor.shape))
     return op.MatMul(inverse, transposed) if upper else op.MatMul(transposed, inverse)
 
 
@@ -1655,10 +1661,9 @@ def linalg_cholesky_ex(matrix, upper: bool = False, check_errors: bool = False):
     covariance; standard ONNX has no decomposition): the Cholesky-Banachiewicz columns, unrolled
     over the static size ``M`` (up to 256; larger matrices are not translated): column ``j`` is
     ``(A[:, j] - L[:, :j] L[j, :j]^T) / sqrt(...)`` below the diagonal, from the lower triangle of
-    ``A`` as PyTorch reads it. The gradient is PyTorch's
-    symmetric one: the columns read ``(A + A^T) / 2``, with the lower triangle's values. A matrix
-    that is not positive definite gives NaN where PyTorch raises (``check_errors``) or reports it
-    in ``info`` (here always 0)."""
+    ``A`` as PyTorch reads it. The gradient is PyTorch's symmetric one: the columns read
+    ``(A + A^T) / 2``, with the lower triangle's values. A matrix that is not positive definite
+    gives NaN where PyTorch raises (``check_errors``) or reports it in ``info`` (here always 0)."""
     size = matrix.shape[-1] if matrix.shape is not None else None
     if not isinstance(size, int):
         raise NotImplementedError("torch.linalg.cholesky of matrices of a symbolic size")
@@ -1666,10 +1671,9 @@ def linalg_cholesky_ex(matrix, upper: bool = False, check_errors: bool = False):
         raise NotImplementedError(f"torch.linalg.cholesky of {size} x {size} matrices (up to "
                                   f"{_LARGEST_UNROLLED_CHOLESKY} are unrolled)")
     rank = len(matrix.shape)
-    swap = [*range(rank - 2), rank - 1, rank - 2]
     mirrored = op.Add(op.Trilu(matrix, upper=0),
-                      op.Transpose(op.Trilu(matrix, op.Constant(value_int=-1), upper=0), perm=swap))
-    symmetric = op.Mul(op.Add(matrix, op.Transpose(matrix, perm=swap)), _like(matrix, 0.5))
+                      _transposed(op.Trilu(matrix, op.Constant(value_int=-1), upper=0), rank))
+    symmetric = op.Mul(op.Add(matrix, _transposed(matrix, rank)), _like(matrix, 0.5))
     source = _value_with_gradient(mirrored, symmetric)  # the lower triangle's values
     columns = []
     for j in range(size):
@@ -1679,14 +1683,14 @@ def linalg_cholesky_ex(matrix, upper: bool = False, check_errors: bool = False):
             known = columns[0] if len(columns) == 1 else op.Concat(*columns, axis=-1)  # [..., M, j]
             row = op.Slice(known, op.Constant(value_ints=[j]), op.Constant(value_ints=[j + 1]),
                            op.Constant(value_ints=[-2]))  # [..., 1, j]
-            column = op.Sub(column, op.MatMul(known, op.Transpose(row, perm=swap)))
+            column = op.Sub(column, op.MatMul(known, _transposed(row, rank)))
         pivot = op.Sqrt(op.Slice(column, op.Constant(value_ints=[j]), op.Constant(value_ints=[j + 1]),
                                  op.Constant(value_ints=[-2])))  # [..., 1, 1]
         below = np.zeros((size, 1), dtype=matrix.dtype.numpy() if matrix.dtype is not None else np.float32)
         below[j:] = 1.0
         columns.append(op.Mul(op.Div(column, pivot), op.Constant(value=ir.tensor(below))))
     factor = columns[0] if size == 1 else op.Concat(*columns, axis=-1)
-    return (op.Transpose(factor, perm=swap) if upper else factor), _info(matrix)
+    return (_transposed(factor, rank) if upper else factor), _info(matrix)
 
 
 def _fake_quantized(x, scale, zero_point, quant_min: int, quant_max: int, per_channel: bool = False,

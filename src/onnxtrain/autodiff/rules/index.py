@@ -299,18 +299,18 @@ def _scatter_nd(ctx):
     op = ctx.op
     _, indices, updates = ctx.inputs
     reduction = _scatter_reduction(ctx)
-    if reduction in ("max", "min"):
+    if reduction in ("max", "min", "mul"):
         depth = indices.shape[-1] if indices.shape is not None and len(indices.shape) else None
         if not isinstance(depth, int):
             raise NotImplementedError(f"reduction={reduction!r} with indices of unknown last dim")
-        return _extremum_grads(ctx, lambda t: op.GatherND(t, indices),
-                               lambda base, u: scatter_nd_by_elements(ctx.b.add_node, base, indices, u, "add", depth))
-    if reduction == "mul":
-        depth = indices.shape[-1] if indices.shape is not None and len(indices.shape) else None
-        if not isinstance(depth, int):
-            raise NotImplementedError("reduction='mul' with indices of unknown last dim")
-        return _product_grads(ctx, lambda t: op.GatherND(t, indices),
-                              lambda base, u, how: scatter_nd_by_elements(ctx.b.add_node, base, indices, u, how, depth))
+
+        def gather(t):
+            return op.GatherND(t, indices)
+
+        def scatter(base, u, how="add"):
+            return scatter_nd_by_elements(ctx.b.add_node, base, indices, u, how, depth)
+
+        return _product_grads(ctx, gather, scatter) if reduction == "mul" else _extremum_grads(ctx, gather, scatter)
     d_data = d_updates = None
     if ctx.needs(0):
         d_data = ctx.dy if reduction == "add" else op.ScatterND(ctx.dy, indices, ctx.b.zeros_like(updates))
@@ -325,12 +325,14 @@ def _scatter_elements(ctx):
     _, indices, updates = ctx.inputs
     axis = ctx.attr("axis", 0)
     reduction = _scatter_reduction(ctx)
-    if reduction in ("max", "min"):
-        return _extremum_grads(ctx, lambda t: op.GatherElements(t, indices, axis=axis),
-                               lambda base, u: op.ScatterElements(base, indices, u, axis=axis, reduction="add"))
-    if reduction == "mul":
-        return _product_grads(ctx, lambda t: op.GatherElements(t, indices, axis=axis),
-                              lambda base, u, how: op.ScatterElements(base, indices, u, axis=axis, reduction=how))
+    if reduction in ("max", "min", "mul"):
+        def gather(t):
+            return op.GatherElements(t, indices, axis=axis)
+
+        def scatter(base, u, how="add"):
+            return op.ScatterElements(base, indices, u, axis=axis, reduction=how)
+
+        return _product_grads(ctx, gather, scatter) if reduction == "mul" else _extremum_grads(ctx, gather, scatter)
     d_data = d_updates = None
     if ctx.needs(0):
         d_data = (ctx.dy if reduction == "add"

@@ -52,11 +52,11 @@ def _length(ctx: GradContext, scalar) -> object:
     return ctx.op.Reshape(ctx.op.Cast(scalar, to=7), ctx.b.ints([1]))
 
 
-def _transform(ctx: GradContext, signal, axis: int, inverse: bool):
+def _transform(ctx: GradContext, signal, axis: int, inverse: bool, onesided: bool = False):
     op = ctx.op
     if ctx.opset >= _AXIS_AS_INPUT:
-        return op.DFT(signal, None, ctx.b.scalar_int(axis), inverse=int(inverse))
-    return op.DFT(signal, axis=axis, inverse=int(inverse))
+        return op.DFT(signal, None, ctx.b.scalar_int(axis), inverse=int(inverse), onesided=int(onesided))
+    return op.DFT(signal, axis=axis, inverse=int(inverse), onesided=int(onesided))
 
 
 @grad("DFT", versions=(17, None))
@@ -105,10 +105,7 @@ def _one_sided_inverse(ctx: GradContext, x: ir.Value, rank: int, axis: int, bins
     if known_length is not None and isinstance(known_bins, int) and known_bins < int(known_length) // 2 + 1:
         raise NotImplementedError(f"a one-sided inverse DFT of {known_bins} bins to length {int(known_length)}")
     real = op.Slice(ctx.dy, b.ints([0]), b.ints([1]), b.ints([rank - 1]))
-    if ctx.opset >= _AXIS_AS_INPUT:
-        spectrum = op.DFT(real, None, b.scalar_int(axis), onesided=1)
-    else:
-        spectrum = op.DFT(real, axis=axis, onesided=1)
+    spectrum = _transform(ctx, real, axis, inverse=False, onesided=True)
     half = op.Add(op.Div(length, b.ints([2])), b.ints([1]))  # the bins the forward transform gives
     index = op.Range(b.scalar_int(0), op.Reshape(half, b.ints([])), b.scalar_int(1))
     mirrored = op.And(op.GreaterOrEqual(index, b.scalar_int(1)),

@@ -269,6 +269,38 @@ def test_a_submodule_backward_hook_runs_in_pytorch(hook):
         assert_steps_match(eager, wrapped, torch.randn(8, 6))
 
 
+class HookedInside(Net):
+    """Registers a gradient hook on an activation inside its forward."""
+
+    def __init__(self, register):
+        super().__init__()
+        self.register = register
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        self.register(h)
+        return self.second(h)
+
+
+def _double(grad):
+    return grad * 2.0
+
+
+@pytest.mark.parametrize("register", [
+    lambda h: h.register_hook(_double),
+    lambda h: torch.autograd.graph.register_multi_grad_hook((h,), lambda grads: None),
+], ids=["tensor", "multi"])
+def test_a_gradient_hook_registered_in_forward_runs_in_pytorch(register):
+    # the capture drops hooks registered on its (fake) tensors: the graph's backward would
+    # compute the first layer's gradients without the doubling
+    eager, wrapped = eager_and_wrapped(lambda: HookedInside(register))
+    with pytest.warns(ORTModuleFallbackWarning, match=r"registers gradient hooks on its tensors"):
+        assert_steps_match(eager, wrapped, torch.randn(8, 6))
+    strict = ORTModule(HookedInside(register), DebugOptions(fallback=False))
+    with pytest.raises(ExportError, match=r"HookedInside's forward registers gradient hooks"):
+        strict(torch.randn(8, 6))
+
+
 def test_forward_hooks_and_parameter_hooks_stay_in_onnx_runtime():
     # a forward hook is traced into the graph; a hook on a parameter fires on the gradient
     # ORTModule hands to autograd

@@ -400,23 +400,33 @@ def _unregistered_tensor_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
-class _GradModeWatch(torch.overrides.TorchFunctionMode):
-    """Notes whether grad mode changes where the capture cannot see it. The capture follows
-    grad mode through Python's ``torch._C._set_grad_enabled`` calls; a custom Function's apply
-    switches it in C++ around its forward, so a ``torch.no_grad()`` inside that forward (a
-    reentrant checkpoint's) leaves the capture believing grad is off after the Function returns,
-    and the ops after it in a no-grad region of their own. ``hidden`` is set where the real mode
-    at such a call, or at the end, is not the one the calls so far set."""
+class _ForwardWatch(torch.overrides.TorchFunctionMode):
+    """Notes what the traced forward does that the capture cannot follow.
+
+    Grad mode: the capture follows it through Python's ``torch._C._set_grad_enabled`` calls; a
+    custom Function's apply switches it in C++ around its forward, so a ``torch.no_grad()``
+    inside that forward (a reentrant checkpoint's) leaves the capture believing grad is off
+    after the Function returns, and the ops after it in a no-grad region of their own.
+    ``hidden`` is set where the real mode at such a call, or at the end, is not the one the
+    calls so far set.
+
+    Gradient hooks: ``tensor_hooks`` names each hook the forward registers on a tensor
+    (``Tensor.register_hook``, ``torch.autograd.graph.register_multi_grad_hook``). The capture
+    drops them, so a graph's backward would silently skip what they do to the gradients."""
 
     def __init__(self):
         super().__init__()
         self.believed = torch.is_grad_enabled()
         self.hidden = False
+        self.tensor_hooks: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch._C._set_grad_enabled:
             self.hidden |= torch.is_grad_enabled() != self.believed
             self.believed = bool(args[0] if args else kwargs["enabled"])
+        elif func is torch.Tensor.register_hook:
+            hook = args[1] if len(args) > 1 else (kwargs or {}).get("hook")
+            self.tensor_hooks.append(getattr(hook, "__qualname__", None) or type(hook).__name__)
         return func(*args, **(kwargs or {}))
 
     def __exit__(self, *exc):
@@ -435,8 +445,10 @@ class _FlatModule(torch.nn.Module):
         self._buffer_names = buffer_names
         self.traced_outputs = _Recorder()
         self.autograd_functions = _Recorder()  # the custom Functions the traced forward ran
-        # whether grad mode changed where the capture could not follow it (_GradModeWatch)
+        # whether grad mode changed where the capture could not follow it (_ForwardWatch)
         self.hidden_grad_switches = _Recorder()
+        # the gradient hooks the traced forward registered on tensors (_ForwardWatch)
+        self.tensor_hooks = _Recorder()
         # the call's tensors (positions) and parameters (names) a gradient reaches in autograd's
         # own graph of the traced call: what the exported graph's gradients must reach too
         self.gradient_reaches = _Recorder()
@@ -455,12 +467,13 @@ class _FlatModule(torch.nn.Module):
         before = _tensor_attributes(module)
         versions = [None if t.is_inference() else t._version for t in tensors]  # inference tensors have none
         tracked = torch.is_grad_enabled()  # (off: no output requires grad, which says nothing)
-        with _GradModeWatch() as watch:
+        with _ForwardWatch() as watch:
             out = module(*args, **kwargs)
         self.written_inputs.append({i for i, (t, v) in enumerate(zip(tensors, versions))
                                     if v is None or t._version != v})  # (None: the graph decides)
         if watch.hidden:
             self.hidden_grad_switches.append(True)
+        self.tensor_hooks.extend(watch.tensor_hooks)
         self.stored_tensors.extend(key for key, value in _tensor_attributes(module).items()
                                    if before.get(key) is not value)
         leaves, spec = pytree.tree_flatten(out)
@@ -686,7 +699,7 @@ def _raising_call(text: str, exc: BaseException) -> str | None:
     if frame is None:
         return None
     if frame.group(1) == __file__:
-        # the call torch names is _GradModeWatch's: the user's is the innermost frame of the
+        # the call torch names is _ForwardWatch's: the user's is the innermost frame of the
         # raising traceback outside torch and onnxtrain
         return _innermost_user_line(exc)
     code = lines[start + 2].strip() if start + 2 < len(lines) else ""
@@ -992,6 +1005,11 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         raise ExportError(f"{type(module).__name__}'s forward runs a reentrant torch.utils.checkpoint on tensors none "
                           f"of which requires grad, whose function's parameters PyTorch leaves without gradient "
                           f"(use_reentrant=False, or inputs that require grad, train them)")
+    if wrapper.tensor_hooks:
+        hooks = ", ".join(dict.fromkeys(wrapper.tensor_hooks))
+        raise ExportError(f"{type(module).__name__}'s forward registers gradient hooks on its tensors ({hooks}; "
+                          f"Tensor.register_hook): ONNX Runtime's backward cannot call them, and an exported graph "
+                          f"would compute the gradients without what they do")
     if not wrapper.traced_outputs:
         # the exporter got its graph without running the forward as written (one of its fallback
         # capture strategies): its inputs and outputs cannot be matched to the call's

@@ -166,6 +166,38 @@ def test_a_second_backward_is_a_clear_error():
     assert grad.shape == x.shape and not grad.requires_grad
 
 
+class _ForcesFromEnergy(torch.nn.Module):
+    """An interatomic potential: forces are the negative gradient of the energy."""
+
+    def __init__(self):
+        super().__init__()
+        self.energy = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, positions):
+        with torch.enable_grad():
+            positions = positions.detach().requires_grad_(True)
+            energy = self.energy(positions).sum()
+            (gradient,) = torch.autograd.grad(energy, positions, create_graph=True)
+        return energy, -gradient
+
+
+def test_gradients_computed_in_the_forward_run_in_pytorch_and_are_named():
+    from onnxtrain.errors import ExportError
+    from onnxtrain.torch import DebugOptions
+
+    eager, wrapped = eager_and_wrapped(_ForcesFromEnergy)
+    x = torch.randn(6, 3)
+    with pytest.warns(ORTModuleFallbackWarning, match=r"computes gradients \(torch\.autograd\.grad\)"):
+        _, forces = wrapped(x)
+    _, expected = eager(x)
+    torch.testing.assert_close(forces, expected)
+    forces.square().sum().backward()
+    expected.square().sum().backward()
+    torch.testing.assert_close(wrapped.module.energy[0].weight.grad, eager.energy[0].weight.grad)
+    with pytest.raises(ExportError, match=r"_ForcesFromEnergy's forward computes gradients"):
+        ORTModule(_ForcesFromEnergy(), DebugOptions(fallback=False))(x)
+
+
 class _TwoHeads(torch.nn.Module):
     def __init__(self):
         super().__init__()

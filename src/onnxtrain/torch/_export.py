@@ -412,13 +412,17 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
 
     Gradient hooks: ``tensor_hooks`` names each hook the forward registers on a tensor
     (``Tensor.register_hook``, ``torch.autograd.graph.register_multi_grad_hook``). The capture
-    drops them, so a graph's backward would silently skip what they do to the gradients."""
+    drops them, so a graph's backward would silently skip what they do to the gradients.
+
+    Gradients: ``gradient_calls`` names each ``torch.autograd.grad`` or ``Tensor.backward`` the
+    forward runs (a physics-informed network's derivatives), which the capture cannot trace."""
 
     def __init__(self):
         super().__init__()
         self.believed = torch.is_grad_enabled()
         self.hidden = False
         self.tensor_hooks: list[str] = []
+        self.gradient_calls: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch._C._set_grad_enabled:
@@ -427,6 +431,8 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
         elif func is torch.Tensor.register_hook:
             hook = args[1] if len(args) > 1 else (kwargs or {}).get("hook")
             self.tensor_hooks.append(getattr(hook, "__qualname__", None) or type(hook).__name__)
+        elif func is torch.autograd.grad or func is torch.Tensor.backward:
+            self.gradient_calls.append("torch.autograd.grad" if func is torch.autograd.grad else "Tensor.backward")
         return func(*args, **(kwargs or {}))
 
     def __exit__(self, *exc):
@@ -447,8 +453,10 @@ class _FlatModule(torch.nn.Module):
         self.autograd_functions = _Recorder()  # the custom Functions the traced forward ran
         # whether grad mode changed where the capture could not follow it (_ForwardWatch)
         self.hidden_grad_switches = _Recorder()
-        # the gradient hooks the traced forward registered on tensors (_ForwardWatch)
+        # the gradient hooks the traced forward registered on tensors, and the gradients it
+        # computed (_ForwardWatch)
         self.tensor_hooks = _Recorder()
+        self.gradient_calls = _Recorder()
         # the call's tensors (positions) and parameters (names) a gradient reaches in autograd's
         # own graph of the traced call: what the exported graph's gradients must reach too
         self.gradient_reaches = _Recorder()
@@ -474,6 +482,7 @@ class _FlatModule(torch.nn.Module):
         if watch.hidden:
             self.hidden_grad_switches.append(True)
         self.tensor_hooks.extend(watch.tensor_hooks)
+        self.gradient_calls.extend(watch.gradient_calls)
         self.stored_tensors.extend(key for key, value in _tensor_attributes(module).items()
                                    if before.get(key) is not value)
         leaves, spec = pytree.tree_flatten(out)
@@ -999,6 +1008,10 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
             per_sample_losses_as_own_ops(captured)
             program = export_program(captured, translation_table(), complex_translation_table())
     except Exception as exc:  # the exporter raises many types; the reason is in the message
+        if wrapper.gradient_calls:  # what the capture then fails on says nothing of it
+            calls = ", ".join(dict.fromkeys(wrapper.gradient_calls))
+            raise ExportError(f"{type(module).__name__}'s forward computes gradients ({calls}), which torch.onnx.export "
+                              f"cannot capture") from exc
         raise export_failure(f"torch.onnx.export could not export {type(module).__name__}", exc) from exc
 
     if checkpoint_without_grad:

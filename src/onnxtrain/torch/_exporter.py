@@ -505,6 +505,8 @@ EXPORT_LOCK = threading.RLock()
 def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
     """``module(*args)`` as the exporter's first capture strategy captures it: non-strict
     ``torch.export.export`` with the exporter's flags, ``torch.onnx.is_in_onnx_export()`` true."""
+    from onnxtrain.torch._statistics import statistics_unchecked
+
     try:
         from torch.onnx._internal.exporter import _capture_strategies, _flags
     except ImportError:  # another internal layout: the plain capture
@@ -517,7 +519,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
-              cumulative_batch_norms(module), _parametrizations_uncached()):
+              cumulative_batch_norms(module), _parametrizations_uncached(), statistics_unchecked()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

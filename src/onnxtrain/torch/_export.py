@@ -59,6 +59,7 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError, InputMismatchError
+from onnxtrain.names import STOP_GRADIENT_METADATA
 from onnxtrain.passes import pipeline
 from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program, has_checkpoint_region,
                                        mark_gradient_cuts, splits_with_sizes, traced_requires_grad)
@@ -932,6 +933,31 @@ def _unchanged(value: ir.Value) -> bool:
     return value.is_graph_input() or value.producer() is None
 
 
+def _straight_through(graph: ir.Graph, parameter: ir.Value, changed: ir.Value, outputs: list[ir.Value]) -> None:
+    """Where the forward changes a trained parameter in place (under ``torch.no_grad()``, as
+    ``nn.Embedding(max_norm=...)`` renormalizes its rows), the ops after the change read
+    ``changed``, which the graph computes from ``parameter`` through a stop-gradient. PyTorch's
+    autograd sees one leaf, so their gradients are the parameter's: they now read
+    ``changed + (parameter - StopGradient(parameter))``, the same value (an exact zero added)
+    with the identity as its derivative to ``parameter``. ``outputs`` (the user outputs, so far)
+    that are ``changed`` are replaced too."""
+    stopped = ir.node("Identity", [parameter], metadata_props={STOP_GRADIENT_METADATA: "1"})
+    carrier = ir.node("Sub", [parameter, stopped.outputs[0]])
+    passed = ir.node("Add", [changed, carrier.outputs[0]])
+    for node in (stopped, carrier, passed):
+        node.outputs[0].type, node.outputs[0].shape = changed.type, changed.shape
+    users = [(node, index) for node, index in changed.uses() if node is not passed]
+    if changed.producer() is None:
+        graph.insert_before(graph[0], [stopped, carrier, passed])
+    else:
+        graph.insert_after(changed.producer(), [stopped, carrier, passed])
+    for node, index in users:
+        node.replace_input_with(index, passed.outputs[0])
+    for position, output in enumerate(outputs):
+        if output is changed:
+            outputs[position] = passed.outputs[0]
+
+
 def _new_output(graph: ir.Graph, value: ir.Value, name: str, outputs: list[ir.Value]) -> ir.Value:
     """``value`` named ``name``, as a graph output of its own (an Identity of it if it is one already)."""
     if value in outputs or value.is_graph_input():
@@ -975,9 +1001,10 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         raise ExportError(f"{type(module).__name__} is called with tensors inside {', '.join(hidden)} objects, which "
                           f"torch.utils._pytree does not flatten (the export would bake them in as constants): "
                           f"pass the tensors as arguments, or register the type as a pytree node")
-    # what the forward may change in place: its buffers, and its frozen parameters (a momentum
-    # encoder's, updated under torch.no_grad()); unchanged ones drop out of the graph below
-    buffer_names = [*dict(module.named_buffers()), *(n for n, p in module.named_parameters() if not p.requires_grad)]
+    # what the forward may change in place: its buffers, and its parameters (a momentum encoder's
+    # frozen ones, updated under torch.no_grad(); a trained one renormalized or clipped, as
+    # nn.Embedding(max_norm=...) does); unchanged ones drop out of the graph below
+    buffer_names = [*dict(module.named_buffers()), *dict(module.named_parameters())]
     # the trace calls the forward with copies of the call's objects: a forward that writes into
     # one (a Hugging Face cache given as an argument) must not leave the exporter's placeholder
     # tensors in the caller's object, and what it writes there, a graph cannot write
@@ -1075,9 +1102,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     input_values = graph.outputs[num_user_outputs + len(buffer_names):]
     updates = []
     kept = list(graph.outputs[:num_user_outputs])
+    trained = {name for name, p in module.named_parameters() if p.requires_grad}
     for name, value in zip(buffer_names, buffer_values):
         if _unchanged(value):
             continue  # the forward did not change this buffer
+        if name in trained:
+            _straight_through(graph, graph.inputs[num_user_inputs + state_names.index(name)], value, kept)
         kept.append(_new_output(graph, value, f"{name}.updated", kept))
         updates.append(name)
     input_updates = []

@@ -90,6 +90,26 @@ def test_a_no_grad_region_gives_its_parameters_no_gradient():
     assert grads[0] is None and grads[1] is None  # the gate's weight and bias, as in eager
 
 
+class ReadsData(torch.nn.Module):
+    """Older code's ``.data``: a mask of an activation, a weight's statistic, an input's scale."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = self.layer(x)
+        return h * h.data.gt(0).float() * x.data.abs().mean() + self.layer.weight.data.square().sum()
+
+
+def test_data_reads_carry_no_gradient():
+    # the capture failed on .data ("a fake tensor in the exported program constant's list")
+    eager, wrapped = eager_and_wrapped(ReadsData)
+    x = torch.randn(8, 6)
+    _assert_same_training(eager, wrapped, x)
+    _assert_same_training(eager, wrapped, x.requires_grad_())
+
+
 class ScaledByItsOwnMean(torch.nn.Module):
     """``y * y.abs().mean().item()``: a Python number, which carries no gradient in eager."""
 

@@ -44,6 +44,18 @@ class ClippedInForward(torch.nn.Module):
         return before + torch.sin(h @ self.weight), self.weight
 
 
+class ClampedThroughData(torch.nn.Module):
+    """Weight clipping written with ``.data`` (a WGAN critic's, inside its forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.linear.weight.data.clamp_(-0.3, 0.3)
+        return torch.tanh(self.linear(x))
+
+
 def _outputs(out):
     return out if isinstance(out, tuple) else (out,)
 
@@ -66,7 +78,8 @@ def _train(model, batches):
     (MaxNormEmbedding, [torch.tensor([[1, 2, 3], [3, 4, 1]]), torch.tensor([[5, 1, 5], [0, 2, 11]])] * 2),
     (lambda: MaxNormEmbedding(bag=True), [torch.tensor([[1, 2, 3], [3, 4, 1]]), torch.tensor([[5, 1, 5], [0, 2, 11]])]),
     (ClippedInForward, [torch.randn(5, 4) for _ in range(3)]),
-], ids=["embedding_max_norm", "embedding_bag_max_norm", "clipped_in_forward"])
+    (ClampedThroughData, [torch.randn(5, 4) for _ in range(3)]),
+], ids=["embedding_max_norm", "embedding_bag_max_norm", "clipped_in_forward", "clamped_through_data"])
 def test_a_parameter_changed_in_the_forward_trains_as_in_eager(factory, batches):
     torch.manual_seed(0)
     eager = factory()

@@ -37,6 +37,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 _LOG = logging.getLogger(__name__)
 # the keyword arguments export_program passes to the exporter's core
@@ -480,6 +481,26 @@ def cumulative_batch_norms(module: torch.nn.Module):
 
 
 @contextlib.contextmanager
+def _data_as_detach():
+    """While capturing, ``t.data`` of a traced (fake) tensor is ``t.detach()``: the same values
+    without history, which the capture records as a ``detach`` (a stop-gradient), where it
+    failed on ``.data`` ("a fake tensor in the exported program constant's list"). Older code
+    reads ``.data`` in forwards (``mask = h.data.gt(0)``, ``weight.data.clamp_(...)``); an
+    in-place change through it changes the tensor, as ``.data``'s does. Real tensors (another
+    thread's) get PyTorch's own ``.data``; assigning ``t.data = ...`` is PyTorch's too."""
+    original = torch._C.TensorBase.__dict__["data"]
+
+    def data(tensor):
+        return tensor.detach() if is_fake(tensor) else original.__get__(tensor)
+
+    def set_data(tensor, value):
+        original.__set__(tensor, value)
+
+    with _replaced((torch.Tensor, "data", property(data, set_data, doc=original.__doc__))):
+        yield
+
+
+@contextlib.contextmanager
 def _parametrizations_uncached():
     """Capture with ``torch.nn.utils.parametrize.cached()`` off, whatever the caller has on: a
     cache filled before would hand the trace its real weights as constants (a graph that keeps
@@ -519,7 +540,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
-              cumulative_batch_norms(module), _parametrizations_uncached(), statistics_unchecked()):
+              cumulative_batch_norms(module), _parametrizations_uncached(), statistics_unchecked(), _data_as_detach()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -61,7 +61,7 @@ def _outputs(out):
 
 
 def _train(model, batches):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     results = []
     for batch in batches:
         optimizer.zero_grad()

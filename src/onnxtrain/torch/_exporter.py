@@ -501,6 +501,32 @@ def _data_as_detach():
 
 
 @contextlib.contextmanager
+def _instance_norms_with_running_statistics():
+    """While capturing, ``F.instance_norm`` (which ``nn.InstanceNorm*d`` calls) with batch
+    statistics and running ones (``track_running_stats=True`` in training) normalizes by the
+    batch's statistics, then updates the running statistics in place under ``no_grad`` as
+    PyTorch's kernel does: each channel's per-sample mean and unbiased variance, averaged over
+    the batch, weighed in with ``momentum``. The op's translation cannot give that update back,
+    so such modules ran in PyTorch. Other calls are ``F.instance_norm``'s own."""
+    functional = torch.nn.functional.instance_norm
+
+    def instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None,
+                      use_input_stats: bool = True, momentum: float = 0.1, eps: float = 1e-5):
+        if not (use_input_stats and running_mean is not None and running_var is not None):
+            return functional(input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps)
+        out = functional(input, None, None, weight, bias, True, momentum, eps)
+        with torch.no_grad():
+            axes = list(range(2, input.dim()))
+            mean, variance = input.mean(axes), input.var(axes, correction=1)
+            running_mean.mul_(1.0 - momentum).add_(mean.mean(0) * momentum)
+            running_var.mul_(1.0 - momentum).add_(variance.mean(0) * momentum)
+        return out
+
+    with _replaced((torch.nn.functional, "instance_norm", instance_norm)):
+        yield
+
+
+@contextlib.contextmanager
 def _parametrizations_uncached():
     """Capture with ``torch.nn.utils.parametrize.cached()`` off, whatever the caller has on: a
     cache filled before would hand the trace its real weights as constants (a graph that keeps
@@ -540,7 +566,8 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
-              cumulative_batch_norms(module), _parametrizations_uncached(), statistics_unchecked(), _data_as_detach()):
+              cumulative_batch_norms(module), _parametrizations_uncached(), statistics_unchecked(), _data_as_detach(),
+              _instance_norms_with_running_statistics()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

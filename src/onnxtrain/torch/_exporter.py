@@ -526,6 +526,35 @@ def _instance_norms_with_running_statistics():
         yield
 
 
+def _real_index(index) -> tuple:
+    """``index`` of a complex tensor as the index of its real view (``torch.view_as_real``: one
+    more axis, of size 2, last): the same elements, both parts."""
+    index = index if isinstance(index, tuple) else (index,)
+    return (*index, slice(None)) if any(part is Ellipsis for part in index) else (*index, Ellipsis, slice(None))
+
+
+@contextlib.contextmanager
+def _complex_assignments_real():
+    """While capturing, ``z[index] = value`` into a traced complex tensor (a Fourier layer's
+    ``out_ft[:, :, :modes] = ...``) assigns into a real copy of ``z``'s parts and copies the
+    result into ``z`` whole: the exporter's decomposition traces PyTorch's ``slice_scatter``,
+    which has no complex derivative (so such a module ran in PyTorch), while the real one has.
+    The same values and gradients. Real tensors, and untraced ones, are PyTorch's own."""
+    original = torch._C.TensorBase.__setitem__
+
+    def setitem(tensor, index, value):
+        if not (is_fake(tensor) and tensor.is_complex()):
+            return original(tensor, index, value)
+        parts = torch.view_as_real(tensor).clone()
+        value = torch.as_tensor(value, device=tensor.device).to(tensor.dtype)
+        parts[_real_index(index)] = torch.view_as_real(value)
+        tensor.copy_(torch.view_as_complex(parts))
+        return None
+
+    with _replaced((torch.Tensor, "__setitem__", setitem)):
+        yield
+
+
 @contextlib.contextmanager
 def _parametrizations_uncached():
     """Capture with ``torch.nn.utils.parametrize.cached()`` off, whatever the caller has on: a
@@ -567,7 +596,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
               cumulative_batch_norms(module), _parametrizations_uncached(), statistics_unchecked(), _data_as_detach(),
-              _instance_norms_with_running_statistics()):
+              _instance_norms_with_running_statistics(), _complex_assignments_real()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -1400,9 +1400,13 @@ def conv3d(input, weight, bias=None, stride=(1, 1, 1), padding=(0, 0, 0), dilati
 def scalar_tensor(s, dtype: int = 1, layout: str = "", device: str = "", pin_memory: bool = False):
     """``aten.scalar_tensor`` (how a Python number enters arithmetic): a 0-d constant of ``dtype``
     (an ONNX element type), exact. The exporter's writes a float32 constant and casts it, so a
-    float64 model's ``x * 0.1`` multiplied by float32's 0.1."""
-    if isinstance(s, (bool, int, float)):
+    float64 model's ``x * 0.1`` multiplied by float32's 0.1. A complex one (``z.mul_(2)``) as the
+    exporter holds complex tensors: its real and imaginary parts, shape ``[2]``."""
+    if isinstance(s, (bool, int, float, complex)):
         target = ir.DataType(ir.DataType.FLOAT if dtype in (None, -1) else dtype)
+        parts = _COMPLEX_PARTS.get(target)
+        if parts is not None:
+            return op.Constant(value=ir.tensor(np.array([complex(s).real, complex(s).imag], dtype=parts.numpy())))
         return op.Constant(value=ir.tensor(np.array(s, dtype=target.numpy())))
     from onnxscript.function_libs.torch_lib.ops.core import aten_scalar_tensor
     return aten_scalar_tensor(s, dtype, layout, device, pin_memory)
@@ -1955,6 +1959,16 @@ def angle_complex(self):
     return atan2(imaginary, real)
 
 
+def copy_complex(self, src, non_blocking: bool = False):
+    """``aten.copy`` into a complex tensor (real ones with a last axis of 2) from a complex source
+    of the same rank (a Fourier layer's slice assignment, as the capture writes it): :func:`copy`.
+    The exporter dispatches here for a real source too, which holds no part axis: ranks that
+    differ, or are unknown, are refused (NotImplementedError) rather than broadcast wrongly."""
+    if self.shape is None or src.shape is None or len(self.shape) != len(src.shape):
+        raise NotImplementedError("copy_ into a complex tensor from a real or broadcast source")
+    return copy(self, src, non_blocking)
+
+
 def einsum_complex(equation: str, tensors, path=None):
     """``aten.einsum`` of complex tensors (real ones with a last axis of 2; the exporter has none):
     one real :func:`einsum` with each operand's part axis as a letter of its own, whose products
@@ -2001,10 +2015,66 @@ def zeros(size, dtype: int = ir.DataType.FLOAT, layout: str = "", device: str = 
     return op.Expand(zero, op.Concat(common_ops.merge_dims(size), op.Constant(value_ints=[2]), axis=0))
 
 
+def zeros_like_complex(self, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False,
+                       memory_format: str = ""):
+    """``aten.zeros_like`` (and ``empty_like``) of a complex tensor (a real one with a last axis of
+    2): zeros of its shape, both parts, or of its complex shape in a real ``dtype`` given."""
+    shape = op.Shape(self)
+    if dtype not in (-1, None) and ir.DataType(dtype) not in _COMPLEX_PARTS:
+        shape = op.Slice(shape, op.Constant(value_ints=[0]), op.Constant(value_ints=[-1]))
+        return op.ConstantOfShape(shape, value=ir.tensor(np.zeros(1, ir.DataType(dtype).numpy())))
+    zero = op.CastLike(op.Constant(value_float=0.0), self) if dtype in (-1, None) else \
+        op.Constant(value=ir.tensor(np.zeros((), _COMPLEX_PARTS[ir.DataType(dtype)].numpy())))
+    return op.Expand(zero, shape)
+
+
+def new_zeros_complex(self, size, dtype: int = -1, layout: str = "", device: str = "", pin_memory: bool = False):
+    """``aten.new_zeros`` of a complex tensor: :func:`zeros` of ``size`` in ``self``'s type, or
+    ``dtype``."""
+    if dtype in (-1, None):
+        parts = {ir.DataType.FLOAT: ir.DataType.COMPLEX64, ir.DataType.DOUBLE: ir.DataType.COMPLEX128}.get(self.dtype)
+        if parts is None:
+            raise NotImplementedError(f"new_zeros of a complex tensor held as {self.dtype}")
+        dtype = parts
+    return zeros(size, dtype)
+
+
+def select_complex(self, dim: int, index: int):
+    """``aten.select`` of a complex tensor (a real one with a last axis of 2): the real one's, a
+    negative ``dim`` counted before the part axis."""
+    from onnxscript.function_libs.torch_lib.ops.core import aten_select
+    return aten_select(self, dim - 1 if dim < 0 else dim, index)
+
+
+def unsqueeze_complex(self, dim: int):
+    """``aten.unsqueeze`` of a complex tensor: the real one's, a negative ``dim`` counted before
+    the part axis."""
+    return op.Unsqueeze(self, op.Constant(value_ints=[dim - 1 if dim < 0 else dim]))
+
+
+def sym_size_complex(self, dim: int):
+    """``aten.sym_size`` of a complex tensor (a size that depends on the data: ``z[mask]``): the
+    real one's, a negative ``dim`` counted before the part axis."""
+    from onnxscript.function_libs.torch_lib.ops.core import aten_sym_size
+    return aten_sym_size(self, dim - 1 if dim < 0 else dim)
+
+
+def index_complex(self, indices):
+    """``aten.index`` of a complex tensor (``z[mask]``, ``z[ids]``): the indices address its
+    leading axes, so the real one's, whose part axis comes along as a trailing one."""
+    from onnxscript.function_libs.torch_lib.ops.core import aten_index
+    return aten_index(self, indices)
+
+
 def complex_translation_table() -> dict:
     """Translations of ops on complex tensors (the exporter dispatches to them for complex
     arguments; ORTModule's and ``export_for_training``'s exports register them)."""
-    return {torch.ops.aten.angle.default: angle_complex, torch.ops.aten.einsum.default: einsum_complex}
+    return {torch.ops.aten.angle.default: angle_complex, torch.ops.aten.einsum.default: einsum_complex,
+            torch.ops.aten.copy.default: copy_complex, torch.ops.aten.zeros_like.default: zeros_like_complex,
+            torch.ops.aten.empty_like.default: zeros_like_complex, torch.ops.aten.new_zeros.default: new_zeros_complex,
+            torch.ops.aten.select.int: select_complex, torch.ops.aten.unsqueeze.default: unsqueeze_complex,
+            torch.ops.aten.index.Tensor: index_complex, torch.ops.aten.sym_size.int: sym_size_complex,
+            torch.ops.aten.detach.default: detach}
 
 
 def artifacts_translation_table() -> dict:

@@ -90,8 +90,12 @@ def _low_precision_on_cpu(call) -> tuple[str, str] | None:
 
 def _graph_inputs(call, variant: "_Variant") -> tuple[list[torch.Tensor], tuple[int, ...]]:
     """The tensors a variant's graphs take for ``call`` (call tensors, then parameters and
-    buffers), and the positions of those that receive gradients."""
-    inputs = [*call.tensors, *(call.state[n] for n in variant.graph.state_names)]
+    buffers), and the positions of those that receive gradients. A complex tensor is taken as
+    its real view (``torch.view_as_real``: real and imaginary parts along a last axis of 2, as
+    the exported graph holds it), through which autograd hands its gradient back as PyTorch's
+    complex one."""
+    inputs = [torch.view_as_real(t) if t.is_complex() else t
+              for t in (*call.tensors, *(call.state[n] for n in variant.graph.state_names))]
     return inputs, positions_requiring_grad(inputs)
 
 
@@ -601,12 +605,15 @@ class ORTModule(ModuleWrapper):
         with torch.no_grad():
             updates = iter(outputs[graph.num_user_outputs:])
             for name, value in zip(graph.buffer_updates, updates):
+                if state[name].is_complex() and not value.is_complex():  # (its real view, as the graph holds it)
+                    value = torch.view_as_complex(value)
                 if value.shape == state[name].shape and value.dtype == state[name].dtype:
                     state[name].copy_(value)
                 else:  # the forward set a new tensor (a cache grown with the sequence)
                     _replace_state(module, name, value)
             for position, value in zip(graph.input_updates, updates):  # as the forward changed them in place
-                call.tensors[position].copy_(value)
+                target = call.tensors[position]
+                target.copy_(torch.view_as_complex(value) if target.is_complex() and not value.is_complex() else value)
         return graph.rebuild_output(outputs[:graph.num_user_outputs])
 
     def _in_pytorch_this_time(self, module, args, kwargs, how: str, others: str):

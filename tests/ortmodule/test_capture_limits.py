@@ -441,6 +441,32 @@ def test_a_converted_quantized_model_falls_back_naming_its_quantized_modules(how
         ORTModule(converted, DebugOptions(fallback=False))(x)
 
 
+class _HoldsScripted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = torch.jit.script(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(self.encoder(x))
+
+
+def test_torchscript_modules_are_named():
+    """A scripted submodule was reported as a quantized one (its TorchScript object); wrapping a
+    scripted module itself failed in ORTModule's constructor (KeyError 0)."""
+    from onnxtrain.errors import ExportError, OnnxTrainError
+    from onnxtrain.torch import DebugOptions
+
+    eager, wrapped = eager_and_wrapped(_HoldsScripted)
+    with pytest.warns(ORTModuleFallbackWarning, match=r"holds TorchScript modules \(encoder \(RecursiveScriptModule\)\)"):
+        assert_steps_match(eager, wrapped, torch.randn(3, 4))
+    with pytest.raises(ExportError, match="TorchScript modules"):
+        ORTModule(_HoldsScripted(), DebugOptions(fallback=False))(torch.randn(3, 4))
+    for scripted in (torch.jit.script(torch.nn.Linear(4, 2)), torch.jit.trace(torch.nn.Linear(4, 2), torch.randn(1, 4))):
+        with pytest.raises(OnnxTrainError, match="it is a TorchScript module"):
+            ORTModule(scripted)
+
+
 def test_forward_mode_ad_runs_in_pytorch_and_a_vmapped_backward_is_named():
     """Forward-mode AD's dual tensors failed ("You must implement the jvp function"): such a call
     now runs in PyTorch, that call only. A vmapped backward (is_grads_batched=True, jacobian with

@@ -314,8 +314,25 @@ def _with_tangents(args: tuple, kwargs: dict) -> bool:
 def _export_obstacle(module: torch.nn.Module) -> str | None:
     """Why ``module`` cannot be exported as it is held now, found before an export tries (whose
     error would name the tracer's internals, or leave FSDP's state broken), or None."""
-    return (_fsdp_obstacle(module) or _ddp_obstacle(module) or _packed_weights_obstacle(module)
-            or _dtensor_obstacle(module))
+    return (_fsdp_obstacle(module) or _ddp_obstacle(module) or _script_obstacle(module)
+            or _packed_weights_obstacle(module) or _dtensor_obstacle(module))
+
+
+def _script_obstacle(module: torch.nn.Module) -> str | None:
+    """Why ``module``'s TorchScript submodules (``torch.jit.script``/``trace``) keep it from being
+    exported, or None: torch.export cannot trace into them."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return ("it is a TorchScript module, which the exporter cannot trace into: wrap the module as it was "
+                "before torch.jit.script or torch.jit.trace")
+    found = {name: sub for name, sub in module.named_modules() if isinstance(sub, torch.jit.ScriptModule)}
+    # the outermost ones (a scripted module's submodules are scripted too)
+    scripted = [f"{name} ({type(sub).__name__})" for name, sub in found.items()
+                if not any(other != name and name.startswith(f"{other}.") for other in found)]
+    if not scripted:
+        return None
+    return (f"it holds TorchScript modules ({', '.join(scripted[:4])}{', ...' if len(scripted) > 4 else ''}), which "
+            f"the exporter cannot trace into: use the modules as they were before torch.jit.script or "
+            f"torch.jit.trace")
 
 
 _QUANTIZED = "torch.ao.nn.quantized"  # the modules torch.ao.quantization.convert writes
@@ -452,6 +469,8 @@ class ORTModule(ModuleWrapper):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"ORTModule wraps a torch.nn.Module, got {type(module).__name__}")
         obstacle = _fsdp_obstacle(module) or _ddp_obstacle(module)
+        if isinstance(module, torch.jit.ScriptModule):  # (not even PyTorch's fallback could hold it)
+            obstacle = _script_obstacle(module)
         if obstacle is not None:
             raise OnnxTrainError(f"ORTModule cannot wrap {type(module).__name__}: {obstacle}")
         inline_functions = _inline_functions(inline_autograd_functions)

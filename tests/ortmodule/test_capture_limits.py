@@ -270,6 +270,38 @@ def test_a_dynamic_graph_serves_only_calls_its_shape_guards_admit():
     assert wrapped.export_count == 4  # 4 static, 6 dynamic (guards pin it), 7 and 9 static
 
 
+class FlattenedRowsAndTheirSum(torch.nn.Module):
+    """Returns ``[batch * seq, 4]`` rows and their sum over the rows (a Mixture-of-Experts router's
+    logits and its load-balancing statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        rows = self.linear(x).reshape(-1, 4)
+        return rows, torch.softmax(rows, dim=-1).sum(0)
+
+
+def test_a_sum_over_flattened_dynamic_rows_beside_them():
+    # the dynamic export's sum read its row count off the rows' output-gradient input, which
+    # tied the forward to the backward (AssertionError, not even a fallback)
+    eager, wrapped = eager_and_wrapped(FlattenedRowsAndTheirSum)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for length in (7, 5, 9):
+            x = torch.randn(3, length, 8)
+            results = []
+            for model in (wrapped, eager):
+                model.zero_grad()
+                rows, statistics = model(x)
+                (rows.square().sum() + statistics.square().sum()).backward()
+                results.append([rows.detach(), statistics.detach(), *(p.grad.clone() for p in model.parameters())])
+            for ours, theirs in zip(*results, strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert wrapped.export_count == 2  # one static, then one dynamic export
+
+
 class ParityOnly(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -71,14 +71,18 @@ def test_integer_sums_are_left_alone():
 
 
 def test_sums_over_the_same_symbolic_rows_share_one_row_of_ones():
-    """The rows are read off a graph input carrying the symbolic dims, so the sums' rows of ones
-    are the same nodes, which the cleanup after autodiff merges into one."""
+    """The rows are read off a graph input carrying the symbolic dims (the first one the summed
+    value is computed from), so the sums' rows of ones are the same nodes, which the cleanup
+    after autodiff merges into one."""
     from onnxtrain.passes import pipeline
 
     axes = helper.make_tensor("axes_value", TensorProto.INT64, [2], [0, 1])
     nodes = [helper.make_node("Constant", [], ["axes"], value=axes), helper.make_node("Mul", ["y", "y"], ["y2"]),
              helper.make_node("ReduceSum", ["x", "axes"], ["sx"], keepdims=0),
-             helper.make_node("ReduceSum", ["y2", "axes"], ["sy"], keepdims=0)]
+             helper.make_node("Constant", [], ["last"], value=helper.make_tensor("last_value", TensorProto.INT64, [1], [2])),
+             helper.make_node("ReduceMean", ["x", "last"], ["xm"], keepdims=1),
+             helper.make_node("Mul", ["y2", "xm"], ["y3"]),
+             helper.make_node("ReduceSum", ["y3", "axes"], ["sy"], keepdims=0)]
     original = model_of(nodes, [("x", ["B", "T", 24]), ("y", ["B", "T", 8])], ["sx", "sy"])
     model = io.load_model(original)
     for p in pipeline.after_autodiff():
@@ -104,3 +108,32 @@ def test_a_leading_dim_no_graph_input_carries_is_read_off_the_summed_tensor():
     x = np.random.default_rng(3).standard_normal([3, 4, 24]).astype(np.float32)
     (got,) = run(io.to_proto(model), {"x": x})
     np.testing.assert_allclose(got, x.reshape(-1, 24).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_are_read_off_inputs_the_sum_is_computed_from():
+    """A forward sum over flattened rows ``[B*T]`` whose dim only another input carries (an output
+    gradient's, after autodiff) reads its rows off the summed value: reading them off that input
+    made the forward depend on the gradient, and the graph could not be cut (Hugging Face MoE
+    models' router loss, ``logits.reshape(-1, E)`` returned and summed over its rows)."""
+    axes = helper.make_tensor("axes_value", TensorProto.INT64, [1], [0])
+    shape = helper.make_tensor("shape_value", TensorProto.INT64, [2], [-1, 8])
+    nodes = [helper.make_node("Constant", [], ["axes"], value=axes), helper.make_node("Constant", [], ["shape"], value=shape),
+             helper.make_node("Reshape", ["x", "shape"], ["rows"]),
+             helper.make_node("ReduceSum", ["rows", "axes"], ["s"], keepdims=0),
+             helper.make_node("Mul", ["g", "g"], ["g2"])]
+    original = model_of(nodes, [("x", ["B", "T", 8]), ("g", ["BT", 8])], ["s", "g2"])
+    original.graph.value_info.append(helper.make_tensor_value_info("rows", TensorProto.FLOAT, ["BT", 8]))
+    model = io.load_model(original)
+    assert LeadingAxesSumPass()(model).modified
+    summed = next(o for o in model.graph.outputs if o.name == "s")
+    upstream, pending = set(), [summed]
+    while pending:
+        producer = pending.pop().producer()
+        if producer is not None:
+            upstream.update(producer.inputs)
+            pending.extend(v for v in producer.inputs if v is not None)
+    assert "g" not in {v.name for v in upstream if v is not None}
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal([3, 5, 8]).astype(np.float32), "g": rng.standard_normal([15, 8]).astype(np.float32)}
+    for got, expected in zip(run(io.to_proto(model), feeds), run(original, feeds)):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)

@@ -88,7 +88,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, k: int, rows: int | None, cols: int
     if rows is not None:
         ones = add("Constant", [], attributes={"value": ir.tensor(np.ones([1, rows], dtype=np_dtype))})
     else:
-        dims = _dims_from_graph_inputs(graph, list(x.shape)[:k], add, ints)
+        dims = _dims_from_graph_inputs(_inputs_upstream(x), list(x.shape)[:k], add, ints)
         if dims is None:  # a leading dim no graph input carries: read it off x
             dims = add("Shape", [x], attributes={"end": k})
         row_count = add("ReduceProd", [dims], attributes={"keepdims": 1})
@@ -102,15 +102,36 @@ def _rewrite(graph: ir.Graph, node: ir.Node, k: int, rows: int | None, cols: int
     replace_nodes_and_values(graph, node, [node], new_nodes.nodes, [out], [summed])
 
 
-def _dims_from_graph_inputs(graph: ir.Graph, lead: list, add, ints) -> ir.Value | None:
-    """``lead``'s sizes as a 1-D int64 tensor read off the graph's inputs (static dims as
-    constants, each named symbolic dim from the first input that carries it), or None if one is
-    on no input. Sums over the same leading dims then build the same nodes from the same
-    values, which common-subexpression elimination merges into one row of ones per graph (a
-    GPT training graph has ~30 such sums over ``[batch, seq]``); and those nodes read graph
-    inputs only, so they can run before any sum needs them."""
+def _inputs_upstream(value: ir.Value) -> list[ir.Value]:
+    """The graph inputs ``value`` is computed from, in the graph's input order."""
+    found, seen, pending = set(), {value}, [value]
+    while pending:
+        current = pending.pop()
+        producer = current.producer()
+        if producer is None:
+            if current.is_graph_input():
+                found.add(current)
+            continue
+        for read in producer.inputs:
+            if read is not None and read not in seen:
+                seen.add(read)
+                pending.append(read)
+    graph = value.graph
+    return [v for v in graph.inputs if v in found] if graph is not None else []
+
+
+def _dims_from_graph_inputs(inputs: list[ir.Value], lead: list, add, ints) -> ir.Value | None:
+    """``lead``'s sizes as a 1-D int64 tensor read off the graph ``inputs`` (those the summed
+    value is computed from: static dims as constants, each named symbolic dim from the first
+    input that carries it), or None if one is on none of them. Sums over the same leading dims
+    then build the same nodes from the same values, which common-subexpression elimination
+    merges into one row of ones per graph (a GPT training graph has ~30 such sums over
+    ``[batch, seq]``); and those nodes read graph inputs only, so they can run before any sum
+    needs them. Only inputs the sum reads: a forward sum whose dim only an output gradient's
+    input carries (a flattened ``[batch * seq]``) would otherwise read that gradient, and the
+    forward could not be cut from the backward."""
     carriers: dict[str, tuple[ir.Value, int]] = {}
-    for value in graph.inputs:
+    for value in inputs:
         for axis, dim in enumerate(value.shape or ()):
             if isinstance(dim, ir.SymbolicDim) and dim.value is not None:
                 carriers.setdefault(dim.value, (value, axis))

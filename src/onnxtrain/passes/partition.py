@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from onnxtrain import names
 from onnxtrain.autodiff.builder import active_values, build_gradients, is_float
+from onnxtrain.errors import ModelError
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.nodes import has_subgraphs, is_onnx_op, node_reads
 from onnxtrain.passes import memory, pipeline, recompute
@@ -304,8 +305,10 @@ def _cut(model, forward_inputs, model_outputs, seeds, differentiable, grad_outpu
     nodes = list(graph)
     after_seed = _descendants(nodes, set(seeds))
     forward_nodes = _ancestors(nodes, model_outputs)
-    if forward_nodes & after_seed:
-        raise AssertionError("a model output depends on an output gradient")
+    if forward_nodes & after_seed:  # a pass made the forward read a gradient: a bug, run in PyTorch (fallback)
+        tangled = [o.name for o in model_outputs if o.producer() in after_seed]
+        raise ModelError(f"the gradient graph cannot be split into a forward and a backward: model outputs "
+                         f"{tangled} depend on an output gradient (an onnxtrain bug; please report it)")
     recomputed, crossing = _with_cheap_recompute(
         nodes, forward_nodes, _recomputable(nodes, forward_nodes, set(forward_inputs)), forward_inputs,
         model_outputs, grad_outputs)

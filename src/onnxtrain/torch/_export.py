@@ -401,6 +401,11 @@ def _unregistered_tensor_names(module: torch.nn.Module) -> dict[int, str]:
     return names
 
 
+def _depends_on_data(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a traced one-element tensor whose value the capture does not know."""
+    return is_fake(tensor) and getattr(tensor, "constant", None) is None and tensor.numel() == 1
+
+
 class _ForwardWatch(torch.overrides.TorchFunctionMode):
     """Notes what the traced forward does that the capture cannot follow.
 
@@ -416,14 +421,23 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
     drops them, so a graph's backward would silently skip what they do to the gradients.
 
     Gradients: ``gradient_calls`` names each ``torch.autograd.grad`` or ``Tensor.backward`` the
-    forward runs (a physics-informed network's derivatives), which the capture cannot trace."""
+    forward runs (a physics-informed network's derivatives), which the capture cannot trace.
 
-    def __init__(self):
+    Branches on the data: ``if labels.max() >= vocab: raise ...`` asks for the truth of a traced
+    one-element tensor, which the capture cannot know. Each such ``bool(tensor)`` is answered
+    from ``plan`` (False where it says nothing) and kept in ``assumptions`` as (tensor, answer):
+    the graph computes each tensor as an extra output, and a call whose values differ from the
+    answers runs in PyTorch instead (``ExportedGraph.assumptions``)."""
+
+    def __init__(self, plan: Sequence[bool] = ()):
         super().__init__()
         self.believed = torch.is_grad_enabled()
         self.hidden = False
         self.tensor_hooks: list[str] = []
         self.gradient_calls: list[str] = []
+        self.plan = list(plan)
+        self.assumptions: list[tuple[torch.Tensor, bool]] = []
+        self.branch_lines: list[str] = []  # where each branch is, in the user's code
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch._C._set_grad_enabled:
@@ -434,6 +448,11 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
             self.tensor_hooks.append(getattr(hook, "__qualname__", None) or type(hook).__name__)
         elif func is torch.autograd.grad or func is torch.Tensor.backward:
             self.gradient_calls.append("torch.autograd.grad" if func is torch.autograd.grad else "Tensor.backward")
+        elif func is torch.Tensor.__bool__ and _depends_on_data(args[0]):
+            answer = self.plan[len(self.assumptions)] if len(self.assumptions) < len(self.plan) else False
+            self.assumptions.append((args[0], answer))
+            self.branch_lines.append(_user_frame(traceback.extract_stack()) or "")
+            return answer
         return func(*args, **(kwargs or {}))
 
     def __exit__(self, *exc):
@@ -469,6 +488,12 @@ class _FlatModule(torch.nn.Module):
         # per traced call, the positions of the call's tensors the forward wrote to (their
         # version counters moved): an output the graph gives for another one is an alias
         self.written_inputs = _Recorder()
+        # the answers to the forward's branches on the data (_ForwardWatch): given for the next
+        # capture, taken per traced call, and those of a traced call that raised
+        self.assumption_plan: list[bool] = []
+        self.assumptions = _Recorder()
+        self.branch_lines = _Recorder()
+        self.raised_after = _Recorder()
 
     def forward(self, *tensors):
         args, kwargs = self._call.rebuild(tensors)
@@ -476,8 +501,17 @@ class _FlatModule(torch.nn.Module):
         before = _tensor_attributes(module)
         versions = [None if t.is_inference() else t._version for t in tensors]  # inference tensors have none
         tracked = torch.is_grad_enabled()  # (off: no output requires grad, which says nothing)
-        with _ForwardWatch() as watch:
-            out = module(*args, **kwargs)
+        with _ForwardWatch(self.assumption_plan) as watch:
+            try:
+                out = module(*args, **kwargs)
+            except Exception as exc:
+                # a raise of the forward's own code on a path an answer chose (a check, an
+                # assertion): the next capture tries another answer
+                if watch.assumptions and _raised_by_user_code(exc):
+                    self.raised_after.append([answer for _, answer in watch.assumptions])
+                raise
+        self.assumptions.append([answer for _, answer in watch.assumptions])
+        self.branch_lines.append(watch.branch_lines)
         self.written_inputs.append({i for i, (t, v) in enumerate(zip(tensors, versions))
                                     if v is None or t._version != v})  # (None: the graph decides)
         if watch.hidden:
@@ -507,7 +541,8 @@ class _FlatModule(torch.nn.Module):
                                                         f"{list(t.shape)}") for t in foreign)
         # then the call's own tensors: one the forward changed in place comes out changed
         return (*[leaf for leaf in leaves if isinstance(leaf, torch.Tensor)],
-                *[_state_tensor(module, n) for n in self._buffer_names], *tensors)
+                *[_state_tensor(module, n) for n in self._buffer_names], *tensors,
+                *[tensor.reshape(()).to(torch.bool) for tensor, _ in watch.assumptions])
 
 
 def _state_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
@@ -543,6 +578,9 @@ class ExportedGraph:
     input_updates: list[int] = field(default_factory=list)
     # the exporter's guards on the symbolic dims (sympy expressions over the input dims' names)
     shape_guards: list = field(default_factory=list)
+    # the answers the capture took for the forward's branches on the data (_ForwardWatch): the
+    # graph's last outputs are those conditions' values, and a call they differ for runs in PyTorch
+    assumptions: tuple[bool, ...] = ()
     _guard_results: dict = field(default_factory=dict, repr=False)
 
     def accepts(self, tensors: Sequence[torch.Tensor]) -> bool:
@@ -716,16 +754,32 @@ def _raising_call(text: str, exc: BaseException) -> str | None:
     return f"at {frame.group(1)}:{frame.group(2)}" + (f": {code}" if code else "")
 
 
+def _user_frame(frames) -> str | None:
+    """"at <file>:<line>: <code>" for the innermost of ``frames`` (``traceback.FrameSummary``s,
+    outermost first) that is neither torch's nor onnxtrain's."""
+    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["onnxtrain"]))
+    user = [f for f in frames if not f.filename.startswith(libraries)]
+    if not user:
+        return None
+    return f"at {user[-1].filename}:{user[-1].lineno}" + (f": {user[-1].line}" if user[-1].line else "")
+
+
+def _raised_by_user_code(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by code that is neither torch's nor onnxtrain's (a ``raise`` or
+    ``assert`` of the model's), not by the capture's machinery."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and _user_frame(frames[-1:]) is not None
+
+
 def _innermost_user_line(exc: BaseException) -> str | None:
     """"at <file>:<line>: <code>" for the innermost frame of ``exc``'s traceback (or its causes')
     that is neither torch's nor onnxtrain's."""
-    libraries = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["onnxtrain"]))
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        user = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(libraries)]
-        if user:
-            return f"at {user[-1].filename}:{user[-1].lineno}" + (f": {user[-1].line}" if user[-1].line else "")
+        where = _user_frame(traceback.extract_tb(exc.__traceback__))
+        if where is not None:
+            return where
         exc = exc.__cause__ or exc.__context__
     return None
 
@@ -933,6 +987,54 @@ def _unchanged(value: ir.Value) -> bool:
     return value.is_graph_input() or value.producer() is None
 
 
+_RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+                         "Bernoulli", "Multinomial"})
+
+
+def _drawn(value: ir.Value) -> bool:
+    """Whether ``value`` is computed from a random draw (a random op upstream, or inside a
+    subgraph upstream)."""
+    seen, pending = {value}, [value]
+    while pending:
+        producer = pending.pop().producer()
+        if producer is None:
+            continue
+        nodes = [producer, *(inner for attr in producer.attributes.values()
+                             if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+                             for graph in (attr.value if attr.type == ir.AttributeType.GRAPHS else [attr.value])
+                             for inner in ir.traversal.RecursiveGraphIterator(graph))]
+        if any(node.op_type in _RANDOM_OPS for node in nodes):
+            return True
+        for read in producer.inputs:
+            if read is not None and read not in seen:
+                seen.add(read)
+                pending.append(read)
+    return False
+
+
+# how many other answers a capture tries for a forward that raised on a path its answers to
+# branches on the data chose (``assert (x >= 0).all()`` raises where the answer is False)
+_ANSWER_RETRIES = 4
+
+
+def _capture_answering(wrapper: _FlatModule, tensors: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
+    """:func:`capture` of ``wrapper``, answering the forward's branches on the data False at
+    first; where the forward then raises (a check's raise, an assertion's failure) the last False
+    answer becomes True and the capture runs again, so the answers are those of the path that
+    does not raise."""
+    for _ in range(_ANSWER_RETRIES):
+        raised = len(wrapper.raised_after)
+        try:
+            return capture(wrapper, tensors, dynamic_shapes)
+        except Exception:
+            if len(wrapper.raised_after) == raised or False not in wrapper.raised_after[-1]:
+                raise
+            answers = wrapper.raised_after[-1]
+            last_false = len(answers) - 1 - answers[::-1].index(False)
+            wrapper.assumption_plan = [*answers[:last_false], True]
+    return capture(wrapper, tensors, dynamic_shapes)
+
+
 def _straight_through(graph: ir.Graph, parameter: ir.Value, changed: ir.Value, outputs: list[ir.Value]) -> None:
     """Where the forward changes a trained parameter in place (under ``torch.no_grad()``, as
     ``nn.Embedding(max_norm=...)`` renormalizes its rows), the ops after the change read
@@ -1020,7 +1122,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         # in the call's grad mode (ORTModule keys graphs on it): with grad, the traced outputs'
         # autograd graph shows which custom Functions the forward runs
         with EXPORT_LOCK, quiet_exporter(), _dynamo_marks_kept(call.tensors):
-            captured = capture(wrapper, tuple(call.tensors), dynamic_shapes)
+            captured = _capture_answering(wrapper, tuple(call.tensors), dynamic_shapes)
             # the forward's no-grad regions stop gradients; but a Function (a reentrant
             # checkpoint) that sets grad mode inside its forward leaves the capture believing grad
             # is still off after it returns, so regions are only cut where none did so
@@ -1097,9 +1199,11 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         graph.inputs.append(value)
         state_names.append(fqn)
 
-    num_user_outputs = len(graph.outputs) - len(buffer_names) - num_user_inputs
+    answers = tuple(wrapper.assumptions[-1]) if wrapper.assumptions else ()
+    num_user_outputs = len(graph.outputs) - len(buffer_names) - num_user_inputs - len(answers)
     buffer_values = graph.outputs[num_user_outputs:num_user_outputs + len(buffer_names)]
-    input_values = graph.outputs[num_user_outputs + len(buffer_names):]
+    input_values = graph.outputs[num_user_outputs + len(buffer_names):len(graph.outputs) - len(answers)]
+    condition_values = graph.outputs[len(graph.outputs) - len(answers):]
     updates = []
     kept = list(graph.outputs[:num_user_outputs])
     trained = {name for name, p in module.named_parameters() if p.requires_grad}
@@ -1118,6 +1222,12 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
             continue
         kept.append(_new_output(graph, value, f"{graph.inputs[position].name}.updated", kept))
         input_updates.append(position)
+    for index, value in enumerate(condition_values):  # last: the branch conditions' values
+        if _drawn(value):  # a call in PyTorch would draw again: the branch's odds would change
+            where = wrapper.branch_lines[-1][index]
+            raise ExportError(f"{type(module).__name__}'s forward branches on a random draw{' ' + where if where else ''}: "
+                              f"a graph takes one branch, and a call sent to PyTorch for the other would draw again")
+        kept.append(_new_output(graph, value, f"branch_condition_{index}", kept))
     if not kept:
         leaves = ", ".join(type(leaf).__name__ for leaf in traced_output.leaves) or "nothing"
         raise ExportError(f"{type(module).__name__} returns no tensor ({leaves}) and changes no buffer or argument "
@@ -1139,4 +1249,5 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         exported=exported_copy,
         traced_grads=frozenset(positions_requiring_grad([*call.tensors, *(state[name] for name in state_names)])),
         shape_guards=guards,
+        assumptions=answers,
     )

@@ -20,7 +20,7 @@ import onnxruntime as ort
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from onnxtrain.errors import ExportError, OnnxTrainError
+from onnxtrain.errors import ExportError, OnnxTrainError, RunError
 from onnxtrain.ir import io
 from onnxtrain.logs import LogLevel, as_log_level
 from onnxtrain.passes import pipeline
@@ -507,6 +507,7 @@ class ORTModule(ModuleWrapper):
         # keyed on the call's schema, the autocast state (see _autocast) and grad mode
         self._variants: dict[tuple[CallSchema, tuple | None, bool], list[_Variant]] = {}
         self._fallback_reason: str | None = None
+        self._warned_off_branch = False  # a call left the branches on the data its graph took
         if environment.force_torch:
             self._fall_back(ExportError(f"{FALLBACK_POLICY_ENV}={os.environ[FALLBACK_POLICY_ENV]!r} asks for "
                                         f"PyTorch's forward and backward"), stacklevel=2)
@@ -619,8 +620,21 @@ class ORTModule(ModuleWrapper):
             result = module(*args, **kwargs)
             self._fall_back(exc)
             return result
-        outputs = ORTFunction.apply(runner, *inputs) if training else runner.run(inputs)
         graph = variant.graph
+        try:
+            outputs = ORTFunction.apply(runner, *inputs) if training else runner.run(inputs)
+        except RunError:
+            if not graph.assumptions:
+                raise
+            # values a check would have refused (a label out of range) may fail the run first
+            self._off_the_traced_branches(module, "onnxruntime failed this call, whose values may take another")
+            return module(*args, **kwargs)
+        if graph.assumptions and any(bool(value) != answer for value, answer in
+                                     zip(outputs[len(outputs) - len(graph.assumptions):], graph.assumptions)):
+            # the forward branches on the data, and this call's data takes a branch the graph was
+            # not traced along (a check that raises, a rare path): PyTorch runs it, as written
+            self._off_the_traced_branches(module, "this call's values take another")
+            return module(*args, **kwargs)
         with torch.no_grad():
             updates = iter(outputs[graph.num_user_outputs:])
             for name, value in zip(graph.buffer_updates, updates):
@@ -634,6 +648,18 @@ class ORTModule(ModuleWrapper):
                 target = call.tensors[position]
                 target.copy_(torch.view_as_complex(value) if target.is_complex() and not value.is_complex() else value)
         return graph.rebuild_output(outputs[:graph.num_user_outputs])
+
+    def _off_the_traced_branches(self, module, how: str) -> None:
+        """Say (once per ORTModule) that a call left the branches on the data its graph was
+        traced along (``how``), so that it runs in PyTorch; with ``fallback=False``, raise instead."""
+        reason = (f"{type(module).__name__}'s forward branches on the data (an `if` on a tensor's value), and {how} "
+                  f"branch than its graph was traced along")
+        if not self._debug.fallback:
+            raise ExportError(reason)
+        if not self._warned_off_branch:
+            self._warned_off_branch = True
+            warnings.warn(f"ORTModule runs this call in PyTorch: {reason}; calls along the traced branches still "
+                          f"run in ONNX Runtime", ORTModuleFallbackWarning, stacklevel=3)
 
     def _in_pytorch_this_time(self, module, args, kwargs, how: str, others: str):
         """A call ``how`` (inside a torch.func transform, whose tensors are the transform's

@@ -1,0 +1,110 @@
+"""Forwards that branch on their data (``if labels.max() >= vocab: raise ...``, ``assert
+(x > 0).all()``, ``if mask.any(): ...``) train in ONNX Runtime along the branches a call's data
+takes, instead of failing the export (the capture cannot know a traced tensor's truth).
+
+The capture answers each ``bool(tensor)`` False, or True where False led to a raise (a failed
+assertion), and the graph computes each condition as an extra output. A call whose conditions
+differ from the answers runs in PyTorch, as written: a check raises as in eager, a rare branch
+computes what eager computes."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.errors import ExportError  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
+
+from ._parity import eager_and_wrapped  # noqa: E402
+
+
+class CheckedLabels(torch.nn.Module):
+    """A classification head that checks its labels as Hugging Face's CTC heads do."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        self.classes = classes
+        self.linear = torch.nn.Linear(6, classes)
+
+    def forward(self, x, labels):
+        if labels.max() >= self.classes:
+            raise ValueError(f"Label values must be < vocab_size: {self.classes}")
+        assert (labels >= 0).all(), "negative labels"
+        return torch.nn.functional.cross_entropy(self.linear(x), labels)
+
+
+class DataBranch(torch.nn.Module):
+    """Two computations, chosen by the sign of the input's sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return torch.tanh(self.first(x))
+        return self.second(x) * 2.0
+
+
+def _step(model, *args):
+    model.zero_grad()
+    out = model(*args)
+    out.square().sum().backward()
+    return out.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(ours, theirs):
+    torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
+    for grad, expected in zip(ours[1], theirs[1], strict=True):
+        assert (grad is None) == (expected is None)
+        if grad is not None:
+            torch.testing.assert_close(grad, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_checks_that_pass_train_in_onnx_runtime_and_failing_ones_raise_as_in_eager():
+    eager, wrapped = eager_and_wrapped(CheckedLabels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for _ in range(3):
+            x, labels = torch.randn(8, 6), torch.randint(0, 5, (8,))
+            _assert_same(_step(wrapped, x, labels), _step(eager, x, labels))
+    assert wrapped.export_count == 1 and wrapped.fallback_reason is None
+    # the assertion's answer is True (False raised while capturing), the check's False
+    graph = next(iter(wrapped._variants.values()))[0].graph
+    assert graph.assumptions == (False, True)
+    x = torch.randn(8, 6)
+    with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"), \
+            pytest.raises(ValueError, match="Label values must be < vocab_size"):
+        wrapped(x, torch.tensor([0, 1, 2, 3, 4, 5, 0, 1]))
+    with pytest.raises(AssertionError, match="negative labels"):
+        wrapped(x, torch.tensor([0, 1, 2, -1, 4, 3, 0, 1]))
+    _assert_same(_step(wrapped, x, torch.arange(8) % 5), _step(eager, x, torch.arange(8) % 5))  # still in ORT
+    assert wrapped.fallback_reason is None and wrapped.export_count == 1
+
+
+def test_a_branch_on_the_data_computes_what_eager_computes_either_way():
+    eager, wrapped = eager_and_wrapped(DataBranch)
+    negative, positive = -torch.rand(5, 4), torch.rand(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        _assert_same(_step(wrapped, negative), _step(eager, negative))  # the traced branch (answer False)
+    with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
+        _assert_same(_step(wrapped, positive), _step(eager, positive))  # the other one: in PyTorch
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)  # said once
+        _assert_same(_step(wrapped, positive), _step(eager, positive))
+        _assert_same(_step(wrapped, negative), _step(eager, negative))
+    with torch.no_grad():  # inference calls check their branches too
+        torch.testing.assert_close(wrapped(positive), eager(positive))
+        torch.testing.assert_close(wrapped(negative), eager(negative))
+    assert wrapped.export_count == 2 and wrapped.fallback_reason is None  # one per grad mode
+
+
+def test_without_fallback_a_call_off_the_traced_branches_raises():
+    wrapped = ORTModule(DataBranch(), DebugOptions(fallback=False))
+    wrapped(-torch.rand(5, 4))
+    with pytest.raises(ExportError, match="branches on the data"):
+        wrapped(torch.rand(5, 4))

@@ -17,7 +17,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModuleFallbackWarning  # noqa: E402
+
+from ._parity import eager_and_wrapped  # noqa: E402
 
 
 class SpectralConv2d(torch.nn.Module):
@@ -105,10 +107,7 @@ def _step(model, args):
     (SpectrumAverage, lambda: (torch.randn(3, 8),)),
 ], ids=["fno_spectral_conv", "assignments", "complex_arguments", "complex_buffer"])
 def test_complex_tensors_train_in_onnx_runtime_as_in_eager(factory, make_args):
-    torch.manual_seed(0)
-    eager = factory()
-    wrapped = ORTModule(factory(), DebugOptions(fallback=False))
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = eager_and_wrapped(factory, debug_options=DebugOptions(fallback=False))
     for _ in range(3):
         args = make_args()
         copies = [a.clone() for a in args]

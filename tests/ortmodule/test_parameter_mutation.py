@@ -15,6 +15,8 @@ torch = pytest.importorskip("torch")
 
 from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
 
+from ._parity import eager_and_wrapped  # noqa: E402
+
 
 class MaxNormEmbedding(torch.nn.Module):
     def __init__(self, bag=False):
@@ -81,10 +83,7 @@ def _train(model, batches):
     (ClampedThroughData, [torch.randn(5, 4) for _ in range(3)]),
 ], ids=["embedding_max_norm", "embedding_bag_max_norm", "clipped_in_forward", "clamped_through_data"])
 def test_a_parameter_changed_in_the_forward_trains_as_in_eager(factory, batches):
-    torch.manual_seed(0)
-    eager = factory()
-    wrapped = ORTModule(factory(), DebugOptions(fallback=False))
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = eager_and_wrapped(factory, debug_options=DebugOptions(fallback=False))
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
         got = _train(wrapped, batches)

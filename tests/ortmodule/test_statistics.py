@@ -14,6 +14,8 @@ torch = pytest.importorskip("torch")
 
 from onnxtrain.torch import DebugOptions, ORTModule, ORTModuleFallbackWarning  # noqa: E402
 
+from ._parity import eager_and_wrapped  # noqa: E402
+
 
 class Decorrelation(torch.nn.Module):
     """A VICReg-style loss of a projection's features: variance, off-diagonal covariance and
@@ -54,10 +56,7 @@ def _run(model, x):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_statistics_train_in_onnx_runtime_as_in_pytorch(case):
-    torch.manual_seed(0)
-    eager = Decorrelation(CASES[case])
-    wrapped = ORTModule(Decorrelation(CASES[case]), DebugOptions(fallback=False))
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = eager_and_wrapped(lambda: Decorrelation(CASES[case]), debug_options=DebugOptions(fallback=False))
     x = torch.randn(8, 6)
     expected, expected_grads = _run(eager, x)
     got, grads = _run(wrapped, x)
@@ -68,10 +67,7 @@ def test_statistics_train_in_onnx_runtime_as_in_pytorch(case):
 
 def test_a_single_observation_gives_pytorchs_non_finite_values():
     # the factor N - 1 is 0: PyTorch warns and divides by it
-    torch.manual_seed(0)
-    eager = Decorrelation(CASES["cov"])
-    wrapped = ORTModule(Decorrelation(CASES["cov"]), DebugOptions(fallback=False))
-    wrapped.module.load_state_dict(eager.state_dict())
+    eager, wrapped = eager_and_wrapped(lambda: Decorrelation(CASES["cov"]), debug_options=DebugOptions(fallback=False))
     x = torch.randn(1, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # PyTorch's "degrees of freedom is <= 0"

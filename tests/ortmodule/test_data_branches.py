@@ -49,6 +49,22 @@ class DataBranch(torch.nn.Module):
         return self.second(x) * 2.0
 
 
+class GlobalTokens(torch.nn.Module):
+    """Longformer's test: extra work only where some token is marked global (``.item()`` of a
+    boolean tensor, a Python bool)."""
+
+    def __init__(self):
+        super().__init__()
+        self.local, self.extra = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, marks):
+        out = self.local(x)
+        is_global = (marks > 0).flatten().any().item()
+        if is_global:
+            out = out + self.extra(x) * marks.unsqueeze(-1)
+        return out
+
+
 def _step(model, *args):
     model.zero_grad()
     out = model(*args)
@@ -108,3 +124,14 @@ def test_without_fallback_a_call_off_the_traced_branches_raises():
     wrapped(-torch.rand(5, 4))
     with pytest.raises(ExportError, match="branches on the data"):
         wrapped(torch.rand(5, 4))
+
+
+def test_a_boolean_read_with_item_is_answered_too():
+    eager, wrapped = eager_and_wrapped(GlobalTokens)
+    x, none, some = torch.randn(2, 5, 4), torch.zeros(2, 5), torch.tensor([[1.0, 0, 0, 0, 0], [0, 0, 1, 0, 0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        _assert_same(_step(wrapped, x, none), _step(eager, x, none))
+    with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
+        _assert_same(_step(wrapped, x, some), _step(eager, x, some))
+    assert wrapped.fallback_reason is None and wrapped.export_count == 1

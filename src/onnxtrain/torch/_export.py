@@ -424,7 +424,8 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
     forward runs (a physics-informed network's derivatives), which the capture cannot trace.
 
     Branches on the data: ``if labels.max() >= vocab: raise ...`` asks for the truth of a traced
-    one-element tensor, which the capture cannot know. Each such ``bool(tensor)`` is answered
+    one-element tensor, which the capture cannot know. Each such ``bool(tensor)`` (or ``.item()``
+    of a boolean one: ``if mask.any().item():``) is answered
     from ``plan`` (False where it says nothing) and kept in ``assumptions`` as (tensor, answer):
     the graph computes each tensor as an extra output, and a call whose values differ from the
     answers runs in PyTorch instead (``ExportedGraph.assumptions``)."""
@@ -448,7 +449,8 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
             self.tensor_hooks.append(getattr(hook, "__qualname__", None) or type(hook).__name__)
         elif func is torch.autograd.grad or func is torch.Tensor.backward:
             self.gradient_calls.append("torch.autograd.grad" if func is torch.autograd.grad else "Tensor.backward")
-        elif func is torch.Tensor.__bool__ and _depends_on_data(args[0]):
+        elif (func is torch.Tensor.__bool__ or func is torch.Tensor.item and args[0].dtype == torch.bool) \
+                and _depends_on_data(args[0]):
             answer = self.plan[len(self.assumptions)] if len(self.assumptions) < len(self.plan) else False
             self.assumptions.append((args[0], answer))
             self.branch_lines.append(_user_frame(traceback.extract_stack()) or "")

@@ -110,3 +110,28 @@ def test_an_inference_call_changes_the_parameter_too():
     torch.testing.assert_close(wrapped.module.embedding.weight, eager.embedding.weight)
     norms = wrapped.module.embedding.weight.norm(dim=1)
     assert torch.all(norms[[1, 2, 3]] <= 1.0 + 1e-6) and torch.all(norms[[0, 4]] > 1.0)
+
+
+class SetsWithoutReading(torch.nn.Module):
+    """Sets a trained parameter it never reads (a running mean kept as a parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3)
+        self.center = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        y = self.linear(x)
+        with torch.no_grad():
+            self.center.copy_(y.mean(0))
+        return y
+
+
+def test_a_parameter_set_but_not_read_comes_back_without_gradient():
+    eager, wrapped = eager_and_wrapped(SetsWithoutReading, debug_options=DebugOptions(fallback=False))
+    x = torch.randn(5, 4)
+    for model in (eager, wrapped):
+        model(x).square().sum().backward()
+    torch.testing.assert_close(wrapped.module.center, eager.center)
+    assert wrapped.module.center.grad is None and eager.center.grad is None
+    torch.testing.assert_close(wrapped.module.linear.weight.grad, eager.linear.weight.grad)

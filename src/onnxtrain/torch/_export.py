@@ -1212,7 +1212,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
     for name, value in zip(buffer_names, buffer_values):
         if _unchanged(value):
             continue  # the forward did not change this buffer
-        if name in trained:
+        if name in trained and name in state_names:  # (one the graph never reads gets no gradient)
             _straight_through(graph, graph.inputs[num_user_inputs + state_names.index(name)], value, kept)
         kept.append(_new_output(graph, value, f"{name}.updated", kept))
         updates.append(name)

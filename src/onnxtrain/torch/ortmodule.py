@@ -535,6 +535,8 @@ class ORTModule(ModuleWrapper):
         self.__dict__.setdefault("_unwatched_attributes", set())
         # pickled before ORTModule looked for custom autograd Functions
         self.__dict__.setdefault("_inline_functions", frozenset())
+        # pickled before ORTModule answered branches on the data
+        self.__dict__.setdefault("_warned_off_branch", False)
         self.__dict__["_building"] = threading.RLock()
         self.__dict__["_wrapper_ready"] = True
 
@@ -624,7 +626,7 @@ class ORTModule(ModuleWrapper):
         try:
             outputs = ORTFunction.apply(runner, *inputs) if training else runner.run(inputs)
         except RunError:
-            if not graph.assumptions:
+            if not graph.assumptions or not self._debug.fallback:  # (without fallback: the run's own error)
                 raise
             # values a check would have refused (a label out of range) may fail the run first
             self._off_the_traced_branches(module, "onnxruntime failed this call, whose values may take another")

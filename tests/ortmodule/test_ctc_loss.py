@@ -107,3 +107,40 @@ def test_the_capture_form_matches_pytorch_in_double():
     single = log_probs[:, 0].detach()
     torch.testing.assert_close(ctc_loss(single, targets[0, :3], (15,), (3,)),
                                F.ctc_loss(single, targets[0, :3], (15,), (3,)))
+
+
+def _hugging_face_ctc_step(model, inputs, labels):
+    model.zero_grad()
+    loss = model(input_values=inputs, labels=labels).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_a_hugging_face_ctc_head_trains_in_onnx_runtime():
+    """Wav2Vec2ForCTC (HuBERT, WavLM, ... share its loss): its label check branches on the data and
+    its loss concatenates the labels with ``masked_select`` (a length that depends on their
+    values); both made it run in PyTorch. The capture answers the check and pads the targets."""
+    transformers = pytest.importorskip("transformers")
+    from ._parity import eager_and_wrapped
+
+    config = transformers.Wav2Vec2Config(
+        vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=2, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0)
+    eager, wrapped = eager_and_wrapped(lambda: transformers.Wav2Vec2ForCTC(config),
+                                       debug_options=DebugOptions(fallback=False))
+    eager.train()
+    wrapped.train()
+    for _ in range(2):
+        inputs, labels = torch.randn(2, 1600), torch.randint(1, 12, (2, 5))
+        labels[1, 3:] = -100  # padding
+        labels[0, 2] = 0  # a blank among the labels: dropped, as masked_select drops it
+        loss, grads = _hugging_face_ctc_step(wrapped, inputs, labels)
+        expected, expected_grads = _hugging_face_ctc_step(eager, inputs, labels)
+        torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in grads.items():  # (sums over ~100 units of loss: rounding relative to the largest)
+            scale = float(expected_grads[name].abs().max())
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5 + 1e-4 * scale)
+    assert wrapped.export_count == 1

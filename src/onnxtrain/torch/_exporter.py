@@ -388,6 +388,42 @@ def _ctc_loss_scanned():
         yield
 
 
+def _hugging_face_ctc_loss(logits, labels, logit_lengths, blank_token_id: int, reduction: str = "mean",
+                           zero_infinity: bool = False, ignore_index: int = -100, **kwargs):
+    """transformers' ``ForCTCLoss`` (the loss of Wav2Vec2, HuBERT, WavLM, ... ``ForCTC``) with its
+    targets as a padded batch: each row's labels first, in order, then blanks. Its own
+    ``labels.masked_select(mask)`` concatenates them into a tensor whose length depends on the
+    labels' values, which the CTC loss's capture cannot take; PyTorch's loss is the same for both
+    layouts."""
+    labels = labels.to(logits.device)
+    kept = (labels != ignore_index) & (labels != blank_token_id)
+    lengths = kept.sum(-1)
+    order = torch.sort((~kept).to(torch.int8), dim=-1, stable=True).indices  # kept labels first, in order
+    places = torch.arange(labels.shape[-1], device=labels.device)
+    targets = torch.where(places < lengths.unsqueeze(-1), labels.gather(-1, order), blank_token_id)
+    log_probs = torch.nn.functional.log_softmax(logits, dim=-1, dtype=torch.float32).transpose(0, 1)
+    with torch.backends.cudnn.flags(enabled=False):
+        return torch.nn.functional.ctc_loss(log_probs, targets, logit_lengths, lengths, blank=blank_token_id,
+                                            reduction=reduction, zero_infinity=zero_infinity)
+
+
+@contextlib.contextmanager
+def _hugging_face_ctc_padded():
+    """While capturing, transformers' ``ForCTC`` loss (where transformers is imported) is
+    :func:`_hugging_face_ctc_loss`: the ``ForCTC`` heads' training steps run in ONNX Runtime."""
+    loss_utils = sys.modules.get("transformers.loss.loss_utils")
+    mapping = getattr(loss_utils, "LOSS_MAPPING", None)
+    if not isinstance(mapping, dict) or "ForCTC" not in mapping:
+        yield
+        return
+    original = mapping["ForCTC"]
+    mapping["ForCTC"] = _hugging_face_ctc_loss
+    try:
+        yield
+    finally:
+        mapping["ForCTC"] = original
+
+
 def _packed_sequences_padded(module: torch.nn.Module):
     """While capturing, packed sequences stay padded batches (:mod:`onnxtrain.torch._packed`)."""
     from onnxtrain.torch._packed import packed_sequences_padded
@@ -596,7 +632,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
               cumulative_batch_norms(module), _parametrizations_uncached(), statistics_unchecked(), _data_as_detach(),
-              _instance_norms_with_running_statistics(), _complex_assignments_real()):
+              _instance_norms_with_running_statistics(), _complex_assignments_real(), _hugging_face_ctc_padded()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -33,6 +33,7 @@ class CheckedLabels(torch.nn.Module):
         if labels.max() >= self.classes:
             raise ValueError(f"Label values must be < vocab_size: {self.classes}")
         assert (labels >= 0).all(), "negative labels"
+        torch._assert(torch.isfinite(x).all(), "non-finite input")  # (its truth test runs inside torch)
         return torch.nn.functional.cross_entropy(self.linear(x), labels)
 
 
@@ -88,15 +89,17 @@ def test_checks_that_pass_train_in_onnx_runtime_and_failing_ones_raise_as_in_eag
             x, labels = torch.randn(8, 6), torch.randint(0, 5, (8,))
             _assert_same(_step(wrapped, x, labels), _step(eager, x, labels))
     assert wrapped.export_count == 1 and wrapped.fallback_reason is None
-    # the assertion's answer is True (False raised while capturing), the check's False
+    # the assertions' answers are True (False raised while capturing), the check's False
     graph = next(iter(wrapped._variants.values()))[0].graph
-    assert graph.assumptions == (False, True)
+    assert graph.assumptions == (False, True, True)
     x = torch.randn(8, 6)
     with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"), \
             pytest.raises(ValueError, match="Label values must be < vocab_size"):
         wrapped(x, torch.tensor([0, 1, 2, 3, 4, 5, 0, 1]))
     with pytest.raises(AssertionError, match="negative labels"):
         wrapped(x, torch.tensor([0, 1, 2, -1, 4, 3, 0, 1]))
+    with pytest.raises(AssertionError, match="non-finite input"):
+        wrapped(torch.full((8, 6), float("nan")), torch.arange(8) % 5)
     _assert_same(_step(wrapped, x, torch.arange(8) % 5), _step(eager, x, torch.arange(8) % 5))  # still in ORT
     assert wrapped.fallback_reason is None and wrapped.export_count == 1
 

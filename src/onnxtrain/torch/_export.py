@@ -452,10 +452,16 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
         elif (func is torch.Tensor.__bool__ or func is torch.Tensor.item and args[0].dtype == torch.bool) \
                 and _depends_on_data(args[0]):
             answer = self.plan[len(self.assumptions)] if len(self.assumptions) < len(self.plan) else False
-            self.assumptions.append((args[0], answer))
-            self.branch_lines.append(_user_frame(traceback.extract_stack()) or "")
-            return answer
+            return self._answer(args[0], answer)
+        elif func is torch._assert and isinstance(args[0], torch.Tensor) and _depends_on_data(args[0]):
+            self._answer(args[0], True)  # (its own truth test runs where this mode is off: answered here, held)
+            return None
         return func(*args, **(kwargs or {}))
+
+    def _answer(self, condition: torch.Tensor, answer: bool) -> bool:
+        self.assumptions.append((condition, answer))
+        self.branch_lines.append(_user_frame(traceback.extract_stack()) or "")
+        return answer
 
     def __exit__(self, *exc):
         self.hidden |= torch.is_grad_enabled() != self.believed

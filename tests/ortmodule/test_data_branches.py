@@ -104,22 +104,32 @@ def test_checks_that_pass_train_in_onnx_runtime_and_failing_ones_raise_as_in_eag
     assert wrapped.fallback_reason is None and wrapped.export_count == 1
 
 
+def _answers(wrapped) -> list:
+    return [v.graph.assumptions for variants in wrapped._variants.values() for v in variants if not v.unusable]
+
+
 def test_a_branch_on_the_data_computes_what_eager_computes_either_way():
     eager, wrapped = eager_and_wrapped(DataBranch)
     negative, positive = -torch.rand(5, 4), torch.rand(5, 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
         _assert_same(_step(wrapped, negative), _step(eager, negative))  # the traced branch (answer False)
+    assert _answers(wrapped) == [(False,)]
     with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
         _assert_same(_step(wrapped, positive), _step(eager, positive))  # the other one: in PyTorch
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)  # said once
+        # the next call exports along the branch the last one took (once): data that keeps taking
+        # it runs in ONNX Runtime, the other branch's calls in PyTorch from then on
         _assert_same(_step(wrapped, positive), _step(eager, positive))
+        assert _answers(wrapped) == [(True,)] and wrapped.export_count == 2
         _assert_same(_step(wrapped, negative), _step(eager, negative))
+        _assert_same(_step(wrapped, positive), _step(eager, positive))
+    assert wrapped.export_count == 2 and wrapped.fallback_reason is None
     with torch.no_grad():  # inference calls check their branches too
         torch.testing.assert_close(wrapped(positive), eager(positive))
         torch.testing.assert_close(wrapped(negative), eager(negative))
-    assert wrapped.export_count == 2 and wrapped.fallback_reason is None  # one per grad mode
+    assert wrapped.fallback_reason is None
 
 
 def test_without_fallback_a_call_off_the_traced_branches_raises():
@@ -138,3 +148,26 @@ def test_a_boolean_read_with_item_is_answered_too():
     with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
         _assert_same(_step(wrapped, x, some), _step(eager, x, some))
     assert wrapped.fallback_reason is None and wrapped.export_count == 1
+
+
+class HookedBranch(DataBranch):
+    """The positive branch registers a gradient hook (which no graph can run)."""
+
+    def forward(self, x):
+        if x.sum() > 0:
+            h = self.first(x)
+            if h.requires_grad:
+                h.register_hook(lambda grad: grad * 0.5)
+            return torch.tanh(h)
+        return self.second(x) * 2.0
+
+
+def test_a_branch_that_does_not_export_keeps_the_traced_graph():
+    eager, wrapped = eager_and_wrapped(HookedBranch)
+    negative, positive = -torch.rand(5, 4), torch.rand(5, 4)
+    _assert_same(_step(wrapped, negative), _step(eager, negative))
+    with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
+        _assert_same(_step(wrapped, positive), _step(eager, positive))
+    for x in (positive, negative, positive):  # the export along the positive branch fails: calls go on
+        _assert_same(_step(wrapped, x), _step(eager, x))
+    assert wrapped.fallback_reason is None and wrapped.export_count == 1 and _answers(wrapped) == [(False,)]

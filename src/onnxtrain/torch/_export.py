@@ -1094,7 +1094,8 @@ def check_gradient_paths(module: torch.nn.Module, graph: ir.Graph, reached: dict
 
 
 def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = False,
-                dynamic: bool = True, inline_functions: frozenset[type] | bool = frozenset()) -> ExportedGraph:
+                dynamic: bool = True, inline_functions: frozenset[type] | bool = frozenset(),
+                answers: Sequence[bool] = ()) -> ExportedGraph:
     """Export ``module`` called as ``call`` (see the module docstring): with every dim
     ``Dim.AUTO`` (``dynamic``) or with the call's own shapes (a static export traces without
     symbolic shapes: several times faster). ``keep_exported`` keeps a copy of the exporter's own
@@ -1122,6 +1123,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
                if (copied := _copied_object(leaf)) is not leaf}
     traced_call = dataclasses.replace(call, leaves=[objects.get(i, leaf) for i, leaf in enumerate(call.leaves)])
     wrapper = _FlatModule(module, traced_call, buffer_names)
+    wrapper.assumption_plan = list(answers)  # the answers to the forward's branches on the data to try first
     # dims of size 0 or 1 stay static: traced as symbolic they would take the paths of sizes >= 2
     # (backed_size_oblivious), see ExportedGraph.accepts
     dynamic_shapes = (tuple({d: torch.export.Dim.AUTO for d in range(t.dim()) if t.shape[d] >= 2}

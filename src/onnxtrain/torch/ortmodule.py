@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -233,6 +233,10 @@ class _Variant:
     # a dynamic export whose graphs could not be built (an op it has only with symbolic dims):
     # kept (its dynamic_tried steers later exports to static ones) but used for no call
     unusable: bool = False
+    # where a call's data took other branches than the graph's answers (ExportedGraph.assumptions):
+    # the branches' values it saw, for one export along them (``reanswered`` counts those)
+    observed_answers: tuple[bool, ...] | None = None
+    reanswered: int = 0
 
 
 def _hashable(value):
@@ -631,12 +635,18 @@ class ORTModule(ModuleWrapper):
             # values a check would have refused (a label out of range) may fail the run first
             self._off_the_traced_branches(module, "onnxruntime failed this call, whose values may take another")
             return module(*args, **kwargs)
-        if graph.assumptions and any(bool(value) != answer for value, answer in
-                                     zip(outputs[len(outputs) - len(graph.assumptions):], graph.assumptions)):
+        observed = tuple(bool(value) for value in outputs[len(outputs) - len(graph.assumptions):]) \
+            if graph.assumptions else ()
+        if observed != graph.assumptions:
             # the forward branches on the data, and this call's data takes a branch the graph was
-            # not traced along (a check that raises, a rare path): PyTorch runs it, as written
+            # not traced along (a check that raises, a rare path): PyTorch runs it, as written.
+            # Once per graph, the next call exports along the branches this one took (data that
+            # always takes them would otherwise run twice, here and in PyTorch)
             self._off_the_traced_branches(module, "this call's values take another")
-            return module(*args, **kwargs)
+            result = module(*args, **kwargs)  # (a check's branch raises here: nothing to export along)
+            if variant.reanswered == 0 and variant.observed_answers is None:
+                variant.observed_answers, variant.unusable = observed, True
+            return result
         with torch.no_grad():
             updates = iter(outputs[graph.num_user_outputs:])
             for name, value in zip(graph.buffer_updates, updates):
@@ -779,6 +789,18 @@ class ORTModule(ModuleWrapper):
         stale: _Variant | None = None  # a graph for these shapes, exported with other attribute values
         stale_changes: list[AttributeChange] = []
         for variant in variants:
+            if variant.unusable and variant.observed_answers is not None and variant.graph.accepts(call.tensors):
+                # a call took other branches on the data: export along them, once
+                answers, variant.observed_answers = variant.observed_answers, None
+                try:
+                    answered = self._export(call, variants, like=variant, answers=answers)
+                except OnnxTrainError as exc:  # (the other branches do not export: keep this graph)
+                    logger.info("%s does not export along the branches a call took (%s)",
+                                type(self._original_module).__name__, exc)
+                    variant.unusable, variant.reanswered = False, 1
+                    return variant
+                answered.reanswered = variant.reanswered + 1
+                return self._adopt(call, variants, answered, autocast)
             if not variant.unusable and variant.graph.accepts(call.tensors):
                 changes = variant.attributes.changes(self._unwatched_attributes)
                 if not changes:
@@ -789,6 +811,15 @@ class ORTModule(ModuleWrapper):
             self._count_attribute_values(stale_changes)
         began = time.perf_counter()
         variant = self._export(call, variants, like=stale)
+        return self._adopt(call, variants, variant, autocast, stale, stale_changes, began)
+
+    def _adopt(self, call, variants: list[_Variant], variant: _Variant, autocast: tuple[str, str] | None,
+               stale: _Variant | None = None, stale_changes: Sequence[AttributeChange] = (),
+               began: float | None = None) -> _Variant:
+        """Finish a fresh export ``variant`` for ``call`` (its attribute record, mixed precision)
+        and add it to ``variants``; or, where it is the same graph as ``stale``'s (the forward
+        does not read the attributes that changed), keep ``stale``."""
+        began = time.perf_counter() if began is None else began
         variant.attributes = AttributeRecord(self._original_module)
         graph = variant.graph
         self.export_count += 1
@@ -835,15 +866,17 @@ class ORTModule(ModuleWrapper):
         variant.graph.traced_grads = graph.traced_grads
         variant.graph.output = graph.output  # which outputs require grad, now that more inputs do
 
-    def _export(self, call, variants: list[_Variant], like: _Variant | None = None) -> _Variant:
+    def _export(self, call, variants: list[_Variant], like: _Variant | None = None,
+                answers: Sequence[bool] = ()) -> _Variant:
         """Export for a call that none of its schema's ``variants`` accepts. Automatic mode
         (``dynamic=None``): static for the schema's first export; dynamic for the first call
         that needs another shape; static again (one graph per shape) once a dynamic export was
         tried, or when the dynamic export fails. With ``like`` (a graph for the call's shapes
-        whose attribute values changed), shapes as ``like``'s."""
+        whose attribute values changed), shapes as ``like``'s. ``answers``: those to try first for
+        the forward's branches on the data."""
         def export(dynamic: bool) -> ExportedGraph:
             return export_call(self._original_module, call, keep_exported=self._debug.save_onnx, dynamic=dynamic,
-                               inline_functions=self._inline_functions)
+                               inline_functions=self._inline_functions, answers=answers)
 
         if like is not None:
             graph = export(like.dynamic)

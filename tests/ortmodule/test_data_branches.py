@@ -119,8 +119,12 @@ def test_a_branch_on_the_data_computes_what_eager_computes_either_way():
         _assert_same(_step(wrapped, positive), _step(eager, positive))  # the other one: in PyTorch
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)  # said once
-        # the next call exports along the branch the last one took (once): data that keeps taking
-        # it runs in ONNX Runtime, the other branch's calls in PyTorch from then on
+        _assert_same(_step(wrapped, negative), _step(eager, negative))  # back on the traced branch
+        for _ in range(3):
+            _assert_same(_step(wrapped, positive), _step(eager, positive))
+        assert wrapped.export_count == 1
+        # three calls in a row on the other branch: the next call exports along it (once), so
+        # data that keeps taking it runs in ONNX Runtime, the other branch's calls in PyTorch
         _assert_same(_step(wrapped, positive), _step(eager, positive))
         assert _answers(wrapped) == [(True,)] and wrapped.export_count == 2
         _assert_same(_step(wrapped, negative), _step(eager, negative))
@@ -168,6 +172,51 @@ def test_a_branch_that_does_not_export_keeps_the_traced_graph():
     _assert_same(_step(wrapped, negative), _step(eager, negative))
     with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
         _assert_same(_step(wrapped, positive), _step(eager, positive))
-    for x in (positive, negative, positive):  # the export along the positive branch fails: calls go on
+    for x in (positive, positive, positive, negative, positive):  # the export along the positive branch fails
         _assert_same(_step(wrapped, x), _step(eager, x))
     assert wrapped.fallback_reason is None and wrapped.export_count == 1 and _answers(wrapped) == [(False,)]
+
+
+class AdaptiveHead(torch.nn.Module):
+    """A language-model head with an adaptive softmax over 20 classes in three clusters."""
+
+    def __init__(self):
+        super().__init__()
+        self.project = torch.nn.Linear(6, 8)
+        self.adaptive = torch.nn.AdaptiveLogSoftmaxWithLoss(8, 20, [5, 12], div_value=2.0)
+
+    def forward(self, x, target):
+        result = self.adaptive(torch.tanh(self.project(x)), target)
+        return result.output, result.loss
+
+
+def test_an_adaptive_softmax_trains_in_onnx_runtime():
+    """PyTorch picks each cluster's rows (``nonzero``) and skips empty clusters: the capture runs
+    every tail on every row instead, with the same values and gradients; a target out of range
+    raises as in eager."""
+    eager, wrapped = eager_and_wrapped(AdaptiveHead)
+    # every cluster, then the head's only (its tails get no gradient in eager: the call runs in
+    # PyTorch), then every cluster again
+    targets = [torch.tensor([0, 3, 6, 11, 13, 19, 5]), torch.tensor([1, 2, 3, 4, 0, 2, 1]),
+               torch.tensor([4, 7, 12, 0, 18, 6, 2])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for target in targets:
+            x = torch.randn(7, 6)
+            results = []
+            for model in (wrapped, eager):
+                model.zero_grad(set_to_none=True)
+                output, loss = model(x, target)
+                (loss + output.square().sum()).backward()
+                results.append([output.detach(), loss.detach(), *(p.grad for p in model.parameters())])
+            for ours, theirs in zip(*results, strict=True):
+                assert (ours is None) == (theirs is None)
+                if ours is not None:
+                    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    said = [str(w.message) for w in caught if issubclass(w.category, ORTModuleFallbackWarning)]
+    assert len(said) == 1 and "branches on the data" in said[0]  # the head-only batch, in PyTorch
+    assert wrapped.export_count == 1 and wrapped.fallback_reason is None
+    lenient = ORTModule(AdaptiveHead())
+    lenient(torch.randn(7, 6), targets[0])
+    with pytest.warns(ORTModuleFallbackWarning), pytest.raises(RuntimeError, match="Target values should be in"):
+        lenient(torch.randn(7, 6), torch.tensor([0, 1, 2, 3, 4, 5, 20]))

@@ -483,6 +483,60 @@ def projected_lstms_decomposed(module: torch.nn.Module):
     return _forwards_replaced(lstms, _projected_lstm_forward)
 
 
+def _adaptive_softmax_forward(adaptive: torch.nn.AdaptiveLogSoftmaxWithLoss, input_: torch.Tensor,
+                              target_: torch.Tensor):
+    """``nn.AdaptiveLogSoftmaxWithLoss.forward`` without its branches on the data: PyTorch picks
+    each cluster's rows (``nonzero``, a size the capture cannot know) and runs the cluster's
+    tail on them only; here every tail runs on every row and each row keeps its own cluster's
+    log-probability (``where``): the same values and gradients. Whether a cluster has rows at
+    all, and whether a target is out of range, are branches on the data, which the capture
+    answers: a batch without some cluster's targets runs in PyTorch (whose tail then gets no
+    gradient, as eager leaves it), an out-of-range target raises as PyTorch's does."""
+    if target_.dim() == 1:
+        if input_.size(0) != target_.size(0):
+            raise RuntimeError("Input and target should have the same size in the batch dimension.")
+        if input_.dim() != 2:
+            raise RuntimeError("1D target tensor expects 2D input tensors, but found inputs with size",
+                               input_.size())
+    elif target_.dim() == 0:
+        if input_.dim() != 1:
+            raise RuntimeError("0D target tensor expects 1D input tensors, but found inputs with size",
+                               input_.size())
+    else:
+        raise RuntimeError("0D or 1D target tensor expected, multi-target not supported")
+    batched = target_.dim() > 0
+    input = input_ if batched else input_.unsqueeze(0)
+    target = target_ if batched else target_.unsqueeze(0)
+    if ((target < 0) | (target >= adaptive.n_classes)).any():
+        raise RuntimeError(f"Target values should be in [0, {adaptive.n_classes - 1}], but values in range "
+                           f"[{target.min().item()}, {target.max().item()}] were found. ")
+    output = input.new_zeros(target.shape[0])
+    gather_inds = target
+    bounds = [0, *adaptive.cutoffs]
+    for i in range(1, len(bounds) - 1):
+        low, high = bounds[i], bounds[i + 1]
+        in_cluster = (target >= low) & (target < high)
+        if (~in_cluster).all():  # (answered no: a batch without this cluster's targets runs in PyTorch,
+            continue             # whose tail then gets no gradient)
+        cluster_logprob = torch.nn.functional.log_softmax(adaptive.tail[i - 1](input), dim=1)
+        relative = (target - low).clamp(0, high - low - 1)
+        output = torch.where(in_cluster, cluster_logprob.gather(1, relative.unsqueeze(1)).squeeze(1), output)
+        gather_inds = torch.where(in_cluster, adaptive.shortlist_size + i - 1, gather_inds)
+    head_logprob = torch.nn.functional.log_softmax(adaptive.head(input), dim=1)
+    output = output + head_logprob.gather(1, gather_inds.unsqueeze(1)).squeeze(1)
+    loss = (-output).mean()
+    if not batched:
+        output = output.squeeze(0)
+    return torch.nn.modules.adaptive._ASMoutput(output, loss)
+
+
+def adaptive_softmaxes_dense(module: torch.nn.Module):
+    """While capturing: every ``nn.AdaptiveLogSoftmaxWithLoss`` of ``module`` computes its
+    forward by :func:`_adaptive_softmax_forward`."""
+    adaptives = [sub for sub in module.modules() if isinstance(sub, torch.nn.AdaptiveLogSoftmaxWithLoss)]
+    return _forwards_replaced(adaptives, _adaptive_softmax_forward)
+
+
 def _cumulative_batch_norm_forward(norm: torch.nn.modules.batchnorm._BatchNorm, input: torch.Tensor) -> torch.Tensor:
     """``norm(input)`` in training with ``momentum=None`` (the cumulative moving average that
     ``torch.optim.swa_utils.update_bn`` asks for): PyTorch computes the factor
@@ -631,7 +685,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
-              cumulative_batch_norms(module), _parametrizations_uncached(), statistics_unchecked(), _data_as_detach(),
+              cumulative_batch_norms(module), adaptive_softmaxes_dense(module), _parametrizations_uncached(), statistics_unchecked(), _data_as_detach(),
               _instance_norms_with_running_statistics(), _complex_assignments_real(), _hugging_face_ctc_padded()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)

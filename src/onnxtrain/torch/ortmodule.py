@@ -217,6 +217,11 @@ class DebugOptions:
         return Path(self.save_path if self.save_path is not None else ".")
 
 
+# calls in a row that take the same other branches on the data than a graph was traced along
+# before the next call exports along them (once per graph): a rare batch does not turn the graph
+_OFF_BRANCH_STREAK = 3
+
+
 @dataclass
 class _Variant:
     """One export of the module and the sessions built from it."""
@@ -233,8 +238,10 @@ class _Variant:
     # a dynamic export whose graphs could not be built (an op it has only with symbolic dims):
     # kept (its dynamic_tried steers later exports to static ones) but used for no call
     unusable: bool = False
-    # where a call's data took other branches than the graph's answers (ExportedGraph.assumptions):
-    # the branches' values it saw, for one export along them (``reanswered`` counts those)
+    # where calls' data took other branches than the graph's answers (ExportedGraph.assumptions):
+    # the branches' values the last ones saw, how many calls in a row saw them, and those to
+    # export along (once: ``reanswered`` counts such exports)
+    off_branch: tuple[tuple[bool, ...], int] = ((), 0)
     observed_answers: tuple[bool, ...] | None = None
     reanswered: int = 0
 
@@ -644,9 +651,14 @@ class ORTModule(ModuleWrapper):
             # always takes them would otherwise run twice, here and in PyTorch)
             self._off_the_traced_branches(module, "this call's values take another")
             result = module(*args, **kwargs)  # (a check's branch raises here: nothing to export along)
-            if variant.reanswered == 0 and variant.observed_answers is None:
+            seen, streak = variant.off_branch
+            variant.off_branch = (observed, streak + 1 if seen == observed else 1)
+            if variant.off_branch[1] >= _OFF_BRANCH_STREAK and variant.reanswered == 0 \
+                    and variant.observed_answers is None:
                 variant.observed_answers, variant.unusable = observed, True
             return result
+        if graph.assumptions:
+            variant.off_branch = ((), 0)
         with torch.no_grad():
             updates = iter(outputs[graph.num_user_outputs:])
             for name, value in zip(graph.buffer_updates, updates):

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor
 
 # the default ONNX domain's two spellings
 ONNX_DOMAINS = ("", "ai.onnx")
+# ops that draw random numbers: another value on every run
+RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+                        "Bernoulli", "Multinomial"})
 # Ops whose outputs' element type is not that of their first input.
 _INT64_OUTPUT_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
 _BOOL_OUTPUT_OPS = frozenset(
@@ -128,3 +133,19 @@ def node_reads(node: ir.Node) -> list[ir.Value]:
     if not has_subgraphs(node):
         return inputs
     return list(dict.fromkeys([*inputs, *captured_values(node)]))
+
+
+def upstream_nodes(value: ir.Value) -> Iterator[ir.Node]:
+    """The nodes ``value`` is computed from (its producer, theirs, ..., through what their
+    subgraphs capture too), each once, nearest first along each path."""
+    seen_values, seen_nodes, pending = {value}, set(), [value]
+    while pending:
+        producer = pending.pop().producer()
+        if producer is None or producer in seen_nodes:
+            continue
+        seen_nodes.add(producer)
+        yield producer
+        for read in node_reads(producer):
+            if read not in seen_values:
+                seen_values.add(read)
+                pending.append(read)

@@ -8,6 +8,7 @@ import onnx_ir as ir
 from onnxscript.optimizer import fold_constants
 
 from onnxtrain import names
+from onnxtrain.ir.nodes import RANDOM_OPS
 
 logger = logging.getLogger(__name__)
 
@@ -15,8 +16,7 @@ logger = logging.getLogger(__name__)
 # initializer, and the folder cannot fold TopK's two outputs (for both it would only log a
 # warning that it skips them: an embedding's gradient sorts its indices with a TopK, constant
 # for a position embedding). onnxruntime folds such a TopK when it creates the session.
-_NEVER_FOLD = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-                         "Multinomial", "Bernoulli", "SequenceEmpty", "TopK"})
+_NEVER_FOLD = RANDOM_OPS | {"SequenceEmpty", "TopK"}
 
 
 # what a stop-gradient Identity is called while the folder runs: the folder forwards every

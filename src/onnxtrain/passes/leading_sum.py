@@ -27,7 +27,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import replace_nodes_and_values
 
-from onnxtrain.ir.nodes import NewNodes, constant_axes, is_onnx_op
+from onnxtrain.ir.nodes import NewNodes, constant_axes, is_onnx_op, node_reads, upstream_nodes
 from onnxtrain.passes.rewrite import NodeRewritePass
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.DOUBLE)
@@ -103,21 +103,10 @@ def _rewrite(graph: ir.Graph, node: ir.Node, k: int, rows: int | None, cols: int
 
 
 def _inputs_upstream(value: ir.Value) -> list[ir.Value]:
-    """The graph inputs ``value`` is computed from, in the graph's input order."""
-    found, seen, pending = set(), {value}, [value]
-    while pending:
-        current = pending.pop()
-        producer = current.producer()
-        if producer is None:
-            if current.is_graph_input():
-                found.add(current)
-            continue
-        for read in producer.inputs:
-            if read is not None and read not in seen:
-                seen.add(read)
-                pending.append(read)
+    """The graph inputs ``value`` is computed from (or is), in the graph's input order."""
+    reads = {value, *(read for node in upstream_nodes(value) for read in node_reads(node))}
     graph = value.graph
-    return [v for v in graph.inputs if v in found] if graph is not None else []
+    return [v for v in graph.inputs if v in reads] if graph is not None else []
 
 
 def _dims_from_graph_inputs(inputs: list[ir.Value], lead: list, add, ints) -> ir.Value | None:

@@ -29,14 +29,12 @@ from dataclasses import dataclass
 import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor
 
+from onnxtrain.ir.nodes import RANDOM_OPS
 from onnxtrain.passes.memory import ValueSizes
 
 # Never recomputed: a random op would draw a new sample (its mask is saved instead), and
 # control flow is not worth costing.
-NEVER_RECOMPUTED = frozenset({
-    "Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
-    "Multinomial", "If", "Loop", "Scan", "SequenceMap",
-})
+NEVER_RECOMPUTED = RANDOM_OPS | {"If", "Loop", "Scan", "SequenceMap"}
 
 # Normalizations start a layer: their input (the residual stream of a transformer, a block's
 # output in a CNN) is what layer-wise recompute saves. Recomputing it instead would chain the

@@ -59,6 +59,7 @@ from torch.utils.checkpoint import CheckpointFunction
 
 from onnxtrain.autodiff.builder import inputs_with_gradient
 from onnxtrain.errors import ExportError, InputMismatchError
+from onnxtrain.ir.nodes import RANDOM_OPS, subgraphs, upstream_nodes
 from onnxtrain.names import STOP_GRADIENT_METADATA
 from onnxtrain.passes import pipeline
 from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program, has_checkpoint_region,
@@ -995,29 +996,12 @@ def _unchanged(value: ir.Value) -> bool:
     return value.is_graph_input() or value.producer() is None
 
 
-_RANDOM_OPS = frozenset({"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
-                         "Bernoulli", "Multinomial"})
-
-
 def _drawn(value: ir.Value) -> bool:
     """Whether ``value`` is computed from a random draw (a random op upstream, or inside a
     subgraph upstream)."""
-    seen, pending = {value}, [value]
-    while pending:
-        producer = pending.pop().producer()
-        if producer is None:
-            continue
-        nodes = [producer, *(inner for attr in producer.attributes.values()
-                             if attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-                             for graph in (attr.value if attr.type == ir.AttributeType.GRAPHS else [attr.value])
-                             for inner in ir.traversal.RecursiveGraphIterator(graph))]
-        if any(node.op_type in _RANDOM_OPS for node in nodes):
-            return True
-        for read in producer.inputs:
-            if read is not None and read not in seen:
-                seen.add(read)
-                pending.append(read)
-    return False
+    return any(node.op_type in RANDOM_OPS or any(inner.op_type in RANDOM_OPS for graph in subgraphs(node)
+                                                 for inner in ir.traversal.RecursiveGraphIterator(graph))
+               for node in upstream_nodes(value))
 
 
 # how many other answers a capture tries for a forward that raised on a path its answers to

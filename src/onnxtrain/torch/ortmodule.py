@@ -239,11 +239,11 @@ class _Variant:
     # kept (its dynamic_tried steers later exports to static ones) but used for no call
     unusable: bool = False
     # where calls' data took other branches than the graph's answers (ExportedGraph.assumptions):
-    # the branches' values the last ones saw, how many calls in a row saw them, and those to
-    # export along (once: ``reanswered`` counts such exports)
+    # the branches' values the last ones saw and how many calls in a row saw them, those to
+    # export along next, and whether this graph came from (or already tried) such an export
     off_branch: tuple[tuple[bool, ...], int] = ((), 0)
     observed_answers: tuple[bool, ...] | None = None
-    reanswered: int = 0
+    reanswered: bool = False
 
 
 def _hashable(value):
@@ -653,8 +653,7 @@ class ORTModule(ModuleWrapper):
             result = module(*args, **kwargs)  # (a check's branch raises here: nothing to export along)
             seen, streak = variant.off_branch
             variant.off_branch = (observed, streak + 1 if seen == observed else 1)
-            if variant.off_branch[1] >= _OFF_BRANCH_STREAK and variant.reanswered == 0 \
-                    and variant.observed_answers is None:
+            if variant.off_branch[1] >= _OFF_BRANCH_STREAK and not variant.reanswered:
                 variant.observed_answers, variant.unusable = observed, True
             return result
         if graph.assumptions:
@@ -803,16 +802,17 @@ class ORTModule(ModuleWrapper):
         for variant in variants:
             if variant.unusable and variant.observed_answers is not None and variant.graph.accepts(call.tensors):
                 # a call took other branches on the data: export along them, once
-                answers, variant.observed_answers = variant.observed_answers, None
+                answers, variant.observed_answers, variant.reanswered = variant.observed_answers, None, True
+                began = time.perf_counter()
                 try:
                     answered = self._export(call, variants, like=variant, answers=answers)
                 except OnnxTrainError as exc:  # (the other branches do not export: keep this graph)
                     logger.info("%s does not export along the branches a call took (%s)",
                                 type(self._original_module).__name__, exc)
-                    variant.unusable, variant.reanswered = False, 1
+                    variant.unusable = False
                     return variant
-                answered.reanswered = variant.reanswered + 1
-                return self._adopt(call, variants, answered, autocast)
+                answered.reanswered = True
+                return self._adopt(call, variants, answered, autocast, began=began)
             if not variant.unusable and variant.graph.accepts(call.tensors):
                 changes = variant.attributes.changes(self._unwatched_attributes)
                 if not changes:
@@ -823,15 +823,14 @@ class ORTModule(ModuleWrapper):
             self._count_attribute_values(stale_changes)
         began = time.perf_counter()
         variant = self._export(call, variants, like=stale)
-        return self._adopt(call, variants, variant, autocast, stale, stale_changes, began)
+        return self._adopt(call, variants, variant, autocast, stale, stale_changes, began=began)
 
     def _adopt(self, call, variants: list[_Variant], variant: _Variant, autocast: tuple[str, str] | None,
-               stale: _Variant | None = None, stale_changes: Sequence[AttributeChange] = (),
-               began: float | None = None) -> _Variant:
-        """Finish a fresh export ``variant`` for ``call`` (its attribute record, mixed precision)
-        and add it to ``variants``; or, where it is the same graph as ``stale``'s (the forward
-        does not read the attributes that changed), keep ``stale``."""
-        began = time.perf_counter() if began is None else began
+               stale: _Variant | None = None, stale_changes: Sequence[AttributeChange] = (), *,
+               began: float) -> _Variant:
+        """Finish a fresh export ``variant`` for ``call`` (begun at ``began``: its attribute
+        record, mixed precision) and add it to ``variants``; or, where it is the same graph as
+        ``stale``'s (the forward does not read the attributes that changed), keep ``stale``."""
         variant.attributes = AttributeRecord(self._original_module)
         graph = variant.graph
         self.export_count += 1

@@ -2032,31 +2032,36 @@ def new_zeros_complex(self, size, dtype: int = -1, layout: str = "", device: str
     """``aten.new_zeros`` of a complex tensor: :func:`zeros` of ``size`` in ``self``'s type, or
     ``dtype``."""
     if dtype in (-1, None):
-        parts = {ir.DataType.FLOAT: ir.DataType.COMPLEX64, ir.DataType.DOUBLE: ir.DataType.COMPLEX128}.get(self.dtype)
+        parts = {real: complex_ for complex_, real in _COMPLEX_PARTS.items()}.get(self.dtype)
         if parts is None:
             raise NotImplementedError(f"new_zeros of a complex tensor held as {self.dtype}")
         dtype = parts
     return zeros(size, dtype)
 
 
+def _before_parts(dim: int) -> int:
+    """A complex tensor's axis ``dim`` on its real form (a last axis of 2 added): a negative one
+    counts one further from the end."""
+    return dim - 1 if dim < 0 else dim
+
+
 def select_complex(self, dim: int, index: int):
-    """``aten.select`` of a complex tensor (a real one with a last axis of 2): the real one's, a
-    negative ``dim`` counted before the part axis."""
+    """``aten.select`` of a complex tensor (a real one with a last axis of 2): the real one's, on
+    :func:`_before_parts` of ``dim``."""
     from onnxscript.function_libs.torch_lib.ops.core import aten_select
-    return aten_select(self, dim - 1 if dim < 0 else dim, index)
+    return aten_select(self, _before_parts(dim), index)
 
 
 def unsqueeze_complex(self, dim: int):
-    """``aten.unsqueeze`` of a complex tensor: the real one's, a negative ``dim`` counted before
-    the part axis."""
-    return op.Unsqueeze(self, op.Constant(value_ints=[dim - 1 if dim < 0 else dim]))
+    """``aten.unsqueeze`` of a complex tensor: the real one's, on :func:`_before_parts` of ``dim``."""
+    return op.Unsqueeze(self, op.Constant(value_ints=[_before_parts(dim)]))
 
 
 def sym_size_complex(self, dim: int):
     """``aten.sym_size`` of a complex tensor (a size that depends on the data: ``z[mask]``): the
-    real one's, a negative ``dim`` counted before the part axis."""
+    real one's, on :func:`_before_parts` of ``dim``."""
     from onnxscript.function_libs.torch_lib.ops.core import aten_sym_size
-    return aten_sym_size(self, dim - 1 if dim < 0 else dim)
+    return aten_sym_size(self, _before_parts(dim))
 
 
 def index_complex(self, indices):

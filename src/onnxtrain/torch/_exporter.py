@@ -388,6 +388,17 @@ def _ctc_loss_scanned():
         yield
 
 
+@contextlib.contextmanager
+def _statistics_unchecked():
+    """While capturing, ``torch.cov``/``torch.corrcoef`` (and the ``Tensor`` methods) are
+    :mod:`onnxtrain.torch._statistics`' own: the same ops without their kernels' branch on the data."""
+    from onnxtrain.torch._statistics import corrcoef, cov
+
+    with _replaced((torch, "cov", cov), (torch, "corrcoef", corrcoef),
+                   (torch.Tensor, "cov", cov), (torch.Tensor, "corrcoef", corrcoef)):
+        yield
+
+
 def _hugging_face_ctc_loss(logits, labels, logit_lengths, blank_token_id: int, reduction: str = "mean",
                            zero_infinity: bool = False, ignore_index: int = -100, **kwargs):
     """transformers' ``ForCTCLoss`` (the loss of Wav2Vec2, HuBERT, WavLM, ... ``ForCTC``) with its
@@ -549,10 +560,14 @@ def _cumulative_batch_norm_forward(norm: torch.nn.modules.batchnorm._BatchNorm, 
                                          training=True, momentum=0.0, eps=norm.eps)  # statistics unchanged
     with torch.no_grad():
         axes = [d for d in range(input.dim()) if d != 1]
-        mean, variance = input.mean(axes), input.var(axes, correction=1)
-        norm.running_mean.mul_(1.0 - factor).add_(mean * factor)
-        norm.running_var.mul_(1.0 - factor).add_(variance * factor)
+        _weigh_in(norm.running_mean, norm.running_var, input.mean(axes), input.var(axes, correction=1), factor)
     return out
+
+
+def _weigh_in(running_mean, running_var, mean, variance, factor) -> None:
+    """Running statistics updated in place (the caller's ``no_grad``): ``(1 - f) running + f new``."""
+    running_mean.mul_(1.0 - factor).add_(mean * factor)
+    running_var.mul_(1.0 - factor).add_(variance * factor)
 
 
 def is_cumulative_batch_norm(module: torch.nn.Module) -> bool:
@@ -607,9 +622,8 @@ def _instance_norms_with_running_statistics():
         out = functional(input, None, None, weight, bias, True, momentum, eps)
         with torch.no_grad():
             axes = list(range(2, input.dim()))
-            mean, variance = input.mean(axes), input.var(axes, correction=1)
-            running_mean.mul_(1.0 - momentum).add_(mean.mean(0) * momentum)
-            running_var.mul_(1.0 - momentum).add_(variance.mean(0) * momentum)
+            _weigh_in(running_mean, running_var, input.mean(axes).mean(0), input.var(axes, correction=1).mean(0),
+                      momentum)
         return out
 
     with _replaced((torch.nn.functional, "instance_norm", instance_norm)):
@@ -671,8 +685,6 @@ EXPORT_LOCK = threading.RLock()
 def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
     """``module(*args)`` as the exporter's first capture strategy captures it: non-strict
     ``torch.export.export`` with the exporter's flags, ``torch.onnx.is_in_onnx_export()`` true."""
-    from onnxtrain.torch._statistics import statistics_unchecked
-
     try:
         from torch.onnx._internal.exporter import _capture_strategies, _flags
     except ImportError:  # another internal layout: the plain capture
@@ -685,8 +697,9 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               torch.fx.experimental._config.patch(backed_size_oblivious=True), _causal_masks_taken_as_given(),
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
-              cumulative_batch_norms(module), adaptive_softmaxes_dense(module), _parametrizations_uncached(), statistics_unchecked(), _data_as_detach(),
-              _instance_norms_with_running_statistics(), _complex_assignments_real(), _hugging_face_ctc_padded()):
+              cumulative_batch_norms(module), adaptive_softmaxes_dense(module), _parametrizations_uncached(),
+              _statistics_unchecked(), _data_as_detach(), _instance_norms_with_running_statistics(),
+              _complex_assignments_real(), _hugging_face_ctc_padded()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

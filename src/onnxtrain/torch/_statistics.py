@@ -9,9 +9,6 @@ PyTorch does after warning: the covariances are then infinite or NaN.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 
@@ -32,7 +29,7 @@ def cov(input: torch.Tensor, *, correction: int = 1, fweights: torch.Tensor | No
     if aweights is not None:
         weights = aweights if weights is None else weights * aweights
     if weights is None:
-        weight_sum = torch.tensor(float(count), dtype=_real_dtype(observations.dtype))
+        weight_sum = torch.tensor(float(count), dtype=observations.dtype.to_real())
         mean = observations.mean(dim=1)
     else:
         weight_sum = weights.sum()
@@ -59,18 +56,3 @@ def corrcoef(input: torch.Tensor) -> torch.Tensor:
     if covariance.is_complex():
         return torch.complex(covariance.real.clip(-1, 1), covariance.imag.clip(-1, 1))
     return covariance.clip(-1, 1)
-
-
-def _real_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.empty((), dtype=dtype).real.dtype if dtype.is_complex else dtype
-
-
-@contextlib.contextmanager
-def statistics_unchecked() -> Iterator[None]:
-    """While capturing, ``torch.cov``/``torch.corrcoef`` (and the ``Tensor`` methods) are
-    :func:`cov` and :func:`corrcoef`."""
-    from onnxtrain.torch._exporter import _replaced
-
-    with _replaced((torch, "cov", cov), (torch, "corrcoef", corrcoef),
-                   (torch.Tensor, "cov", cov), (torch.Tensor, "corrcoef", corrcoef)):
-        yield

@@ -175,11 +175,13 @@ def test_a_fully_masked_softmax_row_zeroed_afterwards_has_zero_gradients():
     lambda h: torch.sqrt(torch.relu(h)), lambda h: torch.relu(h) ** 0.5,
     lambda h: torch.log(torch.relu(h)).clamp(min=-10), lambda h: (torch.relu(h) * 2).sqrt(),
     lambda h: torch.where(h > 0, h, 0.0).sqrt(), lambda h: h.masked_fill(h < 0, 0.0).sqrt(),
-    lambda h: F.threshold(h, 0.1, 0.0).sqrt(),
+    lambda h: F.threshold(h, 0.1, 0.0).sqrt(), lambda h: F.softshrink(h, 0.5).abs().sqrt(),
+    lambda h: F.hardswish(h * 4.0 - 3.0).abs().sqrt(),
 ], ids=["sqrt relu", "relu pow half", "log relu", "scaled relu sqrt", "where sqrt", "masked_fill sqrt",
-        "threshold sqrt"])
+        "threshold sqrt", "softshrink sqrt", "hardswish sqrt"])
 def test_a_masked_value_meeting_an_infinite_derivative_has_pytorchs_gradient(function):
-    """A mask (ReLU, ``where``, ``masked_fill``, threshold) before a square root or logarithm: the
+    """A mask (ReLU, ``where``, ``masked_fill``, threshold, the flat parts of softshrink and
+    hardswish) before a square root or logarithm: the
     masked positions' gradient is inf, and PyTorch's mask gives 0 there. As ``dy * mask`` it was
     NaN, and every weight gradient with it; such masks are chosen exactly, with a Where."""
     class Masked(torch.nn.Module):

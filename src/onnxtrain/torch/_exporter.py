@@ -630,6 +630,25 @@ def _instance_norms_with_running_statistics():
         yield
 
 
+def _softshrink(input: torch.Tensor, lambd: float = 0.5) -> torch.Tensor:
+    """``F.softshrink`` as PyTorch's kernel computes it: 0 inside ``[-lambd, lambd]``, ``x -+ lambd``
+    outside (NaN stays NaN), and a gradient that is exactly 0 inside whatever reaches it."""
+    if not 0 <= lambd:
+        raise RuntimeError(f"lambda must be greater or equal to 0, but found to be {lambd}.")
+    inside = (input >= -lambd) & (input <= lambd)
+    return torch.where(inside, 0.0, input - input.sign() * lambd)
+
+
+@contextlib.contextmanager
+def _softshrink_exact():
+    """While capturing, ``F.softshrink`` (``nn.Softshrink``) is :func:`_softshrink`. The capture
+    would trace PyTorch's decomposition, which writes the inside as ``x * 0``: its gradient there
+    is ``dy * 0``, NaN where ``dy`` is infinite (``sqrt(softshrink(x).abs())``), where PyTorch's
+    kernel gives 0."""
+    with _replaced((torch.nn.functional, "softshrink", _softshrink)):
+        yield
+
+
 def _real_index(index) -> tuple:
     """``index`` of a complex tensor as the index of its real view (``torch.view_as_real``: one
     more axis, of size 2, last): the same elements, both parts."""
@@ -698,7 +717,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
               cumulative_batch_norms(module), adaptive_softmaxes_dense(module), _parametrizations_uncached(),
-              _statistics_unchecked(), _data_as_detach(), _instance_norms_with_running_statistics(),
+              _statistics_unchecked(), _softshrink_exact(), _data_as_detach(), _instance_norms_with_running_statistics(),
               _complex_assignments_real(), _hugging_face_ctc_padded()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)

@@ -363,12 +363,14 @@ def _hard_sigmoid(ctx):
 @grad("HardSwish", versions=(14, None))
 def _hard_swish(ctx):
     # y = x * clip(x/6 + 1/2, 0, 1): derivative 0 up to -3, 1 from 3 on, x/3 + 1/2 strictly
-    # between (torch's hardswish_backward at the two kinks)
+    # between (torch's hardswish_backward at the two kinks); exactly 0 up to -3 (a Where) where
+    # the output (0 there) meets an infinite derivative
     op, x = ctx.op, ctx.x
+    flat = op.LessOrEqual(x, ctx.like(x, -3.0))
     inner = op.Add(op.Div(x, ctx.like(x, 3.0)), ctx.like(x, 0.5))
-    d = op.Where(op.LessOrEqual(x, ctx.like(x, -3.0)), ctx.like(x, 0.0),
-                 op.Where(op.GreaterOrEqual(x, ctx.like(x, 3.0)), ctx.like(x, 1.0), inner))
-    return (op.Mul(ctx.dy, d),)
+    d = op.Where(flat, ctx.like(x, 0.0), op.Where(op.GreaterOrEqual(x, ctx.like(x, 3.0)), ctx.like(x, 1.0), inner))
+    dx = op.Mul(ctx.dy, d)
+    return (op.Where(flat, ctx.like(dx, 0.0), dx) if _meets_infinite_derivative(ctx.y) else dx,)
 
 
 unary("Sigmoid", lambda ctx: ctx.op.Mul(ctx.y, ctx.op.Sub(ctx.like(ctx.y, 1.0), ctx.y)))

@@ -220,3 +220,90 @@ def test_an_adaptive_softmax_trains_in_onnx_runtime():
     lenient(torch.randn(7, 6), targets[0])
     with pytest.warns(ORTModuleFallbackWarning), pytest.raises(RuntimeError, match="Target values should be in"):
         lenient(torch.randn(7, 6), torch.tensor([0, 1, 2, 3, 4, 5, 20]))
+
+
+class LabelledRows(torch.nn.Module):
+    """DeBERTa's classification loss: only rows with a label (>= 0) count, and a batch without
+    any gives a zero loss: ``if index.size(0) > 0``, a size the data decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 3)
+
+    def forward(self, x, labels):
+        logits = self.linear(x)
+        index = (labels >= 0).nonzero()
+        if index.size(0) > 0:
+            kept = torch.gather(logits, 0, index.expand(index.size(0), logits.size(1)))
+            return torch.nn.functional.cross_entropy(kept, torch.gather(labels, 0, index.view(-1)))
+        return torch.tensor(0).to(logits)
+
+
+def test_a_branch_on_a_size_the_data_decides_is_answered_too():
+    """The tracer refuses a condition on such a size (``GuardOnDataDependentSymNode``), so the
+    module ran in PyTorch; it is answered as PyTorch's size-oblivious reasoning does (nonempty)."""
+    eager, wrapped = eager_and_wrapped(LabelledRows)
+    x = torch.randn(5, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for labels in (torch.tensor([0, 2, -1, 1, -1]), torch.tensor([1, 1, 0, 2, 0])):
+            _assert_same(_step(wrapped, x, labels), _step(eager, x, labels))
+    assert _answers(wrapped) == [(True,)] and wrapped.export_count == 1
+    unlabelled = torch.full((5,), -1)
+    with pytest.warns(ORTModuleFallbackWarning, match="a size it decides"):
+        loss = wrapped(x, unlabelled)
+    assert loss.item() == 0.0 and not loss.requires_grad  # eager's constant
+    assert wrapped.fallback_reason is None
+
+
+class ExpertLoop(torch.nn.Module):
+    """A mixture of experts as a loop that skips an expert no row chose (``if rows.numel() == 0``)."""
+
+    def __init__(self, experts=3):
+        super().__init__()
+        self.gate = torch.nn.Linear(4, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(experts))
+
+    def forward(self, x):
+        weights, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows, slot = torch.where(chosen == i)
+            if rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, expert(x[rows]) * weights[rows, slot, None])
+        return out
+
+
+def test_a_loop_of_experts_skipping_empty_ones_trains_in_onnx_runtime():
+    eager, wrapped = eager_and_wrapped(ExpertLoop)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for _ in range(2):
+            x = torch.randn(24, 4)
+            _assert_same(_step(wrapped, x), _step(eager, x))
+    assert _answers(wrapped) == [(False, False, False)] and wrapped.export_count == 1
+    one_row = torch.randn(1, 4)  # two of the three experts: the third is skipped, in PyTorch
+    with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
+        _assert_same(_step(wrapped, one_row), _step(eager, one_row))
+    assert wrapped.fallback_reason is None
+
+
+def test_debertas_classification_loss_trains_in_onnx_runtime():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DebertaV2Config(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                          intermediate_size=32, max_position_embeddings=20, num_labels=3,
+                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    eager, wrapped = eager_and_wrapped(lambda: transformers.DebertaV2ForSequenceClassification(config))
+    ids, labels = torch.randint(0, 50, (4, 7)), torch.tensor([0, 2, -100, 1])
+    results = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for model in (wrapped, eager):
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            results.append((loss.detach(), [p.grad for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for ours, theirs in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
+    assert wrapped.fallback_reason is None

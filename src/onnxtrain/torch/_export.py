@@ -45,6 +45,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Hashable, Sequence
@@ -54,6 +55,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction
 
@@ -429,7 +431,15 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
     of a boolean one: ``if mask.any().item():``) is answered
     from ``plan`` (False where it says nothing) and kept in ``assumptions`` as (tensor, answer):
     the graph computes each tensor as an extra output, and a call whose values differ from the
-    answers runs in PyTorch instead (``ExportedGraph.assumptions``)."""
+    answers runs in PyTorch instead (``ExportedGraph.assumptions``).
+
+    Branches on sizes the data decides: ``if (labels >= 0).nonzero().size(0) > 0:`` (DeBERTa's
+    classification loss), ``if idx.numel() == 0: continue`` ask for the truth of a condition on
+    a size the capture cannot know (an unbacked symbol), which PyTorch's tracer refuses
+    (``GuardOnDataDependentSymNode``). Each is answered from ``plan``, else as PyTorch's own
+    size-oblivious reasoning decides it (such a size taken as neither 0 nor 1: the nonempty
+    branch), else False; the tracer is told the answer (``torch._check``) and the condition is
+    kept as a tensor among the ``assumptions``, as above."""
 
     def __init__(self, plan: Sequence[bool] = ()):
         super().__init__()
@@ -464,7 +474,36 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
         self.branch_lines.append(_user_frame(traceback.extract_stack()) or "")
         return answer
 
+    def _answer_size_condition(self, condition: torch.SymBool) -> bool:
+        """The truth of a condition on sizes the data decides, which the tracer refused."""
+        if len(self.assumptions) < len(self.plan):
+            answer = self.plan[len(self.assumptions)]
+        else:
+            try:  # (a private method of PyTorch's shape environment: False where it is missing)
+                oblivious = condition.node.shape_env._maybe_evaluate_static(condition.node.expr, size_oblivious=True)
+            except (AttributeError, TypeError):
+                oblivious = None
+            answer = bool(oblivious) if oblivious is not None else False
+        torch._check(condition if answer else torch.sym_not(condition))
+        return self._answer(torch.scalar_tensor(condition, dtype=torch.bool), answer)
+
+    def __enter__(self):
+        truth_of, watch, thread = torch.SymBool.__bool__, self, threading.get_ident()
+
+        def answered_truth(condition: torch.SymBool) -> bool:
+            try:
+                return truth_of(condition)
+            except GuardOnDataDependentSymNode:
+                if threading.get_ident() != thread:  # (another thread's trace)
+                    raise
+                return watch._answer_size_condition(condition)
+
+        self._symbolic_truth = truth_of
+        torch.SymBool.__bool__ = answered_truth
+        return super().__enter__()
+
     def __exit__(self, *exc):
+        torch.SymBool.__bool__ = self._symbolic_truth
         self.hidden |= torch.is_grad_enabled() != self.believed
         return super().__exit__(*exc)
 

@@ -279,13 +279,31 @@ def test_a_loop_of_experts_skipping_empty_ones_trains_in_onnx_runtime():
     eager, wrapped = eager_and_wrapped(ExpertLoop)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ORTModuleFallbackWarning)
-        for _ in range(2):
-            x = torch.randn(24, 4)
+        for rows in (24, 20, 16):  # (the second length exports with a dynamic batch)
+            x = torch.randn(rows, 4)
             _assert_same(_step(wrapped, x), _step(eager, x))
-    assert _answers(wrapped) == [(False, False, False)] and wrapped.export_count == 1
-    one_row = torch.randn(1, 4)  # two of the three experts: the third is skipped, in PyTorch
+    assert _answers(wrapped) == [(False, False, False)] * 2 and wrapped.export_count == 2
+    alike = torch.zeros(12, 4)  # every row chooses the same two experts: the third is skipped, in PyTorch
     with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
-        _assert_same(_step(wrapped, one_row), _step(eager, one_row))
+        _assert_same(_step(wrapped, alike), _step(eager, alike))
+    assert wrapped.fallback_reason is None and wrapped.export_count == 2
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_a_first_call_off_the_guessed_branches_exports_along_its_own(fallback):
+    """The capture's answers are guesses until a call takes them: a first call whose data takes
+    other branches (a head that always marks a global token) exports along them and runs in
+    ONNX Runtime, instead of running in PyTorch until three calls agree."""
+    eager, wrapped = eager_and_wrapped(GlobalTokens, debug_options=DebugOptions(fallback=fallback))
+    x, some = torch.randn(2, 5, 4), torch.tensor([[1.0, 0, 0, 0, 0], [0, 0, 1, 0, 0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for _ in range(2):
+            _assert_same(_step(wrapped, x, some), _step(eager, x, some))
+    assert _answers(wrapped) == [(True,)] and wrapped.export_count == 2
+    if fallback:  # now a call off the branches a call took runs in PyTorch
+        with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
+            _assert_same(_step(wrapped, x, torch.zeros(2, 5)), _step(eager, x, torch.zeros(2, 5)))
     assert wrapped.fallback_reason is None
 
 

@@ -244,6 +244,8 @@ class _Variant:
     off_branch: tuple[tuple[bool, ...], int] = ((), 0)
     observed_answers: tuple[bool, ...] | None = None
     reanswered: bool = False
+    # whether a call's data took the graph's answers: until one has, they are the capture's guesses
+    answers_taken: bool = False
 
 
 def _hashable(value):
@@ -644,6 +646,13 @@ class ORTModule(ModuleWrapper):
             return module(*args, **kwargs)
         observed = tuple(bool(value) for value in outputs[len(outputs) - len(graph.assumptions):]) \
             if graph.assumptions else ()
+        if observed != graph.assumptions and not variant.answers_taken and not variant.reanswered:
+            # the graph's answers were the capture's guesses, and the first call to run it took
+            # other branches (data that always takes them, as a head that always marks a global
+            # token): this call exports along the branches it took and runs that graph (where
+            # that export fails, it keeps this graph and runs in PyTorch, below)
+            variant.observed_answers, variant.unusable = observed, True
+            return self.forward(*args, **kwargs)
         if observed != graph.assumptions:
             # the forward branches on the data, and this call's data takes a branch the graph was
             # not traced along (a check that raises, a rare path): PyTorch runs it, as written.
@@ -657,7 +666,7 @@ class ORTModule(ModuleWrapper):
                 variant.observed_answers, variant.unusable = observed, True
             return result
         if graph.assumptions:
-            variant.off_branch = ((), 0)
+            variant.off_branch, variant.answers_taken = ((), 0), True
         with torch.no_grad():
             updates = iter(outputs[graph.num_user_outputs:])
             for name, value in zip(graph.buffer_updates, updates):

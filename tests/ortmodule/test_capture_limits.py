@@ -424,6 +424,35 @@ def test_clamp_with_tensor_bounds_and_integers():
         assert_steps_match(eager, wrapped, torch.randn(5, 4) * 2)
 
 
+class MaskedByNumbers(torch.nn.Module):
+    """A number minus (and floor-divided by) an integer mask: XLNet's ``1.0 - attention_mask``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x, mask):
+        kept = (1.0 - mask).unsqueeze(-1) * torch.rsub(mask, 0.5).unsqueeze(-1)
+        return self.linear(x) * kept + 3.0 // (mask + 1).unsqueeze(-1) + 2.0 // x.abs().add(1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_a_number_minus_an_integer_tensor(dtype):
+    """The exporter's decomposition failed on it (a ``sub`` with the number first): the module ran in PyTorch."""
+    eager, wrapped = eager_and_wrapped(MaskedByNumbers)
+    x, mask = torch.randn(2, 3, 4), torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        out = wrapped(x, mask)
+    expected = eager(x, mask)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected)
+    out.sum().backward()
+    expected.sum().backward()
+    for ours, theirs in zip(wrapped.parameters(), eager.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+
+
 class _BranchesOnADraw(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -649,6 +649,37 @@ def _softshrink_exact():
         yield
 
 
+@contextlib.contextmanager
+def _reflected_scalar_operations_promoted():
+    """While capturing, a number minus a traced integer tensor (``1.0 - attention_mask``, XLNet's;
+    ``torch.rsub(t, 1.0)``) reads the tensor in the result's type first: the exporter's
+    decomposition writes that promotion as a ``sub`` whose first argument is the number, which no
+    overload takes, so the module ran in PyTorch. A number floor-divided by a traced tensor
+    (``2.0 // t``) divides a 0-d tensor of the number, where the exporter's translation failed on
+    the number. The same values and types; other operands are PyTorch's own."""
+    rsub, rfloordiv, function_rsub = torch.Tensor.__rsub__, torch.Tensor.__rfloordiv__, torch.rsub
+
+    def traced_with_number(tensor, other) -> bool:
+        return isinstance(tensor, torch.Tensor) and isinstance(other, (int, float)) and is_fake(tensor)
+
+    def subtracted_from(operation):
+        def reflected(tensor, other, *args, **kwargs):
+            if traced_with_number(tensor, other):
+                tensor = tensor.to(torch.result_type(tensor, other))
+            return operation(tensor, other, *args, **kwargs)
+        return reflected
+
+    def floor_divided(tensor, other):
+        if not traced_with_number(tensor, other):
+            return rfloordiv(tensor, other)
+        dtype = torch.result_type(tensor, other)
+        return torch.floor_divide(torch.scalar_tensor(other, dtype=dtype, device=tensor.device), tensor.to(dtype))
+
+    with _replaced((torch.Tensor, "__rsub__", subtracted_from(rsub)), (torch, "rsub", subtracted_from(function_rsub)),
+                   (torch.Tensor, "__rfloordiv__", floor_divided)):
+        yield
+
+
 def _real_index(index) -> tuple:
     """``index`` of a complex tensor as the index of its real view (``torch.view_as_real``: one
     more axis, of size 2, last): the same elements, both parts."""
@@ -717,7 +748,7 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
               cumulative_batch_norms(module), adaptive_softmaxes_dense(module), _parametrizations_uncached(),
-              _statistics_unchecked(), _softshrink_exact(), _data_as_detach(), _instance_norms_with_running_statistics(),
+              _statistics_unchecked(), _softshrink_exact(), _reflected_scalar_operations_promoted(), _data_as_detach(), _instance_norms_with_running_statistics(),
               _complex_assignments_real(), _hugging_face_ctc_padded()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)

@@ -748,8 +748,9 @@ def capture(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.expor
               _distributions_unvalidated(), _linalg_without_error_checks(), _gaussian_nll_unchecked(),
               _ctc_loss_scanned(), projected_lstms_decomposed(module), _packed_sequences_padded(module),
               cumulative_batch_norms(module), adaptive_softmaxes_dense(module), _parametrizations_uncached(),
-              _statistics_unchecked(), _softshrink_exact(), _reflected_scalar_operations_promoted(), _data_as_detach(), _instance_norms_with_running_statistics(),
-              _complex_assignments_real(), _hugging_face_ctc_padded()):
+              _statistics_unchecked(), _softshrink_exact(), _reflected_scalar_operations_promoted(),
+              _data_as_detach(), _instance_norms_with_running_statistics(), _complex_assignments_real(),
+              _hugging_face_ctc_padded()):
             return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False,
                                        prefer_deferred_runtime_asserts_over_guards=prefer_asserts)
 

@@ -684,8 +684,8 @@ class ORTModule(ModuleWrapper):
     def _off_the_traced_branches(self, module, how: str) -> None:
         """Say (once per ORTModule) that a call left the branches on the data its graph was
         traced along (``how``), so that it runs in PyTorch; with ``fallback=False``, raise instead."""
-        reason = (f"{type(module).__name__}'s forward branches on the data (an `if` on a tensor's value or on a size it decides), and {how} "
-                  f"branch than its graph was traced along")
+        reason = (f"{type(module).__name__}'s forward branches on the data (an `if` on a tensor's value or on a "
+                  f"size it decides), and {how} branch than its graph was traced along")
         if not self._debug.fallback:
             raise ExportError(reason)
         if not self._warned_off_branch:

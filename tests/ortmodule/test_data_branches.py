@@ -256,6 +256,38 @@ def test_a_branch_on_a_size_the_data_decides_is_answered_too():
     assert wrapped.fallback_reason is None
 
 
+class NumberBranch(torch.nn.Module):
+    """Branches on numbers read with ``.item()``: a float's sign and an integer's size."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 3, bias=False)
+
+    def forward(self, x, ids):
+        y = self.linear(x)
+        if y.sum().item() > 0:
+            y = y * 2.0
+        if ids.max().item() >= 3:
+            y = torch.tanh(y)
+        return y
+
+
+def test_a_branch_on_a_number_read_with_item_is_answered_too():
+    eager, wrapped = eager_and_wrapped(NumberBranch)
+    x = torch.randn(5, 4)
+    x = x if eager.linear(x).sum() > 0 else -x  # (no bias: -x takes the other branch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for ids in (torch.tensor([0, 4]), torch.tensor([1, 3, 2])):
+            _assert_same(_step(wrapped, x, ids), _step(eager, x, ids))
+    # the first call's guesses (False) exported again along its branches; the second length's
+    # dynamic export took the first call's branches at once
+    assert _answers(wrapped) == [(True, True)] * 2 and wrapped.export_count == 3
+    with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
+        _assert_same(_step(wrapped, -x, torch.tensor([0, 1])), _step(eager, -x, torch.tensor([0, 1])))
+    assert wrapped.fallback_reason is None
+
+
 class ExpertLoop(torch.nn.Module):
     """A mixture of experts as a loop that skips an expert no row chose (``if rows.numel() == 0``)."""
 

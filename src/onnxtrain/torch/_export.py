@@ -434,8 +434,9 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
     answers runs in PyTorch instead (``ExportedGraph.assumptions``).
 
     Branches on sizes the data decides: ``if (labels >= 0).nonzero().size(0) > 0:`` (DeBERTa's
-    classification loss), ``if idx.numel() == 0: continue`` ask for the truth of a condition on
-    a size the capture cannot know (an unbacked symbol), which PyTorch's tracer refuses
+    classification loss), ``if idx.numel() == 0: continue``, ``if loss.item() > 0:`` ask for the
+    truth of a condition on a size or number the capture cannot know (an unbacked symbol), which
+    PyTorch's tracer refuses
     (``GuardOnDataDependentSymNode``). Each is answered from ``plan``, else as PyTorch's own
     size-oblivious reasoning decides it (such a size taken as neither 0 nor 1: the nonempty
     branch), else False; the tracer is told the answer (``torch._check``) and the condition is

@@ -831,7 +831,9 @@ class ORTModule(ModuleWrapper):
         if stale is not None:
             self._count_attribute_values(stale_changes)
         began = time.perf_counter()
-        variant = self._export(call, variants, like=stale)
+        # the branches on the data that calls of other shapes took: the likeliest for this one too
+        taken = next((v.graph.assumptions for v in reversed(variants) if v.answers_taken), ())
+        variant = self._export(call, variants, like=stale, answers=taken)
         return self._adopt(call, variants, variant, autocast, stale, stale_changes, began=began)
 
     def _adopt(self, call, variants: list[_Variant], variant: _Variant, autocast: tuple[str, str] | None,

@@ -39,6 +39,13 @@ ROWS: list[Case] = [
          id="Gather-negative-axis-int32"),
     Case("Gather", [I(3, "N"), C(np.array(-1, np.int64))], attrs={"axis": 0}, opsets=(13, 23),
          id="Gather-scalar-index"),
+    # constant runs a, a+1, ...: dy padded back (x[:, 0], im2col over a kernel of width 1)
+    Case("Gather", [I("N", 5, 3), C(np.array(0, np.int64))], attrs={"axis": 1}, opsets=(13, 23),
+         id="Gather-run-scalar-index"),
+    Case("Gather", [I(2, "N", 6), C([[2, 3], [4, 5]], np.int64)], attrs={"axis": -1}, opsets=(13, 23),
+         id="Gather-run-2d-indices"),
+    Case("Gather", [I(4, 3, 1), C([[0]], np.int64)], attrs={"axis": 2}, opsets=(13, 23), id="Gather-run-unit-axis"),
+    Case("Gather", [I(5, 4), C([-2, -1], np.int64)], attrs={"axis": 0}, opsets=(13, 23), id="Gather-run-negative"),
     Case("GatherElements", [I(3, "N"), C([[0, 2, 0], [1, 1, -1]], np.int64)], attrs={"axis": 1}, opsets=(13, 15),
          id="GatherElements-onehot"),
     Case("GatherElements", [I(3, "N"), C([[0, 2, 0], [1, 1, -1]], np.int64)], attrs={"axis": 1}, opsets=(16, 23),

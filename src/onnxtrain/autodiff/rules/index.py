@@ -65,6 +65,37 @@ def _row_sums(ctx: GradContext, dy_rows: ir.Value, index: ir.Value, table_shape:
     return op.ScatterND(_zeros(ctx, table_shape, dy_rows), rows, sums)
 
 
+def _contiguous_constant_run(indices: ir.Value, size: object) -> tuple[int, int] | None:
+    """``(a, K)`` where ``indices`` is a constant holding a, a+1, ..., a+K-1 in order (negative
+    ones counted from the end where the gathered axis has a static ``size``), else None."""
+    constant = ir.convenience.get_const_tensor(indices)
+    if constant is None or constant.size == 0:
+        return None
+    values = constant.numpy().reshape(-1).astype(np.int64)
+    if (values < 0).any():
+        if not isinstance(size, int):
+            return None
+        values = np.where(values < 0, values + size, values)
+    if values[0] < 0 or not np.array_equal(values, np.arange(values[0], values[0] + values.size)):
+        return None
+    return int(values[0]), int(values.size)
+
+
+def _contiguous_gather_grad(ctx: GradContext, dy: ir.Value, first: int, count: int, axis: int, rank: int) -> ir.Value:
+    """Adjoint of ``Gather(x, indices, axis)`` (x of rank ``rank``) for constant indices
+    ``first, ..., first + count - 1`` (``x[:, 0]``, torchlib's im2col over a kernel of width 1):
+    each position is gathered once, so dy is padded back with zeros, as a Slice's gradient (a
+    scatter walked every element, single-threaded)."""
+    op, b = ctx.op, ctx.b
+    x_shape = op.Shape(ctx.x)
+    before, after = [0] * axis, [0] * (rank - axis - 1)
+    spread = op.Reshape(dy, op.Concat(op.Slice(x_shape, b.ints([0]), b.ints([axis])), b.ints([count]),
+                                      op.Slice(x_shape, b.ints([axis + 1]), b.ints([_INT64_MAX])), axis=0))
+    end = op.Sub(op.Gather(x_shape, b.ints([axis]), axis=0), b.ints([first + count]))
+    pads = op.Concat(b.ints([*before, first, *after, *before]), end, *([b.ints(after)] if after else []), axis=0)
+    return op.Pad(spread, pads)
+
+
 def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.Value, axis: int) -> ir.Value:
     """Adjoint of ``Gather(x, indices, axis)`` for x of runtime shape ``x_shape``.
 
@@ -161,6 +192,12 @@ def _gather(ctx):
         if trailing:
             is_padding = b.unsqueeze(is_padding, list(range(-trailing, 0)))
         dy = op.Where(is_padding, b.like(dy, 0.0), dy)
+    rank = rank_of(ctx.x)
+    if rank is not None:
+        axis = normalize_axis(axis, rank)
+        run = _contiguous_constant_run(indices, ctx.x.shape[axis] if ctx.x.shape is not None else None)
+        if run is not None:
+            return (_contiguous_gather_grad(ctx, dy, *run, axis, rank),)
     return (gather_grad(ctx, dy, ctx.op.Shape(ctx.x), indices, axis),)
 
 

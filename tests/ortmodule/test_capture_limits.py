@@ -405,6 +405,31 @@ def test_gradients_at_the_kinks_are_torchs(activation):
     torch.testing.assert_close(wrapped.module.weight.grad, eager.weight.grad)
 
 
+class _Elementwise(torch.nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, x):
+        return self.function(x)
+
+
+@pytest.mark.parametrize("activation", [
+    torch.nn.functional.hardtanh, torch.nn.functional.relu6, lambda t: t.clamp(-1, 1),
+], ids=["hardtanh", "relu6", "clamp"])
+def test_gradients_at_nan_and_infinite_inputs_are_torchs(activation):
+    """hardtanh and relu6 pass the gradient where the input is not at or beyond a bound (NaN
+    too), clamp where it is within them (not NaN), as PyTorch's kernels."""
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.5, -2.0, 1.0, 7.0])
+    wrapped = ORTModule(_Elementwise(activation))
+    expected_input, got_input = x.clone().requires_grad_(), x.clone().requires_grad_()
+    activation(expected_input).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        wrapped(got_input).sum().backward()
+    torch.testing.assert_close(got_input.grad, expected_input.grad)
+
+
 class TensorBounds(torch.nn.Module):
     def __init__(self):
         super().__init__()

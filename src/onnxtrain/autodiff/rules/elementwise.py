@@ -201,15 +201,19 @@ def _clip(ctx):
     # unclipped elements (bounds included, like torch); a clipped element's gradient goes to the
     # bound it equals, so min > max (y = max everywhere) sends nothing to min.
     # A Clip marked names.OPEN_CLIP_METADATA (PyTorch's hardtanh and relu6) passes the gradient
-    # strictly inside the bounds only, as those ops do in torch.
+    # where x is not at or beyond a bound (strictly inside, NaN too), as those ops do in torch.
+    # x's gradient is masked as a ReLU's (dy * mask; a Where beside an infinite derivative):
+    # onnxruntime's Where took 16 ms on MobileNetV2's largest ReLU6 gradient.
     op, x, y, dy = ctx.op, ctx.x, ctx.y, ctx.dy
     zero = ctx.like(dy, 0.0)
-    passed = op.Equal(y, x)
-    if names.OPEN_CLIP_METADATA in ctx.node.metadata_props:
-        for i, compare in ((1, op.Greater), (2, op.Less)):
-            if i < len(ctx.inputs) and ctx.inputs[i] is not None:
-                passed = op.And(passed, compare(x, ctx.inputs[i]))
-    grads = [op.Where(passed, dy, zero)]
+    bounds = [(i, compare) for i, compare in ((1, op.LessOrEqual), (2, op.GreaterOrEqual))
+              if i < len(ctx.inputs) and ctx.inputs[i] is not None]
+    if names.OPEN_CLIP_METADATA in ctx.node.metadata_props and bounds:
+        beyond = [compare(x, ctx.inputs[i]) for i, compare in bounds]
+        passed = op.Not(beyond[0] if len(beyond) == 1 else op.Or(*beyond))
+    else:
+        passed = op.Equal(y, x)
+    grads = [_masked(ctx, passed, dy, _meets_infinite_derivative(y))]
     for i in range(1, len(ctx.inputs)):
         hit = op.And(op.Not(passed), op.Equal(y, ctx.inputs[i])) if ctx.needs(i) else None
         grads.append(op.Where(hit, dy, zero) if hit is not None else None)

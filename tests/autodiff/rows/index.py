@@ -46,6 +46,10 @@ ROWS: list[Case] = [
          id="Gather-run-2d-indices"),
     Case("Gather", [I(4, 3, 1), C([[0]], np.int64)], attrs={"axis": 2}, opsets=(13, 23), id="Gather-run-unit-axis"),
     Case("Gather", [I(5, 4), C([-2, -1], np.int64)], attrs={"axis": 0}, opsets=(13, 23), id="Gather-run-negative"),
+    # constant rows: sorted when the graph is built; each once, a plain scatter
+    Case("Gather", [I("N", 3), C([[2, 0], [2, 1]], np.int64)], attrs={"axis": 0}, opsets=(13, 23),
+         id="Gather-constant-repeated-rows"),
+    Case("Gather", [I(5, 4), C([3, 0, -1], np.int64)], attrs={"axis": 0}, opsets=(13, 23), id="Gather-constant-rows-once"),
     Case("GatherElements", [I(3, "N"), C([[0, 2, 0], [1, 1, -1]], np.int64)], attrs={"axis": 1}, opsets=(13, 15),
          id="GatherElements-onehot"),
     Case("GatherElements", [I(3, "N"), C([[0, 2, 0], [1, 1, -1]], np.int64)], attrs={"axis": 1}, opsets=(16, 23),

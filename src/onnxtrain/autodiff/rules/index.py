@@ -42,32 +42,44 @@ def _prod(ctx: GradContext, dims: ir.Value) -> ir.Value:
     return ctx.op.ReduceProd(dims, keepdims=1)
 
 
-def _row_sums(ctx: GradContext, dy_rows: ir.Value, index: ir.Value, table_shape: ir.Value) -> ir.Value:
+def _row_sums(ctx: GradContext, dy_rows: ir.Value, index: ir.Value, table_shape: ir.Value,
+              known: np.ndarray | None = None) -> ir.Value:
     """Zeros of ``table_shape`` with ``dy_rows[k]`` added at row ``index[k]``: the gradient of an
     embedding lookup, exact and without a reducing scatter (onnxruntime's reducing ScatterND
     loses repeated rows when its session has several threads, :mod:`onnxtrain.ir.scatter`; its
     ScatterElements is exact but walks every element, ~3x slower here). The rows are sorted by
     index, summed as differences of float64 prefix sums at the end of each run of equal indices,
     and each sum written once (a ScatterND without reduction, to distinct rows). Costs a float64
-    copy of the rows and their prefix sums."""
+    copy of the rows and their prefix sums. ``known``: the indices (in range, flat) where they
+    are a constant, whose sort and runs are then computed here, not in every run (the windows
+    of an ``as_strided``), and which need no sums at all where none repeats."""
     op, b = ctx.op, ctx.b
-    index = op.Reshape(index, b.ints([-1]))
-    ordered, order = op.TopK(index, op.Reshape(op.Size(index), b.ints([1])), largest=0, sorted=1, _outputs=2)
+    zeros = _zeros(ctx, table_shape, dy_rows)
+    if known is not None:
+        order = np.argsort(known, kind="stable")
+        ordered = known[order]
+        last_of_run = np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))
+        if last_of_run.size == known.size:  # each row once
+            return op.ScatterND(zeros, b.const(known.reshape(-1, 1)), dy_rows)
+        order, ends, rows = b.const(order), b.const(last_of_run), b.const(ordered[last_of_run].reshape(-1, 1))
+    else:
+        index = op.Reshape(index, b.ints([-1]))
+        ordered, order = op.TopK(index, op.Reshape(op.Size(index), b.ints([1])), largest=0, sorted=1, _outputs=2)
+        following = op.Concat(op.Slice(ordered, b.ints([1]), b.ints([_INT64_MAX])), b.ints([-1]), axis=0)
+        ends = op.Reshape(op.NonZero(op.Not(op.Equal(ordered, following))), b.ints([-1]))  # last row of each run
+        rows = b.unsqueeze(op.Gather(ordered, ends, axis=0), [-1])
     prefix = op.CumSum(op.Cast(op.Gather(dy_rows, order, axis=0), to=int(ir.DataType.DOUBLE)), b.scalar_int(0))
-    following = op.Concat(op.Slice(ordered, b.ints([1]), b.ints([_INT64_MAX])), b.ints([-1]), axis=0)
-    ends = op.Reshape(op.NonZero(op.Not(op.Equal(ordered, following))), b.ints([-1]))  # last row of each run
     at_ends = op.Gather(prefix, ends, axis=0)
     no_rows = op.ConstantOfShape(op.Concat(b.ints([1]), op.Slice(op.Shape(at_ends), b.ints([1]), b.ints([_INT64_MAX])),
                                            axis=0), value=ir.tensor(np.zeros([1], np.float64)))
     before = op.Concat(no_rows, op.Slice(at_ends, b.ints([0]), b.ints([-1])), axis=0)
     sums = op.Cast(op.Sub(at_ends, before), to=int(dy_rows.dtype))
-    rows = b.unsqueeze(op.Gather(ordered, ends, axis=0), [-1])
-    return op.ScatterND(_zeros(ctx, table_shape, dy_rows), rows, sums)
+    return op.ScatterND(zeros, rows, sums)
 
 
-def _contiguous_constant_run(indices: ir.Value, size: object) -> tuple[int, int] | None:
-    """``(a, K)`` where ``indices`` is a constant holding a, a+1, ..., a+K-1 in order (negative
-    ones counted from the end where the gathered axis has a static ``size``), else None."""
+def _constant_indices(indices: ir.Value, size: object) -> np.ndarray | None:
+    """The flat int64 values of constant ``indices`` (negative ones counted from the end where
+    the gathered axis has a static ``size``), or None where they are not a constant, or in range."""
     constant = ir.convenience.get_const_tensor(indices)
     if constant is None or constant.size == 0:
         return None
@@ -76,7 +88,16 @@ def _contiguous_constant_run(indices: ir.Value, size: object) -> tuple[int, int]
         if not isinstance(size, int):
             return None
         values = np.where(values < 0, values + size, values)
-    if values[0] < 0 or not np.array_equal(values, np.arange(values[0], values[0] + values.size)):
+    if (values < 0).any() or (isinstance(size, int) and (values >= size).any()):
+        return None
+    return values
+
+
+def _contiguous_constant_run(indices: ir.Value, size: object) -> tuple[int, int] | None:
+    """``(a, K)`` where ``indices`` is a constant holding a, a+1, ..., a+K-1 in order (negative
+    ones counted from the end where the gathered axis has a static ``size``), else None."""
+    values = _constant_indices(indices, size)
+    if values is None or not np.array_equal(values, np.arange(values[0], values[0] + values.size)):
         return None
     return int(values[0]), int(values.size)
 
@@ -96,7 +117,8 @@ def _contiguous_gather_grad(ctx: GradContext, dy: ir.Value, first: int, count: i
     return op.Pad(spread, pads)
 
 
-def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.Value, axis: int) -> ir.Value:
+def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.Value, axis: int,
+                static_size: int | None = None) -> ir.Value:
     """Adjoint of ``Gather(x, indices, axis)`` for x of runtime shape ``x_shape``.
 
     Along axis 0 (an embedding lookup): :func:`_row_sums`. Otherwise x is viewed as [P, D, Q]
@@ -112,7 +134,7 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
         # rows of dy summed straight into a tensor of x's shape (no [P, D, Q] view, no Reshape
         # copy of the whole table at the end)
         rows = op.Concat(b.ints([-1]), op.Slice(x_shape, b.ints([1]), b.ints([_INT64_MAX])), axis=0)
-        return _row_sums(ctx, op.Reshape(dy, rows), index, x_shape)
+        return _row_sums(ctx, op.Reshape(dy, rows), index, x_shape, _constant_indices(indices, static_size))
     outer = _prod(ctx, op.Slice(x_shape, b.ints([0]), axes))  # P
     inner = _prod(ctx, op.Slice(op.Slice(x_shape, axes, b.ints([_INT64_MAX])), b.ints([1]), b.ints([_INT64_MAX])))
     index = op.Reshape(index, b.ints([-1]))  # [K]
@@ -193,12 +215,14 @@ def _gather(ctx):
             is_padding = b.unsqueeze(is_padding, list(range(-trailing, 0)))
         dy = op.Where(is_padding, b.like(dy, 0.0), dy)
     rank = rank_of(ctx.x)
+    size = None
     if rank is not None:
         axis = normalize_axis(axis, rank)
-        run = _contiguous_constant_run(indices, ctx.x.shape[axis] if ctx.x.shape is not None else None)
+        size = ctx.x.shape[axis] if ctx.x.shape is not None else None
+        run = _contiguous_constant_run(indices, size)
         if run is not None:
             return (_contiguous_gather_grad(ctx, dy, *run, axis, rank),)
-    return (gather_grad(ctx, dy, ctx.op.Shape(ctx.x), indices, axis),)
+    return (gather_grad(ctx, dy, ctx.op.Shape(ctx.x), indices, axis, size if isinstance(size, int) else None),)
 
 
 @grad("Compress", versions=(13, None))

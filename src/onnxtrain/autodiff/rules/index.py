@@ -79,7 +79,8 @@ def _row_sums(ctx: GradContext, dy_rows: ir.Value, index: ir.Value, table_shape:
 
 def _constant_indices(indices: ir.Value, size: object) -> np.ndarray | None:
     """The flat int64 values of constant ``indices`` (negative ones counted from the end where
-    the gathered axis has a static ``size``), or None where they are not a constant, or in range."""
+    the gathered axis has a static ``size``), or None where they are not a constant or not all
+    in range."""
     constant = ir.convenience.get_const_tensor(indices)
     if constant is None or constant.size == 0:
         return None
@@ -121,7 +122,9 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
                 static_size: int | None = None) -> ir.Value:
     """Adjoint of ``Gather(x, indices, axis)`` for x of runtime shape ``x_shape``.
 
-    Along axis 0 (an embedding lookup): :func:`_row_sums`. Otherwise x is viewed as [P, D, Q]
+    Along axis 0 (an embedding lookup): :func:`_row_sums` (which sorts constant indices when the
+    graph is built; ``static_size``, the axis's size where it is static, reads negative ones).
+    Otherwise x is viewed as [P, D, Q]
     and dy as [P, K, Q] (K = number of indices); repeated indices accumulate, with
     ``ScatterElements`` (onnxruntime's reducing ScatterND loses repeated updates when its session
     has several threads: :mod:`onnxtrain.ir.scatter`).

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 import onnx_ir as ir
 
 from onnxtrain import names
+from onnxtrain.autodiff.partial import Partial
 from onnxtrain.autodiff.registry import DEFAULT_REGISTRY, Broadcast, GradContext, Registry
 from onnxtrain.errors import UnsupportedOpError
 from onnxtrain.ir.builder import GraphBuilder
@@ -89,13 +90,20 @@ def _op_key(node: ir.Node) -> str:
     return f"{domain}::{node.op_type}" if domain else node.op_type
 
 
-def _accumulate(b: GraphBuilder, parts: list[ir.Value | Broadcast], primal: ir.Value) -> ir.Value:
+def _accumulate(b: GraphBuilder, parts: list[ir.Value | Broadcast | Partial], primal: ir.Value) -> ir.Value:
     """The sum of a value's gradient contributions, shaped like ``primal``: a chain of Adds, which
     broadcast, so :class:`Broadcast` parts join full-sized ones as they are (added last); only a
-    gradient made of ``Broadcast`` parts alone is expanded. Not one variadic Sum: onnxruntime's
+    gradient made of ``Broadcast`` parts alone is expanded. :class:`Partial` parts of one kind are
+    joined by their class first. Not one variadic Sum: onnxruntime's
     CPU Sum runs at half Add's speed (two ``[64, 32, 28, 28]`` tensors: 0.22 against 0.115 ms,
     three with a per-channel one: 0.43 against 0.23 ms for two Adds)."""
-    full = [p for p in parts if not isinstance(p, Broadcast)]
+    full = [p for p in parts if not isinstance(p, (Broadcast, Partial))]
+    kinds: dict[type, list[Partial]] = {}
+    for part in parts:
+        if isinstance(part, Partial):
+            kinds.setdefault(type(part), []).append(part)
+    for kind, group in kinds.items():
+        full += kind.join(b, group, primal)
     small = [p.value for p in parts if isinstance(p, Broadcast)]
     if not full:
         full = [b.op.Expand(small.pop(0), b.op.Shape(primal))]

@@ -6,7 +6,9 @@ gradients of its outputs and a builder) and returns one gradient per input,
 the output's shape and declare ``broadcasting=True``; the autodiff builder then
 un-broadcasts them centrally. A rule whose gradient is a smaller tensor repeated over the
 input (a reduction's) may return it wrapped in :class:`Broadcast`: the builder adds it to the
-input's other gradients by broadcasting, and expands it only when it is the input's only one.
+input's other gradients by broadcasting, and expands it only when it is the input's only one. A
+gradient that is zero almost everywhere may be returned as a
+:class:`~onnxtrain.autodiff.partial.Partial` (a Slice's, a Gather's).
 """
 
 from __future__ import annotations

@@ -12,12 +12,16 @@ start at opset 13, onnxtrain's minimum (``ir.io.MIN_OPSET``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx_ir as ir
 
 from onnxtrain import names
+from onnxtrain.autodiff.partial import Partial, Region
 from onnxtrain.autodiff.registry import GradContext, grad
 from onnxtrain.errors import ModelError
+from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.scatter import scatter_nd_by_elements
 from onnxtrain.ir.shapes import normalize_axis, rank_of
 
@@ -39,10 +43,14 @@ def _wrap_negative(ctx: GradContext, index: ir.Value, size: ir.Value) -> ir.Valu
 
 def _prod(ctx: GradContext, dims: ir.Value) -> ir.Value:
     """Product of a 1-D int64 tensor as a [1] tensor (1 for an empty one)."""
-    return ctx.op.ReduceProd(dims, keepdims=1)
+    return _prod_of(ctx.b, dims)
 
 
-def _row_sums(ctx: GradContext, dy_rows: ir.Value, index: ir.Value, table_shape: ir.Value,
+def _prod_of(b: GraphBuilder, dims: ir.Value) -> ir.Value:
+    return b.op.ReduceProd(dims, keepdims=1)
+
+
+def _row_sums(b: GraphBuilder, dy_rows: ir.Value, index: ir.Value, table_shape: ir.Value,
               known: np.ndarray | None = None) -> ir.Value:
     """Zeros of ``table_shape`` with ``dy_rows[k]`` added at row ``index[k]``: the gradient of an
     embedding lookup, exact and without a reducing scatter (onnxruntime's reducing ScatterND
@@ -53,8 +61,8 @@ def _row_sums(ctx: GradContext, dy_rows: ir.Value, index: ir.Value, table_shape:
     copy of the rows and their prefix sums. ``known``: the indices (in range, flat) where they
     are a constant, whose sort and runs are then computed here, not in every run (the windows
     of an ``as_strided``), and which need no sums at all where none repeats."""
-    op, b = ctx.op, ctx.b
-    zeros = _zeros(ctx, table_shape, dy_rows)
+    op = b.op
+    zeros = op.ConstantOfShape(table_shape, value=ir.tensor(np.zeros([1], dtype=dy_rows.dtype.numpy())))
     if known is not None:
         order = np.argsort(known, kind="stable")
         ordered = known[order]
@@ -75,6 +83,43 @@ def _row_sums(ctx: GradContext, dy_rows: ir.Value, index: ir.Value, table_shape:
     before = op.Concat(no_rows, op.Slice(at_ends, b.ints([0]), b.ints([-1])), axis=0)
     sums = op.Cast(op.Sub(at_ends, before), to=int(dy_rows.dtype))
     return op.ScatterND(zeros, rows, sums)
+
+
+@dataclass(frozen=True)
+class Rows(Partial):
+    """A gather's gradient: zeros of its input's runtime ``shape`` with ``rows[k]`` added at row
+    ``index[k]`` (flat, in range) of the input viewed as a table of rows, its first ``leading``
+    dims flattened (1: an embedding lookup, a Gather along axis 0; more: a GatherND's index
+    tuples). Every part of one input is summed by one :func:`_row_sums` over all their rows (a
+    Qwen2-MoE layer's experts each gather their tokens' rows of one hidden state), not each
+    written into zeros of the input's size and added. ``known``: the indices where they are
+    constants."""
+
+    rows: ir.Value
+    index: ir.Value
+    leading: int
+    shape: ir.Value
+    known: np.ndarray | None = None
+
+    @classmethod
+    def join(cls, b: GraphBuilder, parts: list[Rows], primal: ir.Value | None = None) -> list[ir.Value]:
+        op = b.op
+        joined = []
+        for leading in sorted({part.leading for part in parts}):
+            group = [part for part in parts if part.leading == leading]
+            rows, index, shape = group[0].rows, group[0].index, group[0].shape
+            if len(group) > 1:
+                rows = op.Concat(*[part.rows for part in group], axis=0)
+                index = op.Concat(*[part.index for part in group], axis=0)
+            known = (np.concatenate([part.known for part in group])
+                     if all(part.known is not None for part in group) else None)
+            if leading == 1:
+                joined.append(_row_sums(b, rows, index, shape, known))
+                continue
+            table = op.Concat(_prod_of(b, op.Slice(shape, b.ints([0]), b.ints([leading]))),
+                              op.Slice(shape, b.ints([leading]), b.ints([_INT64_MAX])), axis=0)
+            joined.append(op.Reshape(_row_sums(b, rows, index, table, known), shape))
+        return joined
 
 
 def _constant_indices(indices: ir.Value, size: object) -> np.ndarray | None:
@@ -103,27 +148,26 @@ def _contiguous_constant_run(indices: ir.Value, size: object) -> tuple[int, int]
     return int(values[0]), int(values.size)
 
 
-def _contiguous_gather_grad(ctx: GradContext, dy: ir.Value, first: int, count: int, axis: int, rank: int) -> ir.Value:
+def _contiguous_gather_grad(ctx: GradContext, dy: ir.Value, first: int, count: int, axis: int, rank: int) -> Region:
     """Adjoint of ``Gather(x, indices, axis)`` (x of rank ``rank``) for constant indices
-    ``first, ..., first + count - 1`` (``x[:, 0]``, torchlib's im2col over a kernel of width 1):
-    each position is gathered once, so dy is padded back with zeros, as a Slice's gradient (a
+    ``first, ..., first + count - 1`` (``x[:, 0]``, torchlib's im2col over a kernel of width 1,
+    an expert's ``W[e]``): each position is gathered once, so dy is a :class:`Region` of x's
+    gradient, padded back with zeros or joined with the gradients of other positions (a
     scatter walked every element, single-threaded)."""
     op, b = ctx.op, ctx.b
     x_shape = op.Shape(ctx.x)
-    before, after = [0] * axis, [0] * (rank - axis - 1)
     spread = op.Reshape(dy, op.Concat(op.Slice(x_shape, b.ints([0]), b.ints([axis])), b.ints([count]),
                                       op.Slice(x_shape, b.ints([axis + 1]), b.ints([_INT64_MAX])), axis=0))
-    end = op.Sub(op.Gather(x_shape, b.ints([axis]), axis=0), b.ints([first + count]))
-    pads = op.Concat(b.ints([*before, first, *after, *before]), end, *([b.ints(after)] if after else []), axis=0)
-    return op.Pad(spread, pads)
+    return Region(spread, axis, first, count, rank, x_shape)
 
 
 def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.Value, axis: int,
-                static_size: int | None = None) -> ir.Value:
+                static_size: int | None = None) -> ir.Value | Rows:
     """Adjoint of ``Gather(x, indices, axis)`` for x of runtime shape ``x_shape``.
 
-    Along axis 0 (an embedding lookup): :func:`_row_sums` (which sorts constant indices when the
-    graph is built; ``static_size``, the axis's size where it is static, reads negative ones).
+    Along axis 0 (an embedding lookup): :class:`Rows`, summed by :func:`_row_sums` (which sorts
+    constant indices when the graph is built; ``static_size``, the axis's size where it is
+    static, reads negative ones).
     Otherwise x is viewed as [P, D, Q]
     and dy as [P, K, Q] (K = number of indices); repeated indices accumulate, with
     ``ScatterElements`` (onnxruntime's reducing ScatterND loses repeated updates when its session
@@ -137,7 +181,8 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
         # rows of dy summed straight into a tensor of x's shape (no [P, D, Q] view, no Reshape
         # copy of the whole table at the end)
         rows = op.Concat(b.ints([-1]), op.Slice(x_shape, b.ints([1]), b.ints([_INT64_MAX])), axis=0)
-        return _row_sums(ctx, op.Reshape(dy, rows), index, x_shape, _constant_indices(indices, static_size))
+        return Rows(op.Reshape(dy, rows), op.Reshape(index, b.ints([-1])), 1, x_shape,
+                    _constant_indices(indices, static_size))
     outer = _prod(ctx, op.Slice(x_shape, b.ints([0]), axes))  # P
     inner = _prod(ctx, op.Slice(op.Slice(x_shape, axes, b.ints([_INT64_MAX])), b.ints([1]), b.ints([_INT64_MAX])))
     index = op.Reshape(index, b.ints([-1]))  # [K]
@@ -193,11 +238,33 @@ def _slice_grad_scatter(ctx: GradContext) -> ir.Value:
     return op.Reshape(flat, x_shape)
 
 
+def _slice_region(ctx: GradContext) -> Region | None:
+    """dy as a :class:`Region` of x's gradient where the Slice cuts one axis of static size with
+    constant starts and ends at unit step, else None."""
+    rank = rank_of(ctx.x)
+    starts, ends = ctx.const_input(1), ctx.const_input(2)
+    axes = ctx.const_input(3) if len(ctx.inputs) > 3 and ctx.inputs[3] is not None else np.array([0])
+    if rank is None or ctx.x.shape is None or starts is None or ends is None or axes is None or axes.size != 1:
+        return None
+    axis = normalize_axis(int(axes.reshape(-1)[0]), rank)
+    size = ctx.x.shape[axis]
+    if not isinstance(size, int):
+        return None
+
+    def clamped(position: int) -> int:
+        return min(max(position + size if position < 0 else position, 0), size)
+
+    first, end = clamped(int(starts.reshape(-1)[0])), clamped(int(ends.reshape(-1)[0]))
+    return Region(ctx.dy, axis, first, max(end - first, 0), rank, ctx.op.Shape(ctx.x))
+
+
 @grad("Slice", versions=(13, None))
 def _slice(ctx):
     steps = ctx.inputs[4] if len(ctx.inputs) > 4 else None
     unit = steps is None or (ctx.const_input(4) is not None and bool(np.all(ctx.const_input(4) == 1)))
-    return (_slice_grad_pad(ctx) if unit else _slice_grad_scatter(ctx),)
+    if not unit:
+        return (_slice_grad_scatter(ctx),)
+    return (_slice_region(ctx) or _slice_grad_pad(ctx),)
 
 
 # -- gathers ---------------------------------------------------------------------------
@@ -237,7 +304,8 @@ def _compress(ctx):
     x_shape = op.Shape(ctx.x)
     if axis is None:
         flat_shape = op.Reshape(op.Size(ctx.x), b.ints([1]))
-        return (op.Reshape(gather_grad(ctx, ctx.dy, flat_shape, kept, 0), x_shape),)
+        flat = gather_grad(ctx, ctx.dy, flat_shape, kept, 0)
+        return (op.Reshape(Rows.join(b, [flat])[0] if isinstance(flat, Rows) else flat, x_shape),)
     return (gather_grad(ctx, ctx.dy, x_shape, kept, axis),)
 
 
@@ -301,8 +369,12 @@ def _gather_nd(ctx):
                               op.Concat(op.Slice(op.Shape(indices), b.ints([0]), b.ints([batch_dims])), ones, axis=0))
         flat = op.Add(op.Mul(batch_id, rows), flat)
         rows = op.Mul(batches, rows)
-    view = op.Concat(rows, op.Slice(x_shape, b.ints([batch_dims + depth]), b.ints([_INT64_MAX])), axis=0)
-    return (op.Reshape(gather_grad(ctx, ctx.dy, view, flat, 0), x_shape),)
+    leading = batch_dims + depth
+    if ctx.dy.dtype is None:
+        view = op.Concat(rows, op.Slice(x_shape, b.ints([leading]), b.ints([_INT64_MAX])), axis=0)
+        return (op.Reshape(gather_grad(ctx, ctx.dy, view, flat, 0), x_shape),)
+    per_row = op.Concat(b.ints([-1]), op.Slice(x_shape, b.ints([leading]), b.ints([_INT64_MAX])), axis=0)
+    return (Rows(op.Reshape(ctx.dy, per_row), op.Reshape(flat, b.ints([-1])), leading, x_shape),)
 
 
 # -- scatters --------------------------------------------------------------------------

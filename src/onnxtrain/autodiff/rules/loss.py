@@ -8,7 +8,6 @@ Labels and class weights are not differentiable.
 
 from __future__ import annotations
 
-import numpy as np
 import onnx_ir as ir
 
 from onnxtrain.autodiff.registry import GradContext, grad

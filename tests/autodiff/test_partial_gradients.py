@@ -188,3 +188,29 @@ def test_rows_gathered_by_several_lookups_are_summed_by_one_sort():
     assert _count(graph, "ScatterND") == 2
     assert sum(n.op_type == "Add" and n.outputs[0].dtype == ir.DataType.FLOAT for n in graph) == 1
     check_gradients(model, feeds, wrt=["x"])
+
+
+def test_windows_computed_from_constants_are_summed_from_a_table_built_with_the_graph():
+    """as_strided's windows as torchlib writes them: Gather(x, Add(starts [3, 1], offsets [1, 4]))
+    over overlapping windows. The index is evaluated when the gradient is built: no sort, no
+    prefix sums, each row's sources gathered and summed; the windows cover every row of x, so
+    the sums are its gradient, with no scatter."""
+    starts = helper.make_tensor("starts", TensorProto.INT64, [3, 1], [0, 2, 4])
+    offsets = helper.make_tensor("offsets", TensorProto.INT64, [1, 4], [0, 1, 2, 3])
+    nodes = [helper.make_node("Add", ["starts", "offsets"], ["windows"]),
+             helper.make_node("Gather", ["x", "windows"], ["p"], axis=0),
+             helper.make_node("Mul", ["p", "w"], ["m"]), helper.make_node("ReduceSum", ["m"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "windows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8]),
+                                                 helper.make_tensor_value_info("w", TensorProto.FLOAT, [3, 4])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [starts, offsets])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    rng = np.random.default_rng(5)
+    feeds = {"x": rng.standard_normal([8]).astype(np.float32), "w": rng.standard_normal([3, 4]).astype(np.float32)}
+    expected = np.zeros([8], np.float32)
+    np.add.at(expected, np.add([[0], [2], [4]], [[0, 1, 2, 3]]), feeds["w"])
+    np.testing.assert_allclose(_x_gradient(model, feeds), expected, rtol=1e-6, atol=1e-6)
+    graph = _x_gradient_graph(model)
+    assert _count(graph, "TopK") == _count(graph, "CumSum") == _count(graph, "NonZero") == 0
+    assert _count(graph, "ReduceSum") == 2  # the loss's and the windows' sums
+    assert _count(graph, "ScatterND") == 0
+    check_gradients(model, feeds, wrt=["x"])

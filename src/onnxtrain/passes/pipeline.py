@@ -19,6 +19,7 @@ from onnxtrain.passes.double_gelu import DoubleTanhGeluPass
 from onnxtrain.passes.double_layer_norm import DoubleLayerNormPass
 from onnxtrain.passes.empty_tensors import EmptyTensorsPass
 from onnxtrain.passes.float_accumulation import FloatAccumulationPass
+from onnxtrain.passes.flat_gather import FlatGatherPass
 from onnxtrain.passes.fold import FoldConstantsPass, InferMissingShapesPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.kept_dropout import KeptDropoutPass
@@ -74,7 +75,8 @@ def after_autodiff() -> list[ir.passes.PassBase]:
     product with ones; a transposed matrix times a vector as a product with a column, which
     onnxruntime's fused kernel gets right); float16/bfloat16 gradients accumulated by scatters add
     in float32 (onnxruntime's CPU kernels have no low-precision reduction); a reducing ScatterND
-    some rule or pass made becomes an exact ScatterElements (passes/scatter_nd.py). First, a value
+    some rule or pass made becomes an exact ScatterElements (passes/scatter_nd.py); a Gather of
+    a 1-D tensor's elements becomes a GatherElements (passes/flat_gather.py). First, a value
     of a static shape with a zero-sized dim (an empty batch) becomes an empty constant, which
     onnxruntime's optimizer cannot get wrong (passes/empty_tensors.py)."""
     return [
@@ -85,6 +87,7 @@ def after_autodiff() -> list[ir.passes.PassBase]:
         ColumnVectorProductPass(),
         SumOfSquaresPass(),
         LeadingAxesSumPass(),
+        FlatGatherPass(),
         RemoveUnusedNodesPass(),
         FoldConstantsPass(),
         DistinctDrawsCSEPass(),

@@ -50,6 +50,20 @@ ROWS: list[Case] = [
     Case("Gather", [I("N", 3), C([[2, 0], [2, 1]], np.int64)], attrs={"axis": 0}, opsets=(13, 23),
          id="Gather-constant-repeated-rows"),
     Case("Gather", [I(5, 4), C([3, 0, -1], np.int64)], attrs={"axis": 0}, opsets=(13, 23), id="Gather-constant-rows-once"),
+    # a few repeats (as_strided's overlapping windows): a table of each row's sources, summed;
+    # one row repeated often: sorted when the graph is built, prefix sums
+    Case("Gather", [I(7, 2), C([[0, 1, 2, 3], [2, 3, 4, 5], [4, 5, 6, -1]], np.int64)], attrs={"axis": 0},
+         opsets=(13, 23), id="Gather-constant-windows"),
+    Case("Gather", [I("N", 3), C([1, 1, 1, 1, 1, 0, 2, 1], np.int64)], attrs={"axis": 0}, opsets=(13, 23),
+         id="Gather-constant-row-repeated-often"),
+    # windows over a 1-D tensor's elements (as_strided of a flattened tensor): GatherElements
+    Case("Gather", [I(10), C(np.add([[0], [2], [4], [6]], np.arange(4)), np.int64)], attrs={"axis": 0},
+         opsets=(13, 23), id="Gather-constant-element-windows"),
+    Case("Gather", [I("N"), C(np.add([[0], [2]], np.arange(4)), np.int64)], attrs={"axis": 0},
+         opsets=(13, 23), dims={"N": 8}, id="Gather-constant-element-windows-dynamic"),
+    # every row of a static table once: the rows reordered, no scatter
+    Case("Gather", [I(4, 3), C([2, 0, -1, 1], np.int64)], attrs={"axis": 0}, opsets=(13, 23),
+         id="Gather-constant-permutation"),
     Case("GatherElements", [I(3, "N"), C([[0, 2, 0], [1, 1, -1]], np.int64)], attrs={"axis": 1}, opsets=(13, 15),
          id="GatherElements-onehot"),
     Case("GatherElements", [I(3, "N"), C([[0, 2, 0], [1, 1, -1]], np.int64)], attrs={"axis": 1}, opsets=(16, 23),

@@ -30,10 +30,6 @@ _INT64_MAX = int(np.iinfo(np.int64).max)
 SCATTER_ADD_OPSET = 16  # first opset with ScatterND/ScatterElements reduction="add"
 
 
-def _zeros(ctx: GradContext, shape: ir.Value, like: ir.Value) -> ir.Value:
-    return ctx.op.ConstantOfShape(shape, value=ir.tensor(np.zeros([1], dtype=like.dtype.numpy())))
-
-
 def _wrap_negative(ctx: GradContext, index: ir.Value, size: ir.Value) -> ir.Value:
     """Indices in [-size, size) mapped to [0, size)."""
     op = ctx.op
@@ -51,38 +47,84 @@ def _prod_of(b: GraphBuilder, dims: ir.Value) -> ir.Value:
 
 
 def _row_sums(b: GraphBuilder, dy_rows: ir.Value, index: ir.Value, table_shape: ir.Value,
-              known: np.ndarray | None = None) -> ir.Value:
+              known: np.ndarray | None = None, table_rows: int | None = None, row_rank: int | None = None) -> ir.Value:
     """Zeros of ``table_shape`` with ``dy_rows[k]`` added at row ``index[k]``: the gradient of an
     embedding lookup, exact and without a reducing scatter (onnxruntime's reducing ScatterND
     loses repeated rows when its session has several threads, :mod:`onnxtrain.ir.scatter`; its
     ScatterElements is exact but walks every element, ~3x slower here). The rows are sorted by
-    index, summed as differences of float64 prefix sums at the end of each run of equal indices,
-    and each sum written once (a ScatterND without reduction, to distinct rows). Costs a float64
-    copy of the rows and their prefix sums. ``known``: the indices (in range, flat) where they
-    are a constant, whose sort and runs are then computed here, not in every run (the windows
-    of an ``as_strided``), and which need no sums at all where none repeats."""
+    index, summed as differences of float64 prefix sums at the end of each run of equal indices
+    (:func:`_prefix_sums_at`), and each sum written once (a ScatterND without reduction, to
+    distinct rows). ``known``: the indices (in range, flat) where they are a constant, sorted
+    here, not in every run: those that never repeat are written as they are; those that repeat
+    a few times (the overlapping windows of an ``as_strided``) are summed from a table of each
+    row's sources (:func:`_sums_by_table`; ``row_rank``: the rank of ``dy_rows`` where known);
+    and where they name each of the table's ``table_rows`` rows (its static row count), the
+    sums are the gradient, with no scatter."""
     op = b.op
-    zeros = op.ConstantOfShape(table_shape, value=ir.tensor(np.zeros([1], dtype=dy_rows.dtype.numpy())))
-    if known is not None:
-        order = np.argsort(known, kind="stable")
-        ordered = known[order]
-        last_of_run = np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))
-        if last_of_run.size == known.size:  # each row once
-            return op.ScatterND(zeros, b.const(known.reshape(-1, 1)), dy_rows)
-        order, ends, rows = b.const(order), b.const(last_of_run), b.const(ordered[last_of_run].reshape(-1, 1))
-    else:
+    if known is None:
         index = op.Reshape(index, b.ints([-1]))
         ordered, order = op.TopK(index, op.Reshape(op.Size(index), b.ints([1])), largest=0, sorted=1, _outputs=2)
         following = op.Concat(op.Slice(ordered, b.ints([1]), b.ints([_INT64_MAX])), b.ints([-1]), axis=0)
         ends = op.Reshape(op.NonZero(op.Not(op.Equal(ordered, following))), b.ints([-1]))  # last row of each run
-        rows = b.unsqueeze(op.Gather(ordered, ends, axis=0), [-1])
+        targets = b.unsqueeze(op.Gather(ordered, ends, axis=0), [-1])
+        return op.ScatterND(_zeros_of(b, table_shape, dy_rows), targets, _prefix_sums_at(b, dy_rows, order, ends))
+    order = np.argsort(known, kind="stable")
+    ordered = known[order]
+    last_of_run = np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))
+    counts = np.diff(last_of_run, prepend=-1)
+    targets = ordered[last_of_run]
+    every_row = table_rows is not None and targets.size == table_rows  # targets are 0 .. table_rows - 1
+    if counts.max() == 1 and not every_row:
+        sums, targets = dy_rows, known
+    elif counts.max() == 1:
+        sums = dy_rows if np.array_equal(order, np.arange(order.size)) else op.Gather(dy_rows, b.const(order), axis=0)
+    elif counts.max() * targets.size <= 2 * known.size:
+        sums = _sums_by_table(b, dy_rows, order, last_of_run, counts, row_rank == 1)
+    else:
+        sums = _prefix_sums_at(b, dy_rows, b.const(order), b.const(last_of_run))
+    if every_row:
+        return op.Reshape(sums, table_shape)
+    return op.ScatterND(_zeros_of(b, table_shape, dy_rows), b.const(targets.reshape(-1, 1)), sums)
+
+
+def _zeros_of(b: GraphBuilder, shape: ir.Value, like: ir.Value) -> ir.Value:
+    return b.op.ConstantOfShape(shape, value=ir.tensor(np.zeros([1], dtype=like.dtype.numpy())))
+
+
+def _prefix_sums_at(b: GraphBuilder, dy_rows: ir.Value, order: ir.Value, ends: ir.Value) -> ir.Value:
+    """The sums of ``dy_rows`` over each run of rows in ``order`` that ends at a position of
+    ``ends``: differences of float64 prefix sums (a float64 copy of the rows and their sums)."""
+    op = b.op
     prefix = op.CumSum(op.Cast(op.Gather(dy_rows, order, axis=0), to=int(ir.DataType.DOUBLE)), b.scalar_int(0))
     at_ends = op.Gather(prefix, ends, axis=0)
     no_rows = op.ConstantOfShape(op.Concat(b.ints([1]), op.Slice(op.Shape(at_ends), b.ints([1]), b.ints([_INT64_MAX])),
                                            axis=0), value=ir.tensor(np.zeros([1], np.float64)))
     before = op.Concat(no_rows, op.Slice(at_ends, b.ints([0]), b.ints([-1])), axis=0)
-    sums = op.Cast(op.Sub(at_ends, before), to=int(dy_rows.dtype))
-    return op.ScatterND(zeros, rows, sums)
+    return op.Cast(op.Sub(at_ends, before), to=int(dy_rows.dtype))
+
+
+def _sums_by_table(b: GraphBuilder, dy_rows: ir.Value, order: np.ndarray, last_of_run: np.ndarray,
+                   counts: np.ndarray, scalar_rows: bool = False) -> ir.Value:
+    """The sums of each run of constant indices' rows (:func:`_row_sums`) where each repeats at
+    most R times and the table of every run's rows, padded to R with a zero row, is at most
+    twice their number: a Gather of that table and a ReduceSum over its R columns, in dy's
+    type, in a fixed order; no prefix sums, no float64 copy. ``order``, ``last_of_run`` and
+    ``counts``: the indices' stable sort, the last position of each run of equal ones in it,
+    and the runs' lengths. Rows that are single elements (``scalar_rows``: dy_rows is 1-D) are
+    gathered with GatherElements (passes/flat_gather.py)."""
+    op = b.op
+    table = np.full([last_of_run.size, counts.max()], order.size, dtype=np.int64)  # order.size: the zero row
+    for r in range(counts.max()):
+        longer = counts > r
+        table[longer, r] = order[last_of_run[longer] - counts[longer] + 1 + r]
+    zero_row = op.ConstantOfShape(op.Concat(b.ints([1]), op.Slice(op.Shape(dy_rows), b.ints([1]), b.ints([_INT64_MAX])),
+                                            axis=0), value=ir.tensor(np.zeros([1], dtype=dy_rows.dtype.numpy())))
+    padded = op.Concat(dy_rows, zero_row, axis=0)
+    if scalar_rows:
+        sources = op.Reshape(op.GatherElements(padded, b.const(table.reshape(-1)), axis=0), b.ints(list(table.shape)))
+    else:
+        sources = op.Gather(padded, b.const(table), axis=0)
+    return op.ReduceSum(sources, b.ints([1]), keepdims=0)
 
 
 @dataclass(frozen=True)
@@ -93,13 +135,16 @@ class Rows(Partial):
     tuples). Every part of one input is summed by one :func:`_row_sums` over all their rows (a
     Qwen2-MoE layer's experts each gather their tokens' rows of one hidden state), not each
     written into zeros of the input's size and added. ``known``: the indices where they are
-    constants."""
+    constants; ``table_rows``: the table's number of rows where it is static; ``row_rank``:
+    the rank of ``rows`` where it is known."""
 
     rows: ir.Value
     index: ir.Value
     leading: int
     shape: ir.Value
     known: np.ndarray | None = None
+    table_rows: int | None = None
+    row_rank: int | None = None
 
     @classmethod
     def join(cls, b: GraphBuilder, parts: list[Rows], primal: ir.Value | None = None) -> list[ir.Value]:
@@ -114,22 +159,45 @@ class Rows(Partial):
             known = (np.concatenate([part.known for part in group])
                      if all(part.known is not None for part in group) else None)
             if leading == 1:
-                joined.append(_row_sums(b, rows, index, shape, known))
+                joined.append(_row_sums(b, rows, index, shape, known, group[0].table_rows, group[0].row_rank))
                 continue
             table = op.Concat(_prod_of(b, op.Slice(shape, b.ints([0]), b.ints([leading]))),
                               op.Slice(shape, b.ints([leading]), b.ints([_INT64_MAX])), axis=0)
-            joined.append(op.Reshape(_row_sums(b, rows, index, table, known), shape))
+            joined.append(op.Reshape(_row_sums(b, rows, index, table, known, group[0].table_rows, group[0].row_rank),
+                                     shape))
         return joined
 
 
-def _constant_indices(indices: ir.Value, size: object) -> np.ndarray | None:
-    """The flat int64 values of constant ``indices`` (negative ones counted from the end where
-    the gathered axis has a static ``size``), or None where they are not a constant or not all
-    in range."""
+# integer arithmetic an exporter leaves on constant indices (the windows of torchlib's
+# as_strided: Add of a [.., 1] and a [1, .., K] constant, too large for the folder to write out)
+_INDEX_ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply}
+_LARGEST_EVALUATED_INDICES = 1 << 24
+
+
+def _index_value(indices: ir.Value, depth: int = 4) -> np.ndarray | None:
+    """The value of integer ``indices`` where it is a constant, or Add/Sub/Mul of such (up to
+    ``depth`` ops deep), evaluated here; else None."""
     constant = ir.convenience.get_const_tensor(indices)
+    if constant is not None:
+        return constant.numpy()
+    node = indices.producer()
+    if (depth == 0 or node is None or node.domain not in ("", "ai.onnx") or node.op_type not in _INDEX_ARITHMETIC
+            or len(node.inputs) != 2 or indices.dtype not in (ir.DataType.INT64, ir.DataType.INT32)):
+        return None
+    left, right = (_index_value(i, depth - 1) if i is not None else None for i in node.inputs)
+    if left is None or right is None or np.prod(np.broadcast_shapes(left.shape, right.shape)) > _LARGEST_EVALUATED_INDICES:
+        return None
+    return _INDEX_ARITHMETIC[node.op_type](left, right).astype(left.dtype)
+
+
+def _constant_indices(indices: ir.Value, size: object) -> np.ndarray | None:
+    """The flat int64 values of constant ``indices`` (:func:`_index_value`; negative ones counted
+    from the end where the gathered axis has a static ``size``), or None where they are not a
+    constant or not all in range."""
+    constant = _index_value(indices)
     if constant is None or constant.size == 0:
         return None
-    values = constant.numpy().reshape(-1).astype(np.int64)
+    values = constant.reshape(-1).astype(np.int64)
     if (values < 0).any():
         if not isinstance(size, int):
             return None
@@ -162,12 +230,12 @@ def _contiguous_gather_grad(ctx: GradContext, dy: ir.Value, first: int, count: i
 
 
 def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.Value, axis: int,
-                static_size: int | None = None) -> ir.Value | Rows:
+                static_size: int | None = None, rank: int | None = None) -> ir.Value | Rows:
     """Adjoint of ``Gather(x, indices, axis)`` for x of runtime shape ``x_shape``.
 
     Along axis 0 (an embedding lookup): :class:`Rows`, summed by :func:`_row_sums` (which sorts
     constant indices when the graph is built; ``static_size``, the axis's size where it is
-    static, reads negative ones).
+    static, reads negative ones; ``rank``: x's, where known).
     Otherwise x is viewed as [P, D, Q]
     and dy as [P, K, Q] (K = number of indices); repeated indices accumulate, with
     ``ScatterElements`` (onnxruntime's reducing ScatterND loses repeated updates when its session
@@ -182,7 +250,7 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
         # copy of the whole table at the end)
         rows = op.Concat(b.ints([-1]), op.Slice(x_shape, b.ints([1]), b.ints([_INT64_MAX])), axis=0)
         return Rows(op.Reshape(dy, rows), op.Reshape(index, b.ints([-1])), 1, x_shape,
-                    _constant_indices(indices, static_size))
+                    _constant_indices(indices, static_size), static_size, rank)
     outer = _prod(ctx, op.Slice(x_shape, b.ints([0]), axes))  # P
     inner = _prod(ctx, op.Slice(op.Slice(x_shape, axes, b.ints([_INT64_MAX])), b.ints([1]), b.ints([_INT64_MAX])))
     index = op.Reshape(index, b.ints([-1]))  # [K]
@@ -190,7 +258,7 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
     dy3 = op.Reshape(dy, op.Concat(outer, count, inner, axis=0))
     if ctx.opset >= SCATTER_ADD_OPSET:
         spread = op.Expand(op.Reshape(index, b.ints([1, -1, 1])), op.Shape(dy3))  # index[k] at [p, k, q]
-        dx3 = op.ScatterElements(_zeros(ctx, op.Concat(outer, size, inner, axis=0), dy), spread, dy3, axis=1,
+        dx3 = op.ScatterElements(_zeros_of(ctx.b, op.Concat(outer, size, inner, axis=0), dy), spread, dy3, axis=1,
                                  reduction="add")
     else:
         classes = op.Range(b.scalar_int(0), op.Reshape(size, b.ints([])), b.scalar_int(1))
@@ -233,7 +301,7 @@ def _slice_grad_scatter(ctx: GradContext) -> ir.Value:
     count = op.Size(ctx.x)
     positions = op.Reshape(op.Range(b.scalar_int(0), count, b.scalar_int(1)), x_shape)
     picked = op.Reshape(op.Slice(positions, *ctx.inputs[1:]), b.ints([-1]))
-    zeros = _zeros(ctx, op.Reshape(count, b.ints([1])), ctx.dy)
+    zeros = _zeros_of(ctx.b, op.Reshape(count, b.ints([1])), ctx.dy)
     flat = op.ScatterElements(zeros, picked, op.Reshape(ctx.dy, b.ints([-1])), axis=0)
     return op.Reshape(flat, x_shape)
 
@@ -292,7 +360,7 @@ def _gather(ctx):
         run = _contiguous_constant_run(indices, size)
         if run is not None:
             return (_contiguous_gather_grad(ctx, dy, *run, axis, rank),)
-    return (gather_grad(ctx, dy, ctx.op.Shape(ctx.x), indices, axis, size if isinstance(size, int) else None),)
+    return (gather_grad(ctx, dy, ctx.op.Shape(ctx.x), indices, axis, size if isinstance(size, int) else None, rank),)
 
 
 @grad("Compress", versions=(13, None))
@@ -374,7 +442,9 @@ def _gather_nd(ctx):
         view = op.Concat(rows, op.Slice(x_shape, b.ints([leading]), b.ints([_INT64_MAX])), axis=0)
         return (op.Reshape(gather_grad(ctx, ctx.dy, view, flat, 0), x_shape),)
     per_row = op.Concat(b.ints([-1]), op.Slice(x_shape, b.ints([leading]), b.ints([_INT64_MAX])), axis=0)
-    return (Rows(op.Reshape(ctx.dy, per_row), op.Reshape(flat, b.ints([-1])), leading, x_shape),)
+    rank = rank_of(x)
+    return (Rows(op.Reshape(ctx.dy, per_row), op.Reshape(flat, b.ints([-1])), leading, x_shape,
+                 row_rank=None if rank is None else rank - leading + 1),)
 
 
 # -- scatters --------------------------------------------------------------------------

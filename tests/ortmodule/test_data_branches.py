@@ -177,6 +177,42 @@ def test_a_branch_that_does_not_export_keeps_the_traced_graph():
     assert wrapped.fallback_reason is None and wrapped.export_count == 1 and _answers(wrapped) == [(False,)]
 
 
+def test_data_that_keeps_to_a_branch_that_does_not_export_stops_running_the_graph(monkeypatch):
+    """Once the export along the branch the data keeps taking has failed, calls run in PyTorch
+    without running the graph first, except now and then (1, 2, 4, ... up to 64 calls apart) to
+    see whether the data came back: when it has, calls run in ONNX Runtime again."""
+    from onnxtrain.torch import ortmodule
+
+    runs = []
+
+    class CountedFunction:
+        @staticmethod
+        def apply(*args):
+            runs.append(args)
+            return ortmodule_function.apply(*args)
+
+    ortmodule_function = ortmodule.ORTFunction
+    monkeypatch.setattr(ortmodule, "ORTFunction", CountedFunction)
+    eager, wrapped = eager_and_wrapped(HookedBranch)
+    negative, positive = -torch.rand(5, 4), torch.rand(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ORTModuleFallbackWarning)
+        for x in (negative, positive, positive, positive, positive):  # the export along positive fails
+            _assert_same(_step(wrapped, x), _step(eager, x))
+        assert len(runs) == 5 and wrapped.export_count == 1
+        for _ in range(20):
+            _assert_same(_step(wrapped, positive), _step(eager, positive))
+        assert len(runs) == 5 + 3  # the graph ran again after 2, 4 and 8 calls without it
+        for _ in range(ortmodule._LONGEST_SKIP + 1):  # the data comes back: found at the next look
+            before = len(runs)
+            _assert_same(_step(wrapped, negative), _step(eager, negative))
+            if len(runs) > before:
+                break
+        for _ in range(3):
+            _assert_same(_step(wrapped, negative), _step(eager, negative))
+    assert len(runs) == before + 4 and wrapped.fallback_reason is None
+
+
 class AdaptiveHead(torch.nn.Module):
     """A language-model head with an adaptive softmax over 20 classes in three clusters."""
 

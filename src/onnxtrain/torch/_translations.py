@@ -63,7 +63,7 @@ from onnxscript import opset18 as op
 
 from onnxtrain import names
 from onnxtrain.ir.shapes import shapes_equal
-from onnxtrain.torch import _antialias, _log_space, _nearest, _random, _reductions, _windows
+from onnxtrain.torch import _antialias, _einsum, _log_space, _nearest, _random, _reductions, _windows
 from onnxtrain.torch._exporter import fx_argument
 from onnxtrain.torch._log_space import constant_like as _like
 
@@ -1439,11 +1439,15 @@ def einsum(equation: str, tensors, path=None):
     the ranks are known: the same letters for every operand, right-aligned (an operand with fewer
     gets leading 1s, numpy's broadcast, as PyTorch does). onnxruntime refuses ellipses of
     different ranks (``'...ij,...jk'`` with a batched and a single matrix) and fails to sum one
-    away (``'...i->i'``)."""
+    away (``'...i->i'``). Two operands are multiplied with MatMul where they can be
+    (:func:`_einsum_op`)."""
     equation = equation.replace(" ", "")
     terms = equation.split("->")[0].split(",")
     with_ellipsis = [i for i, term in enumerate(terms) if "..." in term]
-    if not with_ellipsis or any(tensors[i].shape is None for i in with_ellipsis):
+    if not with_ellipsis:
+        output = equation.split("->")[1] if "->" in equation else _letters_met_once(terms)
+        return _einsum_op(terms, output, tensors)
+    if any(tensors[i].shape is None for i in with_ellipsis):
         return op.Einsum(*tensors, equation=equation)
     widths = {i: len(tensors[i].shape) - len(terms[i].replace("...", "")) for i in with_ellipsis}
     widest = max(widths.values())
@@ -1458,7 +1462,17 @@ def einsum(equation: str, tensors, path=None):
         output = equation.split("->")[1].replace("...", block)
     else:  # numpy's implicit output: the ellipsis, then the letters met once, in order
         output = block + _letters_met_once(terms)
-    return op.Einsum(*tensors, equation=",".join(inputs) + "->" + output)
+    return _einsum_op(inputs, output, tensors)
+
+
+def _einsum_op(terms: list[str], output: str, tensors):
+    """Two operands as a MatMul where they can be (torch/_einsum.py: onnxruntime's Einsum is
+    slower), else ONNX's Einsum."""
+    if len(tensors) == 2:
+        product = _einsum.as_matmul(terms, output, *tensors)
+        if product is not None:
+            return product
+    return op.Einsum(*tensors, equation=",".join(terms) + "->" + output)
 
 
 def _letters_met_once(terms: list[str]) -> str:

@@ -220,6 +220,9 @@ class DebugOptions:
 # calls in a row that take the same other branches on the data than a graph was traced along
 # before the next call exports along them (once per graph): a rare batch does not turn the graph
 _OFF_BRANCH_STREAK = 3
+# the most calls in a row that run in PyTorch without first running a graph whose branches the data
+# keeps leaving (after each such run, one call runs the graph to see whether the data came back)
+_LONGEST_SKIP = 64
 
 
 @dataclass
@@ -246,6 +249,9 @@ class _Variant:
     reanswered: bool = False
     # whether a call's data took the graph's answers: until one has, they are the capture's guesses
     answers_taken: bool = False
+    # calls to run in PyTorch without running this graph first: the data keeps to branches it was
+    # not traced along and no export along them is left to try
+    calls_to_skip: int = 0
 
 
 def _hashable(value):
@@ -636,6 +642,12 @@ class ORTModule(ModuleWrapper):
             self._fall_back(exc)
             return result
         graph = variant.graph
+        if variant.calls_to_skip:
+            # the data keeps to branches this graph cannot run, and none exports: running the
+            # graph would only find that again (Longformer's global attention uses numbers read
+            # with .item() as sizes)
+            variant.calls_to_skip -= 1
+            return module(*args, **kwargs)
         try:
             outputs = ORTFunction.apply(runner, *inputs) if training else runner.run(inputs)
         except RunError:
@@ -662,8 +674,11 @@ class ORTModule(ModuleWrapper):
             result = module(*args, **kwargs)  # (a check's branch raises here: nothing to export along)
             seen, streak = variant.off_branch
             variant.off_branch = (observed, streak + 1 if seen == observed else 1)
-            if variant.off_branch[1] >= _OFF_BRANCH_STREAK and not variant.reanswered:
+            streak = variant.off_branch[1]
+            if streak >= _OFF_BRANCH_STREAK and not variant.reanswered:
                 variant.observed_answers, variant.unusable = observed, True
+            elif streak >= _OFF_BRANCH_STREAK:  # tried: the next calls skip the graph, more each time
+                variant.calls_to_skip = min(2 ** (streak - _OFF_BRANCH_STREAK), _LONGEST_SKIP)
             return result
         if graph.assumptions:
             variant.off_branch, variant.answers_taken = ((), 0), True

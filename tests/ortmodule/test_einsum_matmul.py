@@ -1,0 +1,74 @@
+"""A two-operand ``torch.einsum`` exports as a MatMul of transposed operands where it is a plain
+contraction (torch/_einsum.py: onnxruntime's Einsum kernel is slower), with eager's outputs and
+gradients; a diagonal, or a size-1 axis einsum broadcasts, stays an Einsum."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from onnxtrain.torch import DebugOptions, ORTModule, onnx_translation_table  # noqa: E402
+
+from ._parity import assert_steps_match  # noqa: E402
+
+
+class _Einsum(torch.nn.Module):
+    def __init__(self, equation, weight_shape):
+        super().__init__()
+        self.equation = equation
+        self.weight = torch.nn.Parameter(torch.randn(*weight_shape))
+
+    def forward(self, x):
+        return torch.einsum(self.equation, x, self.weight)
+
+
+def _exported_ops(module, x) -> list[str]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, (x,), dynamo=True, optimize=False, verbose=False,
+                                    custom_translation_table=onnx_translation_table())
+    return [n.op_type for n in program.model_proto.graph.node]
+
+
+CONTRACTIONS = [
+    ("bcxd,bcyd->bcxy", (2, 3, 4, 5), (2, 3, 6, 5)),  # attention scores
+    ("ibnd,jbnd->bnij", (4, 2, 3, 5), (6, 2, 3, 5)),  # XLNet's, batch letters in the middle
+    ("bij,jk->bik", (2, 3, 4), (4, 5)),  # a linear layer
+    ("abc,cd->dba", (2, 3, 4), (4, 5)),  # two row letters merged, the output transposed
+    ("bn,anm->bam", (3, 4), (2, 4, 5)),  # two column letters
+    ("ij,ij->i", (3, 4), (3, 4)),  # a dot product per row: no row or column letter
+    ("i,i->", (4,), (4,)),  # a scalar
+    ("ij,kl->ijkl", (2, 3), (4, 5)),  # an outer product: nothing contracted
+    ("ijk,jl->il", (2, 3, 4), (3, 5)),  # k summed away first
+    ("bij,bjk", (2, 3, 4), (2, 4, 5)),  # implicit output
+]
+
+
+@pytest.mark.parametrize(("equation", "x_shape", "weight_shape"), CONTRACTIONS, ids=[c[0] for c in CONTRACTIONS])
+def test_contractions_are_matmuls_that_train_as_eager(equation, x_shape, weight_shape):
+    torch.manual_seed(0)
+    eager = _Einsum(equation, weight_shape)
+    wrapped = ORTModule(_Einsum(equation, weight_shape), debug_options=DebugOptions(fallback=False))
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(*x_shape)
+    assert_steps_match(eager, wrapped, x)
+    ops = _exported_ops(eager, x)
+    assert "Einsum" not in ops
+    assert ops.count("MatMul") == 1
+
+
+@pytest.mark.parametrize(("equation", "x_shape", "weight_shape"), [
+    ("ii,ij->ij", (3, 3), (3, 4)),  # a diagonal
+    ("bij,bjk->bik", (2, 3, 1), (2, 4, 5)),  # j of size 1 against 4: einsum broadcasts it
+])
+def test_other_equations_stay_einsums(equation, x_shape, weight_shape):
+    torch.manual_seed(0)
+    eager = _Einsum(equation, weight_shape)
+    wrapped = ORTModule(_Einsum(equation, weight_shape), debug_options=DebugOptions(fallback=False))
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(*x_shape)
+    assert_steps_match(eager, wrapped, x)
+    assert "Einsum" in _exported_ops(eager, x)

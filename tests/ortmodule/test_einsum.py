@@ -1,6 +1,11 @@
-"""A two-operand ``torch.einsum`` exports as a MatMul of transposed operands where it is a plain
-contraction (torch/_einsum.py: onnxruntime's Einsum kernel is slower), with eager's outputs and
-gradients; a diagonal, or a size-1 axis einsum broadcasts, stays an Einsum."""
+"""``torch.einsum`` in ORTModule (torch/_translations.py ``einsum``).
+
+With ellipses of different ranks (numpy's broadcast) it exports: each operand's ``...`` gets the
+same number of axes first; onnxruntime refused the model and ORTModule ran it in PyTorch.
+
+A two-operand einsum exports as a MatMul of transposed operands where it is a plain contraction
+(torch/_einsum.py: onnxruntime's Einsum kernel is slower), with eager's outputs and gradients;
+a diagonal, or a size-1 axis einsum broadcasts, stays an Einsum."""
 
 from __future__ import annotations
 
@@ -23,6 +28,30 @@ class _Einsum(torch.nn.Module):
 
     def forward(self, x):
         return torch.einsum(self.equation, x, self.weight)
+
+
+@pytest.mark.parametrize(("equation", "x_shape", "weight_shape"), [
+    ("...ij,...jk->...ik", (3, 2, 2, 4), (2, 4, 3)),  # a batch of 3 x 2 against one of 2
+    ("...ij,...jk->...ik", (2, 4), (3, 4, 5)),  # the other way round
+    ("b...d,...d->b...", (2, 3, 5, 4), (5, 4)),
+    ("...i,...i->i", (2, 3, 4), (3, 4)),  # the ellipsis summed away (onnxruntime failed the run)
+    ("...ij,jk", (2, 3, 4), (4, 5)),  # implicit output: the ellipsis first, then i and k
+    ("ij...,j", (3, 4, 2), (4,)),
+])
+def test_ellipses_of_different_ranks_train_as_eager(equation, x_shape, weight_shape):
+    _trains_as_eager(equation, x_shape, weight_shape)
+
+
+def _trains_as_eager(equation, x_shape, weight_shape):
+    """One step of ``einsum(equation, x, weight)`` in ORTModule and in eager, compared; the eager
+    module and x."""
+    torch.manual_seed(0)
+    eager = _Einsum(equation, weight_shape)
+    wrapped = ORTModule(_Einsum(equation, weight_shape), debug_options=DebugOptions(fallback=False))
+    wrapped.module.load_state_dict(eager.state_dict())
+    x = torch.randn(*x_shape)
+    assert_steps_match(eager, wrapped, x)
+    return eager, x
 
 
 def _exported_ops(module, x) -> list[str]:
@@ -49,13 +78,7 @@ CONTRACTIONS = [
 
 @pytest.mark.parametrize(("equation", "x_shape", "weight_shape"), CONTRACTIONS, ids=[c[0] for c in CONTRACTIONS])
 def test_contractions_are_matmuls_that_train_as_eager(equation, x_shape, weight_shape):
-    torch.manual_seed(0)
-    eager = _Einsum(equation, weight_shape)
-    wrapped = ORTModule(_Einsum(equation, weight_shape), debug_options=DebugOptions(fallback=False))
-    wrapped.module.load_state_dict(eager.state_dict())
-    x = torch.randn(*x_shape)
-    assert_steps_match(eager, wrapped, x)
-    ops = _exported_ops(eager, x)
+    ops = _exported_ops(*_trains_as_eager(equation, x_shape, weight_shape))
     assert "Einsum" not in ops
     assert ops.count("MatMul") == 1
 
@@ -65,10 +88,4 @@ def test_contractions_are_matmuls_that_train_as_eager(equation, x_shape, weight_
     ("bij,bjk->bik", (2, 3, 1), (2, 4, 5)),  # j of size 1 against 4: einsum broadcasts it
 ])
 def test_other_equations_stay_einsums(equation, x_shape, weight_shape):
-    torch.manual_seed(0)
-    eager = _Einsum(equation, weight_shape)
-    wrapped = ORTModule(_Einsum(equation, weight_shape), debug_options=DebugOptions(fallback=False))
-    wrapped.module.load_state_dict(eager.state_dict())
-    x = torch.randn(*x_shape)
-    assert_steps_match(eager, wrapped, x)
-    assert "Einsum" in _exported_ops(eager, x)
+    assert "Einsum" in _exported_ops(*_trains_as_eager(equation, x_shape, weight_shape))

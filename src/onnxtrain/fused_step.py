@@ -19,11 +19,11 @@ model's outputs. :mod:`onnxtrain.api` builds it at run time from the artifacts' 
 from __future__ import annotations
 
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain import names
 from onnxtrain.errors import ModelError
 from onnxtrain.ir.nodes import is_onnx_op
+from onnxtrain.passes.dce import RemoveUnusedNodesPass
 
 # prefix for the optimizer model's internal value and node names inside the fused graph
 _OPTIMIZER_SCOPE = "optimizer/"

@@ -7,10 +7,10 @@ import os
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain.errors import ModelError
 from onnxtrain.ir import io
+from onnxtrain.passes.dce import RemoveUnusedNodesPass
 
 _METADATA_KEYS = ("onnxtrain.training",)
 

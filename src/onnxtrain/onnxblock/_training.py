@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+from onnx_ir.passes.common import TopologicalSortPass
 
 from onnxtrain import names
 from onnxtrain.autodiff.builder import FLOAT_TYPES, build_gradients
@@ -20,8 +20,9 @@ from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.nodes import is_onnx_op
 from onnxtrain.passes import pipeline
-from onnxtrain.passes.full_dropout import FullDropoutPass
+from onnxtrain.passes.dce import RemoveUnusedNodesPass
 from onnxtrain.passes.fake_quant import QuantizeDequantizeStraightThroughPass, quantization_parameters
+from onnxtrain.passes.full_dropout import FullDropoutPass
 from onnxtrain.passes.precision import PrecisionConfig
 
 TRAINING_METADATA_KEY = "onnxtrain.training"

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain import names
 from onnxtrain.errors import ArtifactError
@@ -22,6 +21,7 @@ from onnxtrain.ir import io
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.onnxblock import loss_scale as scaling
 from onnxtrain.onnxblock.blocks import Block
+from onnxtrain.passes.dce import RemoveUnusedNodesPass
 
 OPTIMIZER_METADATA_KEY = "onnxtrain.optimizer"
 

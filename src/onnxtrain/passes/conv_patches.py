@@ -26,9 +26,9 @@ import json
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.convenience import get_const_tensor, replace_nodes_and_values
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain.ir.nodes import NewNodes, base_name, is_onnx_op
+from onnxtrain.passes.dce import RemoveUnusedNodesPass
 
 PATCHES_METADATA = "onnxtrain.conv_patches"
 # the element type onnxruntime's CPU Conv kernel has

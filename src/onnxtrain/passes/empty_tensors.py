@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass
 
 from onnxtrain.ir.nodes import is_onnx_op
+from onnxtrain.passes.dce import RemoveUnusedNodesPass
 
 
 def _empty_shape(value: ir.Value) -> tuple[int, ...] | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes.common import (
     InlinePass,
-    RemoveUnusedNodesPass,
     RemoveUnusedOpsetsPass,
     TopologicalSortPass,
 )
@@ -15,11 +14,12 @@ from onnxtrain.passes.batch_norm import TrainingBatchNormPass
 from onnxtrain.passes.ceil_pool import CeilModePoolPass
 from onnxtrain.passes.column_product import ColumnVectorProductPass
 from onnxtrain.passes.cse import DistinctDrawsCSEPass
+from onnxtrain.passes.dce import RemoveUnusedNodesPass
 from onnxtrain.passes.double_gelu import DoubleTanhGeluPass
 from onnxtrain.passes.double_layer_norm import DoubleLayerNormPass
 from onnxtrain.passes.empty_tensors import EmptyTensorsPass
-from onnxtrain.passes.float_accumulation import FloatAccumulationPass
 from onnxtrain.passes.flat_gather import FlatGatherPass
+from onnxtrain.passes.float_accumulation import FloatAccumulationPass
 from onnxtrain.passes.fold import FoldConstantsPass, InferMissingShapesPass
 from onnxtrain.passes.inference_mode import InferenceModePass
 from onnxtrain.passes.kept_dropout import KeptDropoutPass

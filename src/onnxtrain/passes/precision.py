@@ -40,11 +40,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import onnx_ir as ir
-from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+from onnx_ir.passes.common import TopologicalSortPass
 
 from onnxtrain.errors import OnnxTrainError
 from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.nodes import has_subgraphs, is_onnx_op, subgraphs
+from onnxtrain.passes.dce import RemoveUnusedNodesPass
 
 FP32 = ir.DataType.FLOAT
 LOW_DTYPES = {"bf16": ir.DataType.BFLOAT16, "fp16": ir.DataType.FLOAT16}

@@ -66,7 +66,7 @@ def _tap_source(value: ir.Value) -> ir.Value | None:
     return sliced.inputs[0] if is_onnx_op(sliced, "Slice") else None
 
 
-def _unpadded(data: ir.Value, rank: int) -> tuple[ir.Value, list[int]]:
+def zero_padded_source(data: ir.Value, rank: int) -> tuple[ir.Value, list[int]]:
     """``(x, spatial pads)`` when ``data`` is a zero Pad of only the spatial axes of ``x`` by
     constant, non-negative amounts; else ``(data, zeros)``."""
     zeros = [0] * (2 * rank)
@@ -131,7 +131,7 @@ class PatchConvPass(ir.passes.InPlacePass):
         data = next(iter(sources.values()))
         if len(sources) != 1 or data is None or data.dtype not in _DTYPES:
             return False
-        x, pads = _unpadded(data, rank)
+        x, pads = zero_padded_source(data, rank)
         unit = np.eye(taps, dtype=np.float32).reshape(taps, 1, *kernel)
         new_nodes = NewNodes(node, "patch_conv")
         eye = ir.Value(name=f"{base_name(node)}/unit_taps", type=ir.TensorType(ir.DataType.FLOAT),

@@ -26,6 +26,7 @@ from onnxtrain.passes.kept_dropout import KeptDropoutPass
 from onnxtrain.passes.leading_sum import LeadingAxesSumPass
 from onnxtrain.passes.log_sigmoid import LogSigmoidPass
 from onnxtrain.passes.negative_labels import NegativeLabelsPass
+from onnxtrain.passes.pad_into_conv import PadIntoConvPass
 from onnxtrain.passes.pool_first import PoolBeforeReluPass
 from onnxtrain.passes.precision import PrecisionConfig, PrecisionPass
 from onnxtrain.passes.scatter_nd import ReducingScatterNDPass
@@ -59,13 +60,15 @@ def before_autodiff() -> list[ir.passes.PassBase]:
     EmbeddingBag's bags) becomes a ScatterElements, which onnxruntime computes exactly with several
     threads (passes/scatter_nd.py). A constant-index SequenceAt of a SequenceMap over a
     SequenceConstruct (``torch.hstack``'s atleast_1d) becomes the map's body on that element
-    (passes/sequence_map.py).
+    (passes/sequence_map.py). A zero Pad of a Conv's input becomes the Conv's own pads
+    (passes/pad_into_conv.py: TensorFlow-style "same" padding, no padded copy).
     """
     return [InlinePass(), DoubleLayerNormPass(), DoubleTanhGeluPass(), DecomposePass(), NegativeLabelsPass(),
             CeilModePoolPass(), SequenceMapAtPass(), FoldConstantsPass(), InferMissingShapesPass(),
             ReducingScatterNDPass(),
             LogSigmoidPass(), SoftmaxNaNGuardPass(),
-            PoolBeforeReluPass(), ColumnVectorProductPass(), RemoveUnusedNodesPass(), TopologicalSortPass()]
+            PoolBeforeReluPass(), PadIntoConvPass(), ColumnVectorProductPass(), RemoveUnusedNodesPass(),
+            TopologicalSortPass()]
 
 
 def after_autodiff() -> list[ir.passes.PassBase]:

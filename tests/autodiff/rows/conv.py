@@ -31,6 +31,11 @@ ROWS: list[Case] = [
          opsets=(13, 23), id="Conv-2d-dilations"),
     Case("Conv", [U(2, 4, 6, 5), U(6, 2, 3, 3), U(6)], attrs={"group": 2, "pads": [1, 1, 1, 1]},
          opsets=(13, 23), id="Conv-2d-groups"),
+    # a depthwise conv with TensorFlow's uneven "same" pads: its weight gradient's Conv pads x itself
+    Case("Conv", [U(2, 4, 7, 6), U(4, 1, 3, 3)], attrs={"group": 4, "pads": [0, 1, 1, 0], "strides": [2, 2]},
+         opsets=(13, 23), id="Conv-depthwise-uneven-pads"),
+    Case("Conv", [U("N", 2, 9), U(2, 1, 3)], attrs={"group": 2, "pads": [2, 1], "dilations": [2]},
+         opsets=(13, 23), id="Conv-1d-depthwise-dilated-pads"),
     Case("Conv", [U("N", 3, 6, 5), U(3, 1, 3, 3)], attrs={"group": 3, "strides": [2, 1]},
          opsets=(13, 23), id="Conv-2d-depthwise"),
     Case("Conv", [U(2, 3, 7), U(2, 3, 3), U(2)], attrs={"strides": [2], "pads": [1, 2]},

@@ -124,10 +124,13 @@ def _fit(b, full: ir.Value, x: ir.Value, begin) -> ir.Value:
     return _pad(b, full, op.Neg(begin), end)
 
 
-def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, dilations) -> ir.Value:
+def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, dilations,
+               pads: list[int] | None = None) -> ir.Value:
     """out[g*Ck + k, c, t] = sum_{n, s} kern[n, g*Ck + k, s] * data[n, g*Cd + c, t + s*dilation...].
 
-    The batch axis becomes the channel axis of a grouped Conv (kern acts as the weight).
+    The batch axis becomes the channel axis of a grouped Conv (kern acts as the weight); with
+    ``pads`` (begin and end per spatial axis), of data padded with zeros by them, which that
+    Conv reads as its own pads (no padded copy of data).
     """
     op = b.op
     spatial = list(range(2, 2 + r))
@@ -146,7 +149,7 @@ def _correlate(b, data: ir.Value, kern: ir.Value, group: int, r: int, strides, d
         k = op.Transpose(k, perm=[1, 2, 0] + [a + 1 for a in spatial])  # (G, Ck, N, ...)
         channels = op.Slice(op.Shape(kern), b.ints([1]), b.ints([2]))
         kern_t = reshape_exactly(b, k, op.Concat(channels, _head(b, kern, 1), _tail(b, kern), axis=0))  # (G*Ck, N, ...)
-    out = op.Conv(data_t, kern_t, group=group, strides=strides, dilations=dilations)
+    out = op.Conv(data_t, kern_t, group=group, strides=strides, dilations=dilations, pads=pads or [0] * (2 * r))
     return op.Transpose(out, perm=[1, 0, *spatial])
 
 
@@ -289,7 +292,10 @@ def _conv(ctx):
                                        int(w.shape[1]) if static else None, _weight_gradient_product(w, ctx.y))
         else:
             # strides and dilations swap roles; windows may reach past the kernel: crop to it
-            dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)
+            if isinstance(begin, np.ndarray) and isinstance(end, np.ndarray):  # the Conv pads x itself
+                dw = _correlate(b, x, dy, group, r, dilations, strides, [*begin.tolist(), *end.tolist()])
+            else:
+                dw = _correlate(b, _pad(b, x, begin, end), dy, group, r, dilations, strides)
             dw = op.Slice(dw, b.ints([0] * r), _tail(b, w), b.ints(list(range(2, 2 + r))))
     if ctx.needs(2):
         db = _bias_grad(ctx, r)

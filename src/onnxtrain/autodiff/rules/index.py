@@ -3,7 +3,7 @@ OneHot, MaxUnpool, TensorScatter.
 
 The gradient of a gather is a scatter of ``dy`` into zeros that *adds* where an index repeats.
 onnxruntime's reducing ScatterND is not exact with several threads (:mod:`onnxtrain.ir.scatter`),
-so an embedding's rows (a Gather along axis 0) are summed by sorting (:func:`_row_sums`), and
+so an embedding's rows (a Gather along axis 0) are summed by sorting (autodiff/rows.py), and
 other gathers add with ScatterElements ``reduction="add"`` (opset 16+); for opsets 13-15 those
 sum with a one-hot matrix instead (Equal against a Range, then MatMul or ReduceSum), which is
 exact but costs memory proportional to (number of indices) x (size of the gathered axis). Rules
@@ -12,16 +12,14 @@ start at opset 13, onnxtrain's minimum (``ir.io.MIN_OPSET``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import onnx_ir as ir
 
 from onnxtrain import names
-from onnxtrain.autodiff.partial import Partial, Region
+from onnxtrain.autodiff.partial import Region
 from onnxtrain.autodiff.registry import GradContext, grad
+from onnxtrain.autodiff.rows import Rows, zeros_of
 from onnxtrain.errors import ModelError
-from onnxtrain.ir.builder import GraphBuilder
 from onnxtrain.ir.scatter import scatter_nd_by_elements
 from onnxtrain.ir.shapes import normalize_axis, rank_of
 
@@ -39,133 +37,7 @@ def _wrap_negative(ctx: GradContext, index: ir.Value, size: ir.Value) -> ir.Valu
 
 def _prod(ctx: GradContext, dims: ir.Value) -> ir.Value:
     """Product of a 1-D int64 tensor as a [1] tensor (1 for an empty one)."""
-    return _prod_of(ctx.b, dims)
-
-
-def _prod_of(b: GraphBuilder, dims: ir.Value) -> ir.Value:
-    return b.op.ReduceProd(dims, keepdims=1)
-
-
-def _row_sums(b: GraphBuilder, dy_rows: ir.Value, index: ir.Value, table_shape: ir.Value,
-              known: np.ndarray | None = None, table_rows: int | None = None, row_rank: int | None = None) -> ir.Value:
-    """Zeros of ``table_shape`` with ``dy_rows[k]`` added at row ``index[k]``: the gradient of an
-    embedding lookup, exact and without a reducing scatter (onnxruntime's reducing ScatterND
-    loses repeated rows when its session has several threads, :mod:`onnxtrain.ir.scatter`; its
-    ScatterElements is exact but walks every element, ~3x slower here). The rows are sorted by
-    index, summed as differences of float64 prefix sums at the end of each run of equal indices
-    (:func:`_prefix_sums_at`), and each sum written once (a ScatterND without reduction, to
-    distinct rows). ``known``: the indices (in range, flat) where they are a constant, sorted
-    here, not in every run: those that never repeat are written as they are; those that repeat
-    a few times (the overlapping windows of an ``as_strided``) are summed from a table of each
-    row's sources (:func:`_sums_by_table`; ``row_rank``: the rank of ``dy_rows`` where known);
-    and where they name each of the table's ``table_rows`` rows (its static row count), the
-    sums are the gradient, with no scatter."""
-    op = b.op
-    if known is None:
-        index = op.Reshape(index, b.ints([-1]))
-        ordered, order = op.TopK(index, op.Reshape(op.Size(index), b.ints([1])), largest=0, sorted=1, _outputs=2)
-        following = op.Concat(op.Slice(ordered, b.ints([1]), b.ints([_INT64_MAX])), b.ints([-1]), axis=0)
-        ends = op.Reshape(op.NonZero(op.Not(op.Equal(ordered, following))), b.ints([-1]))  # last row of each run
-        targets = b.unsqueeze(op.Gather(ordered, ends, axis=0), [-1])
-        return op.ScatterND(_zeros_of(b, table_shape, dy_rows), targets, _prefix_sums_at(b, dy_rows, order, ends))
-    order = np.argsort(known, kind="stable")
-    ordered = known[order]
-    last_of_run = np.flatnonzero(np.append(ordered[1:] != ordered[:-1], True))
-    counts = np.diff(last_of_run, prepend=-1)
-    targets = ordered[last_of_run]
-    every_row = table_rows is not None and targets.size == table_rows  # targets are 0 .. table_rows - 1
-    if counts.max() == 1 and not every_row:
-        sums, targets = dy_rows, known
-    elif counts.max() == 1:
-        sums = dy_rows if np.array_equal(order, np.arange(order.size)) else op.Gather(dy_rows, b.const(order), axis=0)
-    elif counts.max() * targets.size <= 2 * known.size:
-        sums = _sums_by_table(b, dy_rows, order, last_of_run, counts, row_rank == 1)
-    else:
-        sums = _prefix_sums_at(b, dy_rows, b.const(order), b.const(last_of_run))
-    if every_row:
-        return op.Reshape(sums, table_shape)
-    return op.ScatterND(_zeros_of(b, table_shape, dy_rows), b.const(targets.reshape(-1, 1)), sums)
-
-
-def _zeros_of(b: GraphBuilder, shape: ir.Value, like: ir.Value) -> ir.Value:
-    return b.op.ConstantOfShape(shape, value=ir.tensor(np.zeros([1], dtype=like.dtype.numpy())))
-
-
-def _prefix_sums_at(b: GraphBuilder, dy_rows: ir.Value, order: ir.Value, ends: ir.Value) -> ir.Value:
-    """The sums of ``dy_rows`` over each run of rows in ``order`` that ends at a position of
-    ``ends``: differences of float64 prefix sums (a float64 copy of the rows and their sums)."""
-    op = b.op
-    prefix = op.CumSum(op.Cast(op.Gather(dy_rows, order, axis=0), to=int(ir.DataType.DOUBLE)), b.scalar_int(0))
-    at_ends = op.Gather(prefix, ends, axis=0)
-    no_rows = op.ConstantOfShape(op.Concat(b.ints([1]), op.Slice(op.Shape(at_ends), b.ints([1]), b.ints([_INT64_MAX])),
-                                           axis=0), value=ir.tensor(np.zeros([1], np.float64)))
-    before = op.Concat(no_rows, op.Slice(at_ends, b.ints([0]), b.ints([-1])), axis=0)
-    return op.Cast(op.Sub(at_ends, before), to=int(dy_rows.dtype))
-
-
-def _sums_by_table(b: GraphBuilder, dy_rows: ir.Value, order: np.ndarray, last_of_run: np.ndarray,
-                   counts: np.ndarray, scalar_rows: bool = False) -> ir.Value:
-    """The sums of each run of constant indices' rows (:func:`_row_sums`) where each repeats at
-    most R times and the table of every run's rows, padded to R with a zero row, is at most
-    twice their number: a Gather of that table and a ReduceSum over its R columns, in dy's
-    type, in a fixed order; no prefix sums, no float64 copy. ``order``, ``last_of_run`` and
-    ``counts``: the indices' stable sort, the last position of each run of equal ones in it,
-    and the runs' lengths. Rows that are single elements (``scalar_rows``: dy_rows is 1-D) are
-    gathered with GatherElements (passes/flat_gather.py)."""
-    op = b.op
-    table = np.full([last_of_run.size, counts.max()], order.size, dtype=np.int64)  # order.size: the zero row
-    for r in range(counts.max()):
-        longer = counts > r
-        table[longer, r] = order[last_of_run[longer] - counts[longer] + 1 + r]
-    zero_row = op.ConstantOfShape(op.Concat(b.ints([1]), op.Slice(op.Shape(dy_rows), b.ints([1]), b.ints([_INT64_MAX])),
-                                            axis=0), value=ir.tensor(np.zeros([1], dtype=dy_rows.dtype.numpy())))
-    padded = op.Concat(dy_rows, zero_row, axis=0)
-    if scalar_rows:
-        sources = op.Reshape(op.GatherElements(padded, b.const(table.reshape(-1)), axis=0), b.ints(list(table.shape)))
-    else:
-        sources = op.Gather(padded, b.const(table), axis=0)
-    return op.ReduceSum(sources, b.ints([1]), keepdims=0)
-
-
-@dataclass(frozen=True)
-class Rows(Partial):
-    """A gather's gradient: zeros of its input's runtime ``shape`` with ``rows[k]`` added at row
-    ``index[k]`` (flat, in range) of the input viewed as a table of rows, its first ``leading``
-    dims flattened (1: an embedding lookup, a Gather along axis 0; more: a GatherND's index
-    tuples). Every part of one input is summed by one :func:`_row_sums` over all their rows (a
-    Qwen2-MoE layer's experts each gather their tokens' rows of one hidden state), not each
-    written into zeros of the input's size and added. ``known``: the indices where they are
-    constants; ``table_rows``: the table's number of rows where it is static; ``row_rank``:
-    the rank of ``rows`` where it is known."""
-
-    rows: ir.Value
-    index: ir.Value
-    leading: int
-    shape: ir.Value
-    known: np.ndarray | None = None
-    table_rows: int | None = None
-    row_rank: int | None = None
-
-    @classmethod
-    def join(cls, b: GraphBuilder, parts: list[Rows], primal: ir.Value | None = None) -> list[ir.Value]:
-        op = b.op
-        joined = []
-        for leading in sorted({part.leading for part in parts}):
-            group = [part for part in parts if part.leading == leading]
-            rows, index, shape = group[0].rows, group[0].index, group[0].shape
-            if len(group) > 1:
-                rows = op.Concat(*[part.rows for part in group], axis=0)
-                index = op.Concat(*[part.index for part in group], axis=0)
-            known = (np.concatenate([part.known for part in group])
-                     if all(part.known is not None for part in group) else None)
-            if leading == 1:
-                joined.append(_row_sums(b, rows, index, shape, known, group[0].table_rows, group[0].row_rank))
-                continue
-            table = op.Concat(_prod_of(b, op.Slice(shape, b.ints([0]), b.ints([leading]))),
-                              op.Slice(shape, b.ints([leading]), b.ints([_INT64_MAX])), axis=0)
-            joined.append(op.Reshape(_row_sums(b, rows, index, table, known, group[0].table_rows, group[0].row_rank),
-                                     shape))
-        return joined
+    return ctx.op.ReduceProd(dims, keepdims=1)
 
 
 # integer arithmetic an exporter leaves on constant indices (the windows of torchlib's
@@ -233,7 +105,7 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
                 static_size: int | None = None, rank: int | None = None) -> ir.Value | Rows:
     """Adjoint of ``Gather(x, indices, axis)`` for x of runtime shape ``x_shape``.
 
-    Along axis 0 (an embedding lookup): :class:`Rows`, summed by :func:`_row_sums` (which sorts
+    Along axis 0 (an embedding lookup): :class:`~onnxtrain.autodiff.rows.Rows` (which sorts
     constant indices when the graph is built; ``static_size``, the axis's size where it is
     static, reads negative ones; ``rank``: x's, where known).
     Otherwise x is viewed as [P, D, Q]
@@ -258,7 +130,7 @@ def gather_grad(ctx: GradContext, dy: ir.Value, x_shape: ir.Value, indices: ir.V
     dy3 = op.Reshape(dy, op.Concat(outer, count, inner, axis=0))
     if ctx.opset >= SCATTER_ADD_OPSET:
         spread = op.Expand(op.Reshape(index, b.ints([1, -1, 1])), op.Shape(dy3))  # index[k] at [p, k, q]
-        dx3 = op.ScatterElements(_zeros_of(ctx.b, op.Concat(outer, size, inner, axis=0), dy), spread, dy3, axis=1,
+        dx3 = op.ScatterElements(zeros_of(ctx.b, op.Concat(outer, size, inner, axis=0), dy), spread, dy3, axis=1,
                                  reduction="add")
     else:
         classes = op.Range(b.scalar_int(0), op.Reshape(size, b.ints([])), b.scalar_int(1))
@@ -301,7 +173,7 @@ def _slice_grad_scatter(ctx: GradContext) -> ir.Value:
     count = op.Size(ctx.x)
     positions = op.Reshape(op.Range(b.scalar_int(0), count, b.scalar_int(1)), x_shape)
     picked = op.Reshape(op.Slice(positions, *ctx.inputs[1:]), b.ints([-1]))
-    zeros = _zeros_of(ctx.b, op.Reshape(count, b.ints([1])), ctx.dy)
+    zeros = zeros_of(ctx.b, op.Reshape(count, b.ints([1])), ctx.dy)
     flat = op.ScatterElements(zeros, picked, op.Reshape(ctx.dy, b.ints([-1])), axis=0)
     return op.Reshape(flat, x_shape)
 

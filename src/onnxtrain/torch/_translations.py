@@ -381,6 +381,35 @@ def _src_like_index(src, index):
     return out
 
 
+def slice_scatter(self, src, dim: int = 0, start=None, end=None, step=1):
+    """``aten.slice_scatter`` (``y[:, a:b] = ...`` on a traced tensor): ``self`` with ``src``
+    written over ``self[start:end]`` along ``dim``. With a unit step, bounds known at export and
+    the axis's size static: the parts of ``self`` before and after, and ``src``, joined by one
+    Concat, whose gradient is a Split. The exporter's translation is a ScatterND with both
+    tensors transposed to put ``dim`` first, and back (Funnel's ``positional_attn *= cls_mask``
+    on a slice: ~53 ms forward and as much backward against eager's ~10). Otherwise it is the
+    exporter's."""
+    rank = len(self.shape) if self.shape is not None else None
+    size = self.shape[dim] if rank is not None and -rank <= dim < rank else None
+    if step == 1 and isinstance(size, int) and all(bound is None or isinstance(bound, int) for bound in (start, end)):
+        dim %= rank
+
+        def position(bound, default):  # Python's slice bounds: from the end when negative, clamped
+            bound = default if bound is None else bound
+            return min(max(bound + size if bound < 0 else bound, 0), size)
+
+        first = position(start, 0)
+        last = max(position(end, size), first)
+        axis = op.Constant(value_ints=[dim])
+        pieces = [op.Slice(self, op.Constant(value_ints=[0]), op.Constant(value_ints=[first]), axis)] if first else []
+        pieces.append(src)
+        if last < size:
+            pieces.append(op.Slice(self, op.Constant(value_ints=[last]), op.Constant(value_ints=[size]), axis))
+        return op.Concat(*pieces, axis=dim) if len(pieces) > 1 else op.Identity(src)
+    from onnxscript.function_libs.torch_lib.ops.core import aten_slice_scatter
+    return aten_slice_scatter(self, src, dim, start, end, step)
+
+
 def scatter_src(self, dim: int, index, src):
     """``aten.scatter.src``: the exporter's translation, with ``src`` cut to ``index``'s shape."""
     from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_src
@@ -1882,6 +1911,7 @@ def translation_table() -> dict:
         torch.ops.aten.zeros.default: zeros,
         torch.ops.aten.index_reduce.default: index_reduce,
         torch.ops.aten.scatter.src: scatter_src,
+        torch.ops.aten.slice_scatter.default: slice_scatter,
         torch.ops.aten.scatter_add.default: scatter_add,
         torch.ops.aten.scaled_dot_product_attention.default: scaled_dot_product_attention,
         torch.ops.aten.median.dim: median_dim,

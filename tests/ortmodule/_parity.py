@@ -1,8 +1,10 @@
 """Eager PyTorch against ORTModule on the same module: one training step's outputs and gradients."""
 
+import warnings
+
 import torch
 
-from onnxtrain.torch import ORTModule
+from onnxtrain.torch import ORTModule, onnx_translation_table
 
 
 def eager_and_wrapped(factory, **options):
@@ -33,3 +35,12 @@ def assert_steps_match(eager, wrapped, x) -> list:
         if ours is not None:
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     return grads
+
+
+def exported_ops(module, x) -> list[str]:
+    """The op types of ``module(x)`` exported with onnxtrain's translations (``torch.onnx.export``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, (x,), dynamo=True, optimize=False, verbose=False,
+                                    custom_translation_table=onnx_translation_table())
+    return [n.op_type for n in program.model_proto.graph.node]

@@ -9,15 +9,13 @@ a diagonal, or a size-1 axis einsum broadcasts, stays an Einsum."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain.torch import DebugOptions, ORTModule, onnx_translation_table  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
 
-from ._parity import assert_steps_match  # noqa: E402
+from ._parity import assert_steps_match, exported_ops  # noqa: E402
 
 
 class _Einsum(torch.nn.Module):
@@ -54,14 +52,6 @@ def _trains_as_eager(equation, x_shape, weight_shape):
     return eager, x
 
 
-def _exported_ops(module, x) -> list[str]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, (x,), dynamo=True, optimize=False, verbose=False,
-                                    custom_translation_table=onnx_translation_table())
-    return [n.op_type for n in program.model_proto.graph.node]
-
-
 CONTRACTIONS = [
     ("bcxd,bcyd->bcxy", (2, 3, 4, 5), (2, 3, 6, 5)),  # attention scores
     ("ibnd,jbnd->bnij", (4, 2, 3, 5), (6, 2, 3, 5)),  # XLNet's, batch letters in the middle
@@ -78,7 +68,7 @@ CONTRACTIONS = [
 
 @pytest.mark.parametrize(("equation", "x_shape", "weight_shape"), CONTRACTIONS, ids=[c[0] for c in CONTRACTIONS])
 def test_contractions_are_matmuls_that_train_as_eager(equation, x_shape, weight_shape):
-    ops = _exported_ops(*_trains_as_eager(equation, x_shape, weight_shape))
+    ops = exported_ops(*_trains_as_eager(equation, x_shape, weight_shape))
     assert "Einsum" not in ops
     assert ops.count("MatMul") == 1
 
@@ -88,4 +78,4 @@ def test_contractions_are_matmuls_that_train_as_eager(equation, x_shape, weight_
     ("bij,bjk->bik", (2, 3, 1), (2, 4, 5)),  # j of size 1 against 4: einsum broadcasts it
 ])
 def test_other_equations_stay_einsums(equation, x_shape, weight_shape):
-    assert "Einsum" in _exported_ops(*_trains_as_eager(equation, x_shape, weight_shape))
+    assert "Einsum" in exported_ops(*_trains_as_eager(equation, x_shape, weight_shape))

@@ -5,15 +5,13 @@ tensors transposed, is gone."""
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from onnxtrain.torch import DebugOptions, ORTModule, onnx_translation_table  # noqa: E402
+from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
 
-from ._parity import assert_steps_match  # noqa: E402
+from ._parity import assert_steps_match, exported_ops  # noqa: E402
 
 
 class _ScaledSlice(torch.nn.Module):
@@ -31,14 +29,6 @@ class _ScaledSlice(torch.nn.Module):
         index[self.dim] = slice(self.start, self.end)
         scaled = y[tuple(index)] * self.weight.reshape([-1] + [1] * (y.dim() - 1 - self.dim % y.dim()))
         return torch.slice_scatter(y, scaled, self.dim, self.start, self.end)
-
-
-def _exported_ops(module, x) -> list[str]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        program = torch.onnx.export(module, (x,), dynamo=True, optimize=False, verbose=False,
-                                    custom_translation_table=onnx_translation_table())
-    return [n.op_type for n in program.model_proto.graph.node]
 
 
 @pytest.mark.parametrize(("dim", "start", "end", "width"), [
@@ -59,5 +49,5 @@ def _is_a_concat_that_trains_as_eager(factory):
     wrapped.module.load_state_dict(eager.state_dict())
     x = torch.randn(3, 5, 6)
     assert_steps_match(eager, wrapped, x)
-    ops = _exported_ops(eager, x)
+    ops = exported_ops(eager, x)
     assert "ScatterND" not in ops and "Concat" in ops

@@ -7,6 +7,17 @@ import torch
 from onnxtrain.torch import ORTModule, onnx_translation_table
 
 
+class FunctionModule(torch.nn.Module):
+    """A module without parameters whose forward is ``function`` of its inputs (an op under test)."""
+
+    def __init__(self, function):
+        super().__init__()
+        self.function = function
+
+    def forward(self, *inputs):
+        return self.function(*inputs)
+
+
 def eager_and_wrapped(factory, **options):
     """Two modules from ``factory`` with the same weights: eager, and wrapped in ORTModule(**options)."""
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from onnxtrain.errors import OnnxTrainError  # noqa: E402
 from onnxtrain.torch import ORTModule, ORTModuleFallbackWarning  # noqa: E402
 
-from ._parity import assert_steps_match, eager_and_wrapped, step  # noqa: E402
+from ._parity import FunctionModule, assert_steps_match, eager_and_wrapped, step  # noqa: E402
 
 
 class WithNone(torch.nn.Module):
@@ -405,15 +405,6 @@ def test_gradients_at_the_kinks_are_torchs(activation):
     torch.testing.assert_close(wrapped.module.weight.grad, eager.weight.grad)
 
 
-class _Elementwise(torch.nn.Module):
-    def __init__(self, function):
-        super().__init__()
-        self.function = function
-
-    def forward(self, x):
-        return self.function(x)
-
-
 @pytest.mark.parametrize("activation", [
     torch.nn.functional.hardtanh, torch.nn.functional.relu6, lambda t: t.clamp(-1, 1),
 ], ids=["hardtanh", "relu6", "clamp"])
@@ -421,7 +412,7 @@ def test_gradients_at_nan_and_infinite_inputs_are_torchs(activation):
     """hardtanh and relu6 pass the gradient where the input is not at or beyond a bound (NaN
     too), clamp where it is within them (not NaN), as PyTorch's kernels."""
     x = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.5, -2.0, 1.0, 7.0])
-    wrapped = ORTModule(_Elementwise(activation))
+    wrapped = ORTModule(FunctionModule(activation))
     expected_input, got_input = x.clone().requires_grad_(), x.clone().requires_grad_()
     activation(expected_input).sum().backward()
     with warnings.catch_warnings():

@@ -20,19 +20,12 @@ torch = pytest.importorskip("torch")
 
 from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
 
+from ._parity import FunctionModule  # noqa: E402
+
 F = torch.nn.functional
 
 TIES = torch.tensor([[2.0, 5.0, 5.0], [-1.0, 5.0, 0.0], [3.0, 3.0, -4.0]])
 ZEROS = torch.zeros(2, 3)
-
-
-class _Function(torch.nn.Module):
-    def __init__(self, function):
-        super().__init__()
-        self.function = function
-
-    def forward(self, x):
-        return self.function(x)
 
 
 def _assert_input_gradient_matches(function, x, rtol=None, atol=None):
@@ -40,7 +33,7 @@ def _assert_input_gradient_matches(function, x, rtol=None, atol=None):
     expected = function(expected_input)
     (expected_grad,) = torch.autograd.grad((expected * torch.arange(1.0, expected.numel() + 1).reshape(
         expected.shape)).sum(), expected_input)
-    wrapped = ORTModule(_Function(function), DebugOptions(fallback=False))
+    wrapped = ORTModule(FunctionModule(function), DebugOptions(fallback=False))
     got_input = x.clone().requires_grad_()
     got = wrapped(got_input)
     (got_grad,) = torch.autograd.grad((got * torch.arange(1.0, got.numel() + 1).reshape(got.shape)).sum(), got_input)
@@ -89,7 +82,7 @@ def test_the_count_of_nonzero_elements_has_a_zero_gradient():
     gradient), ours zeros; ORTModule refused the input ("gives no gradient to x")."""
     inf, nan = float("inf"), float("nan")
     x = torch.tensor([[1.5, 0.0, -2.0], [0.0, -0.0, 0.0], [inf, nan, 1.0]])
-    wrapped = ORTModule(_Function(lambda t: torch.linalg.vector_norm(t, ord=0, dim=1)), DebugOptions(fallback=False))
+    wrapped = ORTModule(FunctionModule(lambda t: torch.linalg.vector_norm(t, ord=0, dim=1)), DebugOptions(fallback=False))
     got_input = x.clone().requires_grad_()
     got = wrapped(got_input)
     torch.testing.assert_close(got.detach(), torch.linalg.vector_norm(x, ord=0, dim=1))
@@ -229,7 +222,7 @@ def test_a_nan_among_the_candidates_of_a_maximum_or_minimum_is_the_result(functi
     (``argmax``/``argmin`` and the ±inf norms skipped it)."""
     nan, inf = float("nan"), float("inf")
     x = torch.tensor([[1.0, nan, 3.0, -2.0], [5.0, 2.0, 1.0, 0.0], [inf, 2.0, nan, 1.0], [nan, nan, 1.0, 2.0]])
-    wrapped = ORTModule(_Function(function), DebugOptions(fallback=False))
+    wrapped = ORTModule(FunctionModule(function), DebugOptions(fallback=False))
     with torch.no_grad():
         torch.testing.assert_close(wrapped(x), function(x), equal_nan=True)
 
@@ -264,7 +257,7 @@ def test_nanmedian_leaves_nans_out(function):
 
 def test_nanmedian_of_a_slice_of_nans_only_is_nan():
     # (at index 0; PyTorch's index there is whichever NaN its selection leaves first)
-    wrapped = ORTModule(_Function(lambda x: x.nanmedian(dim=1)), DebugOptions(fallback=False))
+    wrapped = ORTModule(FunctionModule(lambda x: x.nanmedian(dim=1)), DebugOptions(fallback=False))
     values, indices = wrapped(_WITH_NANS)
     torch.testing.assert_close(values, _WITH_NANS.nanmedian(dim=1).values, equal_nan=True)
     assert indices[3] == 0
@@ -303,7 +296,7 @@ def test_reductions_along_the_only_dim_of_a_0d_tensor(function):
 ], ids=["bool max dim", "bool min dim indices", "int max", "int amax dim"])
 def test_maxima_of_integers_and_booleans(function):
     x = torch.tensor([[1.5, -2.0, 0.5], [-3.0, 1.0, 0.25], [0.0, -1.0, -0.5]])
-    wrapped = ORTModule(_Function(lambda x: function(x) * x.sum()), DebugOptions(fallback=False))
+    wrapped = ORTModule(FunctionModule(lambda x: function(x) * x.sum()), DebugOptions(fallback=False))
     torch.testing.assert_close(wrapped(x), function(x) * x.sum())
 
 
@@ -354,7 +347,7 @@ def test_nan_aware_translations_of_integers(function):
     """Integers and booleans hold no NaN: IsNaN refuses them, and the graph did not load."""
     t = torch.tensor([[3, 1, 4, 1, 5], [9, 2, 6, 5, 3]])
     expected = function(t)
-    got = ORTModule(_Function(function), DebugOptions(fallback=False))(t)
+    got = ORTModule(FunctionModule(function), DebugOptions(fallback=False))(t)
     for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
         assert torch.equal(e, g)
 
@@ -376,7 +369,7 @@ def test_atan2_of_infinite_and_huge_arguments():
     argument or beyond ~1e19 in float32 (PyTorch's values; its gradients are NaN at infinities)."""
     y = torch.tensor([float("inf"), 0.0, -float("inf"), 3.0])
     x = torch.tensor([1.0, float("inf"), 2.0, -4.0])
-    got = ORTModule(_Function(lambda v: torch.atan2(v, x)), DebugOptions(fallback=False))(y)
+    got = ORTModule(FunctionModule(lambda v: torch.atan2(v, x)), DebugOptions(fallback=False))(y)
     torch.testing.assert_close(got, torch.atan2(y, x))
     huge = torch.tensor([1e20, -3e19, 2.0, 5e19])
     _assert_input_gradient_matches(lambda v: torch.atan2(v, huge.flip(0)), huge, rtol=1e-6, atol=1e-6)
@@ -391,7 +384,7 @@ def test_hypot_of_huge_tiny_and_infinite_arguments():
     _assert_input_gradient_matches(lambda x: torch.hypot(x[0], x[1]), torch.stack([a, b]))
     inf, nan = float("inf"), float("nan")
     special = torch.tensor([[inf, nan, -inf, nan, 1.0], [nan, -inf, 2.0, 1.0, nan]])
-    wrapped = ORTModule(_Function(lambda x: torch.hypot(x[0], x[1])), DebugOptions(fallback=False))
+    wrapped = ORTModule(FunctionModule(lambda x: torch.hypot(x[0], x[1])), DebugOptions(fallback=False))
     with torch.no_grad():
         torch.testing.assert_close(wrapped(special), torch.hypot(special[0], special[1]), equal_nan=True)
 

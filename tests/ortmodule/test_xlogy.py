@@ -12,18 +12,11 @@ torch = pytest.importorskip("torch")
 
 from onnxtrain.torch import DebugOptions, ORTModule  # noqa: E402
 
+from ._parity import FunctionModule  # noqa: E402
+
 NAN, INF = math.nan, math.inf
 X = [0.0, 0.0, 0.0, 0.0, 1.0, 2.0, -1.5, INF, 1.0]
 Y = [2.0, 0.5, NAN, -3.0, 0.0, 0.5, 3.0, 2.0, -0.5]
-
-
-class _Function(torch.nn.Module):
-    def __init__(self, function):
-        super().__init__()
-        self.function = function
-
-    def forward(self, x, y):
-        return self.function(x, y)
 
 
 @pytest.mark.parametrize("name", ["xlogy", "xlog1py", "xlogy-number", "xlog1py-number"])
@@ -31,9 +24,9 @@ def test_values_and_gradients_are_pytorchs_where_x_is_zero(name):
     function = {"xlogy": torch.xlogy, "xlog1py": torch.special.xlog1py,
                 "xlogy-number": lambda x, y: torch.xlogy(x, 3.0),
                 "xlog1py-number": lambda x, y: torch.special.xlog1py(x, 0.5)}[name]
-    wrapped = ORTModule(_Function(function), debug_options=DebugOptions(fallback=False))
+    wrapped = ORTModule(FunctionModule(function), debug_options=DebugOptions(fallback=False))
     results = []
-    for module in (_Function(function), wrapped):
+    for module in (FunctionModule(function), wrapped):
         x, y = torch.tensor(X, requires_grad=True), torch.tensor(Y, requires_grad=True)
         out = module(x, y)
         out.backward(torch.linspace(0.5, 1.5, len(X)))
@@ -58,6 +51,6 @@ def test_integer_arguments_are_promoted(function, integer):
     if integer in ("y", "both"):
         y = y.long()
     expected = function(x, y)
-    got = ORTModule(_Function(function), DebugOptions(fallback=False))(x, y)
+    got = ORTModule(FunctionModule(function), DebugOptions(fallback=False))(x, y)
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got, expected)

@@ -67,15 +67,20 @@ def zeros_of(b: GraphBuilder, shape: ir.Value, like: ir.Value) -> ir.Value:
     return b.op.ConstantOfShape(shape, value=ir.tensor(np.zeros([1], dtype=like.dtype.numpy())))
 
 
+def _zero_row(b: GraphBuilder, rows: ir.Value) -> ir.Value:
+    """One row of zeros like those of ``rows`` (shape [1, *rows.shape[1:]], same type)."""
+    op = b.op
+    return zeros_of(b, op.Concat(b.ints([1]), op.Slice(op.Shape(rows), b.ints([1]), b.ints([_INT64_MAX])), axis=0),
+                    rows)
+
+
 def _prefix_sums_at(b: GraphBuilder, dy_rows: ir.Value, order: ir.Value, ends: ir.Value) -> ir.Value:
     """The sums of ``dy_rows`` over each run of rows in ``order`` that ends at a position of
     ``ends``: differences of float64 prefix sums (a float64 copy of the rows and their sums)."""
     op = b.op
     prefix = op.CumSum(op.Cast(op.Gather(dy_rows, order, axis=0), to=int(ir.DataType.DOUBLE)), b.scalar_int(0))
     at_ends = op.Gather(prefix, ends, axis=0)
-    no_rows = op.ConstantOfShape(op.Concat(b.ints([1]), op.Slice(op.Shape(at_ends), b.ints([1]), b.ints([_INT64_MAX])),
-                                           axis=0), value=ir.tensor(np.zeros([1], np.float64)))
-    before = op.Concat(no_rows, op.Slice(at_ends, b.ints([0]), b.ints([-1])), axis=0)
+    before = op.Concat(_zero_row(b, at_ends), op.Slice(at_ends, b.ints([0]), b.ints([-1])), axis=0)
     return op.Cast(op.Sub(at_ends, before), to=int(dy_rows.dtype))
 
 
@@ -93,9 +98,7 @@ def _sums_by_table(b: GraphBuilder, dy_rows: ir.Value, order: np.ndarray, last_o
     for r in range(counts.max()):
         longer = counts > r
         table[longer, r] = order[last_of_run[longer] - counts[longer] + 1 + r]
-    zero_row = op.ConstantOfShape(op.Concat(b.ints([1]), op.Slice(op.Shape(dy_rows), b.ints([1]), b.ints([_INT64_MAX])),
-                                            axis=0), value=ir.tensor(np.zeros([1], dtype=dy_rows.dtype.numpy())))
-    padded = op.Concat(dy_rows, zero_row, axis=0)
+    padded = op.Concat(dy_rows, _zero_row(b, dy_rows), axis=0)
     if scalar_rows:
         sources = op.Reshape(op.GatherElements(padded, b.const(table.reshape(-1)), axis=0), b.ints(list(table.shape)))
     else:

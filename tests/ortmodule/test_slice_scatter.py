@@ -51,3 +51,27 @@ def _is_a_concat_that_trains_as_eager(factory):
     assert_steps_match(eager, wrapped, x)
     ops = exported_ops(eager, x)
     assert "ScatterND" not in ops and "Concat" in ops
+
+
+class _AssignedSlice(torch.nn.Module):
+    """``y[:, 1:3] = y[:, 1:3] * 2`` on a Linear's output of a 3-D input, which PyTorch makes a
+    view (of the 2-D product): its ``grad_fn``, read after the write, is a replayed view."""
+
+    def __init__(self, in_place):
+        super().__init__()
+        self.in_place = in_place
+        self.mix = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        y = self.mix(x)
+        if self.in_place:
+            y[:, 1:3].mul_(2.0)
+        else:
+            y[:, 1:3] = y[:, 1:3] * 2.0
+        return y
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_an_assignment_into_a_view_of_an_activation_trains_as_eager(in_place):
+    # the export failed: "a fake tensor in the exported program constant's list"
+    _is_a_concat_that_trains_as_eager(lambda: _AssignedSlice(in_place))

@@ -55,6 +55,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointFunction
@@ -342,7 +343,16 @@ class AutogradGraph:
 def autograd_graph(tensors: Sequence, inputs: Sequence = ()) -> AutogradGraph:
     """Walk the autograd graph of ``tensors`` (other leaves are skipped). The walk stops at
     the tensors ``inputs`` that are not leaves (a call's arguments computed earlier), which count
-    as leaves: what produced them is not the call's."""
+    as leaves: what produced them is not the call's.
+
+    Inside a capture the walk is not traced: reading the ``grad_fn`` of a view whose base was
+    written in place afterwards (``y = linear(x3d); y[:, 1:3] = ...``) makes autograd replay the
+    view, and a traced replay leaves a fake tensor among the exported program's constants."""
+    with disable_proxy_modes_tracing():
+        return _walk_autograd_graph(tensors, inputs)
+
+
+def _walk_autograd_graph(tensors: Sequence, inputs: Sequence) -> AutogradGraph:
     functions: dict[type, None] = {}
     leaves: dict[int, torch.Tensor] = {}
     seen: set[int] = set()

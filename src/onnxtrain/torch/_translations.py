@@ -355,6 +355,25 @@ def xlog1py_other_scalar(self, other: float):
     return xlog1py(self, _number_like(float(other), self))
 
 
+def floor_divide_scalar(self, other):
+    """``aten.floor_divide.Scalar`` (``mask // 2`` on a bool tensor, where the exporter has no
+    translation): PyTorch's promotion (a bool tensor by an integer is int64, any integer tensor
+    by a float is float32), then torchlib's floored division."""
+    from onnxscript.function_libs.torch_lib.ops.core import aten_floor_divide
+
+    if self.dtype is None:
+        raise TypeError("floor_divide of a tensor of unknown element type")
+    if isinstance(other, float) and not self.dtype.is_floating_point():
+        target = ir.DataType.FLOAT
+    elif self.dtype == ir.DataType.BOOL:
+        target = ir.DataType.INT64
+    else:
+        target = self.dtype
+    if target != self.dtype:
+        self = op.Cast(self, to=target)
+    return aten_floor_divide(self, op.Constant(value=ir.tensor(_wrapped_number(other, target))))
+
+
 def instance_norm(input, weight=None, bias=None, running_mean=None, running_var=None, use_input_stats: bool = True,
                   momentum: float = 0.1, eps: float = 1e-5, cudnn_enabled: bool = False):
     """``aten.instance_norm``: the exporter's translation, except where it would be wrong: with
@@ -1426,6 +1445,14 @@ def conv3d(input, weight, bias=None, stride=(1, 1, 1), padding=(0, 0, 0), dilati
                                   pads=[*pads, *pads], dilations=per_axis(dilation), groups=groups)
 
 
+def _wrapped_number(number, target: ir.DataType) -> np.ndarray:
+    """``number`` as a 0-d array of ``target``, converted as PyTorch converts a Python number to a
+    tensor's type: an integer out of an integer type's range wraps around (``uint8_tensor // -2``
+    divides by 254), a float is truncated toward zero."""
+    with np.errstate(over="ignore"):
+        return np.array(number).astype(target.numpy())
+
+
 def scalar_tensor(s, dtype: int = 1, layout: str = "", device: str = "", pin_memory: bool = False):
     """``aten.scalar_tensor`` (how a Python number enters arithmetic): a 0-d constant of ``dtype``
     (an ONNX element type), exact. The exporter's writes a float32 constant and casts it, so a
@@ -1436,7 +1463,7 @@ def scalar_tensor(s, dtype: int = 1, layout: str = "", device: str = "", pin_mem
         parts = _COMPLEX_PARTS.get(target)
         if parts is not None:
             return op.Constant(value=ir.tensor(np.array([complex(s).real, complex(s).imag], dtype=parts.numpy())))
-        return op.Constant(value=ir.tensor(np.array(s, dtype=target.numpy())))
+        return op.Constant(value=ir.tensor(_wrapped_number(s, target)))
     from onnxscript.function_libs.torch_lib.ops.core import aten_scalar_tensor
     return aten_scalar_tensor(s, dtype, layout, device, pin_memory)
 
@@ -1895,6 +1922,7 @@ def translation_table() -> dict:
         torch.ops.aten.repeat_interleave.Tensor: repeat_interleave_tensor,
         torch.ops.aten.xlogy.Tensor: xlogy,
         torch.ops.aten.xlogy.Scalar_Other: xlogy_scalar_other,
+        torch.ops.aten.floor_divide.Scalar: floor_divide_scalar,
         torch.ops.aten.special_xlog1py.default: xlog1py,
         torch.ops.aten.special_xlog1py.other_scalar: xlog1py_other_scalar,
         torch.ops.aten.scalar_tensor.default: scalar_tensor,

@@ -29,10 +29,52 @@ SCATTER_ADD_OPSET = 16  # first opset with ScatterND/ScatterElements reduction="
 
 
 def _wrap_negative(ctx: GradContext, index: ir.Value, size: ir.Value) -> ir.Value:
-    """Indices in [-size, size) mapped to [0, size)."""
+    """Indices in [-size, size) mapped to [0, size); as they are where none can be negative
+    (:func:`never_negative`: DeBERTa's relative positions, clamped at 0, skip two passes over
+    their ``[batch * heads, T, T]`` indices)."""
     op = ctx.op
-    index = op.Cast(index, to=_INT64)
+    if index.dtype != ir.DataType.INT64:
+        index = op.Cast(index, to=_INT64)
+    if never_negative(index):
+        return index
     return op.Where(op.Less(index, ctx.b.scalar_int(0)), op.Add(index, size), index)
+
+
+# ops whose output takes its values from one input's: moved, copied or picked (the first
+# input's), or from all inputs' (Concat, Where's two branches)
+_VALUES_OF_FIRST = frozenset({"Identity", "Reshape", "Expand", "Squeeze", "Unsqueeze", "Transpose", "Flatten",
+                              "Slice", "Gather", "GatherElements", "GatherND", "Tile"})
+_ALWAYS_NON_NEGATIVE = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin", "Abs", "Relu"})
+
+
+def never_negative(value: ir.Value, depth: int = 8) -> bool:
+    """Whether integer ``value`` is provably >= 0 everywhere, from what computes it (up to
+    ``depth`` nodes back): a constant with no negative entry, an unsigned type, a size or an
+    index (Shape, NonZero, ArgMax, TopK's indices), a Clip or Max with a bound >= 0, values
+    moved or picked from such (Reshape, Expand, Gather, ...), sums and products of such."""
+    if value.dtype in (ir.DataType.UINT8, ir.DataType.UINT16, ir.DataType.UINT32, ir.DataType.UINT64,
+                       ir.DataType.BOOL):
+        return True
+    constant = ir.convenience.get_const_tensor(value)
+    if constant is not None:
+        return constant.size <= _LARGEST_EVALUATED_INDICES and bool((constant.numpy() >= 0).all())
+    node = value.producer()
+    if depth == 0 or node is None or node.domain not in ("", "ai.onnx"):
+        return False
+    inputs, kind = node.inputs, node.op_type
+    if kind in _ALWAYS_NON_NEGATIVE or (kind == "TopK" and value is node.outputs[1]):
+        return True
+    if kind in _VALUES_OF_FIRST or kind == "Cast":
+        return inputs[0] is not None and never_negative(inputs[0], depth - 1)
+    if kind == "Clip":  # a lower bound >= 0, or an input that is
+        return any(v is not None and never_negative(v, depth - 1) for v in inputs[:2])
+    if kind == "Max":
+        return any(v is not None and never_negative(v, depth - 1) for v in inputs)
+    if kind in ("Concat", "Min", "Add", "Mul"):
+        return all(v is not None and never_negative(v, depth - 1) for v in inputs)
+    if kind == "Where":
+        return all(v is not None and never_negative(v, depth - 1) for v in inputs[1:])
+    return False
 
 
 def _prod(ctx: GradContext, dims: ir.Value) -> ir.Value:

@@ -393,3 +393,56 @@ def test_debertas_classification_loss_trains_in_onnx_runtime():
     for ours, theirs in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-6)
     assert wrapped.fallback_reason is None
+
+
+class TrimmedPadding(torch.nn.Module):
+    """Trims a batch's padding to its longest sequence, a number read from the data
+    (``int(lengths.max())``, ``range(n)``, a tensor as a list index) and used as a size."""
+
+    def __init__(self, read="int"):
+        super().__init__()
+        self.read = read
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x, lengths):
+        if self.read == "int":
+            longest = int(lengths.max())
+        elif self.read == "range":
+            longest = len(range(lengths.max().item()))
+        else:  # the tensor as a list index (Tensor.__index__)
+            longest = list(range(x.shape[1] + 1))[lengths.max()]
+        kept = torch.arange(longest) < lengths[:, None]
+        return (self.linear(x[:, :longest]) * kept[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("read", ["int", "range", "index"])
+def test_a_number_read_from_the_data_as_a_size_trains_in_onnx_runtime(read):
+    eager, wrapped = eager_and_wrapped(lambda: TrimmedPadding(read))
+    x = torch.randn(3, 6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for lengths in ([4, 2, 1], [1, 4, 4], [3, 4, 2]):  # longest 4 every time: one graph
+            lengths = torch.tensor(lengths)
+            _assert_same(_step(wrapped, x, lengths), _step(eager, x, lengths))
+    assert _answers(wrapped) == [(True,)] and wrapped.export_count == 1 and wrapped.fallback_reason is None
+    longer = torch.tensor([5, 2, 3])  # another number: this call runs in PyTorch
+    with pytest.warns(ORTModuleFallbackWarning, match="branches on the data"):
+        _assert_same(_step(wrapped, x, longer), _step(eager, x, longer))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ORTModuleFallbackWarning)
+        for _ in range(3):  # the third call in a row with it exports the graph for it
+            _assert_same(_step(wrapped, x, longer), _step(eager, x, longer))
+        assert wrapped.export_count == 2
+        for lengths in (longer, torch.tensor([4, 4, 1])):  # either number, its own graph or PyTorch
+            _assert_same(_step(wrapped, x, lengths), _step(eager, x, lengths))
+    assert wrapped.fallback_reason is None
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped(x, longer), eager(x, longer))
+
+
+def test_without_fallback_a_call_reading_another_number_raises():
+    eager, wrapped = eager_and_wrapped(TrimmedPadding, debug_options=DebugOptions(fallback=False))
+    x = torch.randn(3, 6, 4)
+    _assert_same(_step(wrapped, x, torch.tensor([4, 2, 1])), _step(eager, x, torch.tensor([4, 2, 1])))
+    with pytest.raises(ExportError, match="branches on the data"):
+        wrapped(x, torch.tensor([5, 2, 1]))

@@ -79,7 +79,11 @@ _PREFIX = _MODULE_ATTR + "."
 # hundreds of lines), which the error raised from the call says again.
 _NOISY_LOGGERS = {"torch.onnx._internal.exporter._registration": logging.ERROR,
                   "torch.onnx._internal.exporter._core": logging.ERROR,
-                  "torch._subclasses.fake_tensor": logging.CRITICAL}
+                  "torch._subclasses.fake_tensor": logging.CRITICAL,
+                  # a capture that fails on a number read from the data logs the graph traced so
+                  # far ("Unable to find user code corresponding to {u0}"); the capture is retried
+                  # with the numbers (_capture_reading_numbers), and a failure raises its own error
+                  "torch.fx.experimental.symbolic_shapes": logging.ERROR}
 
 
 @contextlib.contextmanager
@@ -419,6 +423,41 @@ def _depends_on_data(tensor: torch.Tensor) -> bool:
     return is_fake(tensor) and getattr(tensor, "constant", None) is None and tensor.numel() == 1
 
 
+# how a forward reads an integer out of a one-element tensor
+_INTEGER_READS = frozenset({torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__index__})
+
+
+def _holds_integer(value) -> bool:
+    return isinstance(value, torch.Tensor) and not value.is_floating_point() and not value.is_complex() \
+        and value.dtype != torch.bool
+
+
+class _NumberRecorder(torch.overrides.TorchFunctionMode):
+    """Notes, in order, each integer a forward run in PyTorch reads from a tensor (``.item()``,
+    ``int()``, as an index): the ``numbers`` a capture of the same call gives those reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.numbers: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in _INTEGER_READS and _holds_integer(args[0]):
+            self.numbers.append(int(result))
+        return result
+
+
+def numbers_read_by(module: torch.nn.Module, call: FlatCall) -> list[int]:
+    """The integers ``module``'s forward reads from tensors when called as ``call`` in PyTorch
+    (:class:`_NumberRecorder`), in a run that leaves the module, the call's objects and torch's
+    random generators as they were."""
+    copied = dataclasses.replace(call, leaves=[_copied_object(leaf) for leaf in call.leaves])
+    args, kwargs = copied.rebuild(copied.tensors)
+    with module_state_kept(module), torch.no_grad(), _NumberRecorder() as recorder:
+        module(*args, **kwargs)
+    return recorder.numbers
+
+
 class _ForwardWatch(torch.overrides.TorchFunctionMode):
     """Notes what the traced forward does that the capture cannot follow.
 
@@ -450,10 +489,20 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
     (``GuardOnDataDependentSymNode``). Each is answered from ``plan``, else as PyTorch's own
     size-oblivious reasoning decides it (such a size taken as neither 0 nor 1: the nonempty
     branch), else False; the tracer is told the answer (``torch._check``) and the condition is
-    kept as a tensor among the ``assumptions``, as above."""
+    kept as a tensor among the ``assumptions``, as above.
 
-    def __init__(self, plan: Sequence[bool] = ()):
+    Integers read from the data: ``n = int(lengths.max())`` then ``x[:, :n]``, ``range(n)``,
+    ``torch.zeros(n)`` need a number the capture cannot know, and ``int()`` of PyTorch's
+    symbol for it fails (``GuardOnDataDependentSymNode``). Where ``numbers`` is given (each
+    integer the forward read with ``.item()``, ``int()`` or as an index, in order, from a run in
+    PyTorch on the call's own values: :func:`numbers_read_by`), each such read of a traced
+    tensor gives that number, and ``tensor == number`` is kept among the ``assumptions`` (True):
+    the graph is the one for those numbers, and a call whose values read others runs in PyTorch."""
+
+    def __init__(self, plan: Sequence[bool] = (), numbers: Sequence[int] | None = None):
         super().__init__()
+        self.numbers = numbers
+        self.numbers_read = 0
         self.believed = torch.is_grad_enabled()
         self.hidden = False
         self.tensor_hooks: list[str] = []
@@ -478,6 +527,12 @@ class _ForwardWatch(torch.overrides.TorchFunctionMode):
         elif func is torch._assert and isinstance(args[0], torch.Tensor) and _depends_on_data(args[0]):
             self._answer(args[0], True)  # (its own truth test runs where this mode is off: answered here, held)
             return None
+        elif self.numbers is not None and func in _INTEGER_READS and _holds_integer(args[0]):
+            position, self.numbers_read = self.numbers_read, self.numbers_read + 1
+            if _depends_on_data(args[0]) and position < len(self.numbers):
+                number = self.numbers[position]
+                self._answer(torch.eq(args[0], number), True)
+                return number
         return func(*args, **(kwargs or {}))
 
     def _answer(self, condition: torch.Tensor, answer: bool) -> bool:
@@ -550,6 +605,9 @@ class _FlatModule(torch.nn.Module):
         # the answers to the forward's branches on the data (_ForwardWatch): given for the next
         # capture, taken per traced call, and those of a traced call that raised
         self.assumption_plan: list[bool] = []
+        # the integers the forward reads from the data, from a run in PyTorch (None: not read;
+        # the capture then leaves them to PyTorch's symbols, see _ForwardWatch)
+        self.numbers: list[int] | None = None
         self.assumptions = _Recorder()
         self.branch_lines = _Recorder()
         self.raised_after = _Recorder()
@@ -560,9 +618,16 @@ class _FlatModule(torch.nn.Module):
         before = _tensor_attributes(module)
         versions = [None if t.is_inference() else t._version for t in tensors]  # inference tensors have none
         tracked = torch.is_grad_enabled()  # (off: no output requires grad, which says nothing)
-        with _ForwardWatch(self.assumption_plan) as watch:
+        with _ForwardWatch(self.assumption_plan, self.numbers) as watch:
             try:
                 out = module(*args, **kwargs)
+            except GuardOnDataDependentSymNode as exc:
+                if self.numbers is not None:
+                    raise
+                # a number read from the data, used where the capture needs its value: the
+                # capture is retried with the numbers (_capture_reading_numbers). (Under its own
+                # type, whose message torch.fx does not answer by printing the graph so far.)
+                raise _NumberUnknown("a number read from the data is needed as a value") from exc
             except Exception as exc:
                 # a raise of the forward's own code on a path an answer chose (a check, an
                 # assertion): the next capture tries another answer
@@ -1077,6 +1142,45 @@ def _capture_answering(wrapper: _FlatModule, tensors: tuple, dynamic_shapes) -> 
     return capture(wrapper, tensors, dynamic_shapes)
 
 
+def _capture_reading_numbers(module: torch.nn.Module, call: FlatCall, wrapper: _FlatModule,
+                             dynamic_shapes) -> torch.export.ExportedProgram:
+    """:func:`_capture_answering` of the call; where that fails on a number the forward reads
+    from the data (``int(lengths.max())`` as a size or a count, which PyTorch's symbol for it
+    cannot give), once more with the integers a run in PyTorch reads from this call's values
+    (:func:`numbers_read_by`): the graph for those numbers, checked on every call."""
+    tensors = tuple(call.tensors)
+    try:
+        return _capture_answering(wrapper, tensors, dynamic_shapes)
+    except Exception as exc:
+        unknown = _cause_of_kind(exc, _NumberUnknown)
+        if unknown is None:
+            raise
+        guard = unknown.__cause__  # PyTorch's own error, which names the number and the line
+        try:
+            numbers = numbers_read_by(module, call)
+        except Exception:  # the forward fails in PyTorch too: the capture's own error says more
+            raise guard from None
+        if not numbers:  # not a number read with .item() (a size the data decides): nothing to retry with
+            raise guard from None
+        wrapper.numbers = numbers
+    return _capture_answering(wrapper, tensors, dynamic_shapes)
+
+
+class _NumberUnknown(RuntimeError):
+    """A capture met a number read from the data where it needed its value."""
+
+
+def _cause_of_kind(exc: BaseException | None, kind: type) -> BaseException | None:
+    """``exc``, or the first exception it was raised from or during, that is a ``kind``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, kind):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def _straight_through(graph: ir.Graph, parameter: ir.Value, changed: ir.Value, outputs: list[ir.Value]) -> None:
     """Where the forward changes a trained parameter in place (under ``torch.no_grad()``, as
     ``nn.Embedding(max_norm=...)`` renormalizes its rows), the ops after the change read
@@ -1166,7 +1270,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
         # in the call's grad mode (ORTModule keys graphs on it): with grad, the traced outputs'
         # autograd graph shows which custom Functions the forward runs
         with EXPORT_LOCK, quiet_exporter(), _dynamo_marks_kept(call.tensors):
-            captured = _capture_answering(wrapper, tuple(call.tensors), dynamic_shapes)
+            captured = _capture_reading_numbers(module, call, wrapper, dynamic_shapes)
             # the forward's no-grad regions stop gradients; but a Function (a reentrant
             # checkpoint) that sets grad mode inside its forward leaves the capture believing grad
             # is still off after it returns, so regions are only cut where none did so

@@ -1158,7 +1158,7 @@ def _capture_reading_numbers(module: torch.nn.Module, call: FlatCall, wrapper: _
         guard = unknown.__cause__  # PyTorch's own error, which names the number and the line
         try:
             numbers = numbers_read_by(module, call)
-        except Exception:  # the forward fails in PyTorch too: the capture's own error says more
+        except Exception:  # noqa: BLE001  (the forward fails in PyTorch too: the capture's own error says more)
             raise guard from None
         if not numbers:  # not a number read with .item() (a size the data decides): nothing to retry with
             raise guard from None

@@ -20,7 +20,7 @@ import torch
 from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.ir import io
 from onnxtrain.torch._export import export_failure, quiet_exporter
-from onnxtrain.torch._exporter import as_onnx_export, contiguous_as_clone
+from onnxtrain.torch._exporter import as_onnx_export, attention_outputs_contiguous, contiguous_as_clone
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ def _capture(module: torch.nn.Module, tensors: tuple, dynamic) -> torch.export.E
     the exporter's own decomposition of it drops the copy in Hugging Face T5's attention."""
     program = as_onnx_export(lambda: torch.export.export(module, tensors, dynamic_shapes=dynamic, strict=False))
     contiguous_as_clone(program)
+    attention_outputs_contiguous(program)
     return program
 
 

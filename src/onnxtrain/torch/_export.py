@@ -65,7 +65,7 @@ from onnxtrain.errors import ExportError, InputMismatchError
 from onnxtrain.ir.nodes import RANDOM_OPS, subgraphs, upstream_nodes
 from onnxtrain.names import STOP_GRADIENT_METADATA
 from onnxtrain.passes import pipeline
-from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program, has_checkpoint_region,
+from onnxtrain.torch._exporter import (EXPORT_LOCK, attention_outputs_contiguous, capture, contiguous_as_clone, export_program, has_checkpoint_region,
                                        mark_gradient_cuts, splits_with_sizes, traced_requires_grad)
 from onnxtrain.torch._translations import complex_translation_table, per_sample_losses_as_own_ops, translation_table
 
@@ -1281,6 +1281,7 @@ def export_call(module: torch.nn.Module, call: FlatCall, keep_exported: bool = F
                                        and CheckpointFunction not in wrapper.autograd_functions)
             requires_grad_traced = traced_requires_grad(captured) and not wrapper.hidden_grad_switches
             contiguous_as_clone(captured)
+            attention_outputs_contiguous(captured)
             splits_with_sizes(captured)
             per_sample_losses_as_own_ops(captured)
             program = export_program(captured, translation_table(), complex_translation_table())

@@ -922,6 +922,30 @@ def contiguous_as_clone(program: torch.export.ExportedProgram) -> int:
     return count
 
 
+def attention_outputs_contiguous(program: torch.export.ExportedProgram) -> int:
+    """Follow each ``aten.scaled_dot_product_attention`` with a copy to the contiguous format (an
+    Identity in ONNX, which has no strides). PyTorch's shape function gives the attention's
+    output other strides than its decomposition computes, so a later ``reshape`` the capture
+    took as a view fails when the exporter decomposes the program ("Cannot view a tensor with
+    shape ... and strides ..."): timm's BEiT and MaxViT (a learned attention bias, then
+    ``transpose(1, 2).reshape(...)``) do not export otherwise. Returns how many were copied."""
+    graph = program.graph_module.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+            continue
+        with graph.inserting_after(node):
+            copy = graph.call_function(torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
+        node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
+        value = node.meta.get("val")
+        copy.meta = {**node.meta, "val": value.clone(memory_format=torch.contiguous_format)} \
+            if isinstance(value, torch.Tensor) else dict(node.meta)
+        count += 1
+    if count:
+        program.graph_module.recompile()
+    return count
+
+
 def fx_argument(node: torch.fx.Node, position: int, name: str, default):
     """An FX call's argument, given by position or by name, else its default."""
     return node.kwargs.get(name, node.args[position] if len(node.args) > position else default)

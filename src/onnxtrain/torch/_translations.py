@@ -540,10 +540,30 @@ def _attention_with_dropout(query, key, value, attn_mask, dropout_p: float, is_c
     return op.MatMul(weights, value)
 
 
+def _typed(out, like, dims):
+    """``out`` with ``like``'s element type and the shape ``dims`` (what a translation it is handed
+    to reads)."""
+    out.type, out.shape = like.type, ir.Shape(dims)
+    return out
+
+
+def _batch_axes_flattened(x):
+    """``x`` (None passes) with every axis before its last three as one: ``[*batch, a, b, c]`` ->
+    ``[prod(batch), a, b, c]``."""
+    if x is None:
+        return None
+    leading = list(x.shape[:-3])
+    size = math.prod(leading) if all(isinstance(d, int) for d in leading) else None
+    flat = op.Reshape(x, op.Concat(op.Constant(value_ints=[-1]), op.Shape(x, start=-3), axis=0))
+    return _typed(flat, x, [size, *x.shape[-3:]])
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                                  scale=None, enable_gqa: bool = False):
     """``aten.scaled_dot_product_attention``: the exporter's translation, which takes 4-D inputs
-    only; 3-D ones (``[batch, sequence, features]``, one head) get a head axis around it. With a
+    only; 3-D ones (``[batch, sequence, features]``, one head) get a head axis around it, and
+    those with more leading batch axes (timm's NesT, Twins, Hiera: ``[batch, blocks, heads,
+    tokens, features]``) are flattened into one batch axis and back. With a
     float mask, a query row whose every key is -inf gives zeros (and a zero gradient), as
     PyTorch's; the exporter's softmax made it NaN. (Boolean masks: ``passes/softmax_guard.py``.)
     With ``dropout_p > 0``: :func:`_attention_with_dropout`."""
@@ -556,6 +576,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
         masked, factor = rows
         masked.type, masked.shape = attn_mask.type, attn_mask.shape  # the translation reads them
         attn_mask = masked
+    if len(query.shape) > 4:
+        if attn_mask is not None:  # broadcast over the leading axes, then flattened with them
+            scores_shape = op.Concat(op.Shape(query, end=-1), op.Shape(key, start=-2, end=-1), axis=0)
+            attn_mask = _typed(op.Expand(attn_mask, scores_shape), attn_mask, [*query.shape[:-1], key.shape[-2]])
+        out = attention(*(_batch_axes_flattened(t) for t in (query, key, value, attn_mask)), dropout_p, is_causal,
+                        scale, enable_gqa)
+        out = op.Reshape(out, op.Concat(op.Shape(query, end=-1), op.Shape(value, start=-1), axis=0))
+        return op.Mul(out, factor) if rows is not None else out
     if len(query.shape) != 3:
         out = attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         return op.Mul(out, factor) if rows is not None else out

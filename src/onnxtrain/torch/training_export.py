@@ -34,7 +34,7 @@ from onnxtrain.torch._export import (
     module_state_kept,
     quiet_exporter,
 )
-from onnxtrain.torch._exporter import (EXPORT_LOCK, capture, contiguous_as_clone, export_program,
+from onnxtrain.torch._exporter import (EXPORT_LOCK, attention_outputs_contiguous, capture, contiguous_as_clone, export_program,
                                        is_cumulative_batch_norm, mark_gradient_cuts, splits_with_sizes)
 from onnxtrain.torch._translations import (artifacts_translation_table, complex_translation_table,
                                            per_sample_losses_as_own_ops)
@@ -215,6 +215,7 @@ def export_for_training(model: torch.nn.Module, args: tuple, path: str | os.Path
             program = capture(model, args, dynamic_shapes)
             mark_gradient_cuts(program)
             contiguous_as_clone(program)
+            attention_outputs_contiguous(program)
             splits_with_sizes(program)
             per_sample_losses_as_own_ops(program)
             proto = export_program(program, artifacts_translation_table(), complex_translation_table()).model_proto

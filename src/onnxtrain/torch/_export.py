@@ -812,13 +812,7 @@ def _dim_ranges(exported_program) -> dict[str, tuple[int, int | None]]:
 def _refusal(exc: BaseException | None) -> NotImplementedError | None:
     """The NotImplementedError among ``exc``'s causes: a translation refusing what it cannot
     train (onnxtrain.torch._translations), whose message names the reason."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, NotImplementedError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return _cause_of_kind(exc, NotImplementedError)
 
 
 _TERMINAL_COLOR = re.compile(r"\x1b\[[0-9;]*m")

@@ -234,6 +234,13 @@ def embedding_bag_padding_idx(weight, indices, offsets, scale_grad_by_freq: bool
                          include_last_offset, padding_idx)
 
 
+def _typed(out, like, dims):
+    """``out`` with ``like``'s element type and the shape ``dims`` (what a translation it is handed
+    to reads)."""
+    out.type, out.shape = like.type, ir.Shape(dims)
+    return out
+
+
 def _number_like(value: float, x):
     """``value`` as a 0-d constant of ``x``'s type: a float64 constant cast like ``x`` (a float32
     one cast to double would carry float32's rounding into a float64 model; folding makes it
@@ -396,8 +403,7 @@ def _src_like_index(src, index):
     rank = len(index.shape)
     out = op.Slice(src, op.Constant(value_ints=[0] * rank), op.Shape(index), op.Constant(value_ints=list(range(rank))))
     # torchlib's scatter reads the rank and type (not inferred here where src needs no gradient)
-    out.type, out.shape = src.type, ir.Shape(list(index.shape))
-    return out
+    return _typed(out, src, list(index.shape))
 
 
 def slice_scatter(self, src, dim: int = 0, start=None, end=None, step=1):
@@ -483,8 +489,7 @@ def index_reduce(self, dim: int, index, source, reduce: str, include_self: bool 
     if len(source.shape) == 0:
         source = op.Reshape(source, op.Constant(value_ints=[1]))
     along = op.Reshape(index, op.Constant(value_ints=[1] * dim + [-1] + [1] * (rank - dim - 1)))
-    spread = op.Expand(along, op.Shape(source))
-    spread.type, spread.shape = index.type, ir.Shape(list(source.shape))
+    spread = _typed(op.Expand(along, op.Shape(source)), index, list(source.shape))
     if reduce == "mean":
         return _scatter_mean(self, dim, spread, source, include_self)
     from onnxscript.function_libs.torch_lib.ops.core import aten_scatter_reduce
@@ -540,13 +545,6 @@ def _attention_with_dropout(query, key, value, attn_mask, dropout_p: float, is_c
     return op.MatMul(weights, value)
 
 
-def _typed(out, like, dims):
-    """``out`` with ``like``'s element type and the shape ``dims`` (what a translation it is handed
-    to reads)."""
-    out.type, out.shape = like.type, ir.Shape(dims)
-    return out
-
-
 def _batch_axes_flattened(x):
     """``x`` (None passes) with every axis before its last three as one: ``[*batch, a, b, c]`` ->
     ``[prod(batch), a, b, c]``."""
@@ -590,10 +588,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p: f
     heads = op.Constant(value_ints=[1])
 
     def with_head_axis(x):  # the translation reads ranks, dims and element types: give them
-        out = op.Unsqueeze(x, heads)
-        out.type = x.type
-        out.shape = ir.Shape([x.shape[0], 1, *x.shape[1:]])
-        return out
+        return _typed(op.Unsqueeze(x, heads), x, [x.shape[0], 1, *x.shape[1:]])
 
     if attn_mask is not None and len(attn_mask.shape) == 3:
         attn_mask = with_head_axis(attn_mask)
@@ -909,9 +904,7 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 
 def _batch_of_one(x):
     """``x`` with a leading axis of size 1, typed and shaped (translations read both)."""
-    out = op.Unsqueeze(x, op.Constant(value_ints=[0]))
-    out.type, out.shape = x.type, ir.Shape([1, *x.shape])
-    return out
+    return _typed(op.Unsqueeze(x, op.Constant(value_ints=[0])), x, [1, *x.shape])
 
 
 def binary_cross_entropy(self, target, weight=None, reduction: int = 1):
